@@ -1,0 +1,323 @@
+"""Typed run configuration: dataclass sections, YAML file, dotted CLI overrides.
+
+Precedence is CLI > YAML > task preset > dataclass defaults. Every field carries a
+docstring (the string literal under it), which `trainer config-help` prints and the README
+reference table is generated from. Unknown keys and wrong types are errors that name the key
+and, for unknown keys, the closest valid names.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix (unknown key, wrong type, bad choice)."""
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/default"
+    """Run directory: checkpoints, metrics.jsonl, TensorBoard logs and the resolved config.yaml."""
+    seed: int = 0
+    """Base seed; rank r uses seed + r for its own RNG streams, data order depends on seed only."""
+    resume: str = "auto"
+    """`auto` (continue from the latest checkpoint in output_dir if any), `none`, or a checkpoint path."""
+
+
+@dataclass
+class DataConfig:
+    num_workers: int = 0
+    """DataLoader worker processes per rank (each seeded from run.seed, rank and worker id)."""
+    pin_memory: bool = True
+    """Pin host memory for faster host-to-GPU copies (ignored on CPU)."""
+    shuffle: bool = True
+    """Shuffle the training set each epoch (order is a function of run.seed and the epoch)."""
+
+
+@dataclass
+class TaskConfig:
+    name: str = "regression"
+    """Registered task name (`trainer tasks` lists them)."""
+    preset: str = ""
+    """Named preset of the task (e.g. `tiny`) applied under the YAML and CLI values."""
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """Optimizer: `adamw`, `adam` or `sgd` (fused implementations, sync-free step skipping)."""
+    lr: float = 1e-3
+    """Peak learning rate for `base_world_size` processes (scaled by `scale_lr`)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (adamw) or L2 penalty (adam, sgd)."""
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    scheduler: str = "constant_with_warmup"
+    """Any `transformers.get_scheduler` name: linear, cosine, constant, constant_with_warmup, ..."""
+    warmup_steps: int = 0
+    """Warm-up optimizer steps for `base_world_size` processes (scaled with lr when scale_warmup)."""
+    scale_lr: str = "none"
+    """Scale lr with world size relative to base_world_size: `none`, `linear` or `sqrt`."""
+    scale_warmup: bool = True
+    """Apply the same factor as scale_lr to warmup_steps (the UniRef50 SEDD recipe)."""
+    base_world_size: int = 1
+    """World size the given lr and warmup_steps were tuned for."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    """Number of optimizer steps."""
+    per_device_batch_size: int = 32
+    """Micro-batch size per process."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step; effective batch = per_device x accum x world size."""
+    mixed_precision: str = "no"
+    """`no`, `bf16` or `fp16` autocast (fp16 adds a dynamic loss scaler)."""
+    grad_clip_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    ema_decay: float = 0.0
+    """EMA decay of the weights (0 disables); warm-up min(decay, (1+n)/(10+n)). EMA weights are used for eval and export."""
+    max_nonfinite_in_row: int = 10
+    """Non-finite loss/gradient steps are skipped and counted; this many in a row aborts the run."""
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0
+    """Evaluate every N optimizer steps (0: only at the end)."""
+    batch_size: int = 0
+    """Per-device eval batch size (0: train.per_device_batch_size)."""
+    metric: str = "loss"
+    """Metric that selects the best checkpoint."""
+    mode: str = "min"
+    """`min` or `max`: whether a lower or higher `metric` is better."""
+
+
+@dataclass
+class CkptConfig:
+    every_steps: int = 0
+    """Checkpoint every N optimizer steps (0: only at the end)."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints (the best one is kept in addition)."""
+    verify: bool = True
+    """Record sha256 of every checkpoint file and check it on resume."""
+
+
+@dataclass
+class LogConfig:
+    every_steps: int = 10
+    """Log metrics every N optimizer steps (the only steps that synchronise host and device)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under output_dir/tb."""
+    trackers: list = field(default_factory=list)
+    """Extra accelerate trackers, e.g. [wandb] or [mlflow] (the packages must be installed)."""
+    project: str = "trainer"
+    """Project name given to the trackers."""
+    progress_bar: bool = True
+    """tqdm bar with ETA on the main process."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    task: Any = field(default_factory=TaskConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+_CHOICES = {
+    ("optim", "name"): ("adamw", "adam", "sgd"),
+    ("optim", "scale_lr"): ("none", "linear", "sqrt"),
+    ("train", "mixed_precision"): ("no", "bf16", "fp16"),
+    ("eval", "mode"): ("min", "max"),
+}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Return {field: docstring} read from the string literal under each dataclass field."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+def _all_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for k in node:
+        keys.append(f"{prefix}{k}")
+        value = node[k] if not OmegaConf.is_config(node) else node._get_node(k)
+        if OmegaConf.is_dict(value):
+            keys.extend(_all_keys(value, f"{prefix}{k}."))
+    return keys
+
+
+def _unknown_key_error(schema: Any, key: str, source: str) -> ConfigError:
+    valid = _all_keys(schema)
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    section = key.rsplit(".", 1)[0] if "." in key else ""
+    if section and not close:
+        siblings = [k for k in valid if k.startswith(section + ".") and k.count(".") == key.count(".")]
+        if siblings:
+            hint = f" Valid keys in '{section}': {', '.join(s.rsplit('.', 1)[1] for s in siblings)}."
+    return ConfigError(f"unknown config key '{key}' (from {source}).{hint}")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _merge(schema: Any, layer: dict, source: str) -> Any:
+    for key in _flatten(layer):
+        try:
+            OmegaConf.select(schema, key, throw_on_missing=False)
+            parent = schema
+            for part in key.split("."):
+                if not OmegaConf.is_dict(parent) or part not in parent:
+                    raise _unknown_key_error(schema, key, source)
+                parent = parent._get_node(part)
+        except ConfigKeyError:
+            raise _unknown_key_error(schema, key, source) from None
+    try:
+        return OmegaConf.merge(schema, layer)
+    except ConfigKeyError as err:
+        raise _unknown_key_error(schema, str(err.full_key), source) from None
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", "?")
+        msg = str(err).splitlines()[0]
+        raise ConfigError(f"bad value for config key '{key}' (from {source}): {msg}") from None
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict:
+    """Turn ['train.max_steps=10', ...] into a nested dict (values parsed as YAML scalars)."""
+    nested: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"command-line override '{item}' must look like section.key=value")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = nested
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}' conflicts with another override of '{part}'")
+        node[parts[-1]] = value
+    return nested
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _validate(cfg: Config) -> None:
+    for (section, key), choices in _CHOICES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise ConfigError(f"config key '{section}.{key}' must be one of {list(choices)}, got {value!r}")
+    positive = [("train", "max_steps"), ("train", "per_device_batch_size"), ("train", "grad_accum_steps"),
+                ("optim", "base_world_size"), ("log", "every_steps")]
+    for section, key in positive:
+        if getattr(getattr(cfg, section), key) < 1:
+            raise ConfigError(f"config key '{section}.{key}' must be >= 1")
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Resolve a Config from defaults, the task's preset, a YAML file and CLI overrides."""
+    from trainer.tasks import get_task
+
+    file_layer = load_yaml(path) if path else {}
+    cli_layer = parse_overrides(overrides)
+    task_name = (cli_layer.get("task", {}).get("name") or file_layer.get("task", {}).get("name")
+                 or TaskConfig.name)
+    preset_name = (cli_layer.get("task", {}).get("preset") or file_layer.get("task", {}).get("preset") or "")
+    task_cls = get_task(task_name)
+    schema = OmegaConf.structured(Config(task=task_cls.config_cls()))
+    OmegaConf.set_struct(schema, True)
+    if preset_name:
+        if preset_name not in task_cls.presets:
+            raise ConfigError(f"task '{task_name}' has no preset '{preset_name}'; "
+                              f"available: {', '.join(sorted(task_cls.presets))}")
+        schema = _merge(schema, task_cls.presets[preset_name], f"preset {task_name}:{preset_name}")
+    schema = _merge(schema, file_layer, str(path))
+    schema = _merge(schema, cli_layer, "command line")
+    cfg = OmegaConf.to_object(schema)
+    _validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def config_from_dict(data: dict) -> Config:
+    """Rebuild a Config from a saved resolved config (e.g. a run directory's config.yaml)."""
+    from trainer.tasks import get_task
+
+    task_cls = get_task(data.get("task", {}).get("name", TaskConfig.name))
+    schema = OmegaConf.structured(Config(task=task_cls.config_cls()))
+    OmegaConf.set_struct(schema, True)
+    return OmegaConf.to_object(_merge(schema, data, "saved config"))
+
+
+def describe_config(task_name: str | None = None) -> str:
+    """Markdown table of every config key with its default and docstring."""
+    from trainer.tasks import get_task
+
+    sections = {f.name: f.default_factory() for f in dataclasses.fields(Config)}
+    if task_name:
+        sections["task"] = get_task(task_name).config_cls()
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for name, obj in sections.items():
+        docs = field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            default = getattr(obj, f.name)
+            lines.append(f"| `{name}.{f.name}` | `{default!r}` | {docs.get(f.name, '')} |")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Data utilities shared by all tasks (samplers, worker seeding) and the format loaders."""

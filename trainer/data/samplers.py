@@ -1,0 +1,56 @@
+"""Samplers whose order is a pure function of (seed, epoch), so resume needs no iterator state."""
+
+from __future__ import annotations
+
+import random
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+
+class EpochSampler(Sampler[int]):
+    """Shuffled (or sequential) indices, truncated to a multiple of `multiple_of`.
+
+    The trainer sets `multiple_of` = world size x per-device batch, so every rank gets the same
+    number of full batches and no sample is duplicated to pad a rank; the few samples left over
+    differ each epoch (the permutation changes) and their count is reported at start.
+    """
+
+    def __init__(self, num_samples: int, seed: int, shuffle: bool = True, multiple_of: int = 1):
+        self.num_samples = num_samples
+        self.seed = seed
+        self.shuffle = shuffle
+        self.multiple_of = max(1, multiple_of)
+        self.epoch = 0
+        if len(self) == 0:
+            raise ValueError(f"dataset of {num_samples} samples is smaller than one global batch "
+                             f"({self.multiple_of} = world size x per-device batch)")
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        return self.num_samples - len(self)
+
+    def __len__(self) -> int:
+        return self.num_samples // self.multiple_of * self.multiple_of
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(self.num_samples, generator=g)
+        else:
+            order = torch.arange(self.num_samples)
+        return iter(order[: len(self)].tolist())
+
+
+class WorkerSeeder:
+    """worker_init_fn: seeds Python and NumPy in each worker from torch's per-worker seed."""
+
+    def __call__(self, worker_id: int) -> None:  # noqa: ARG002
+        seed = torch.initial_seed() % 2**32
+        random.seed(seed)
+        np.random.seed(seed)

@@ -1,0 +1,93 @@
+"""Exponential moving average of the weights, working on whatever each rank holds.
+
+Under DDP and ZeRO-1/2 every rank holds full parameters; under ZeRO-3 a rank holds a flat
+partition (`param.ds_tensor`). The EMA keeps an fp32 copy of exactly the local tensors, so its
+update and its swap into the model are local operations under every backend; only saving a
+consolidated copy gathers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+def local_tensor(param: torch.nn.Parameter) -> torch.Tensor:
+    """The part of `param` this rank owns: the ZeRO-3 partition if there is one, else the tensor."""
+    return param.ds_tensor if hasattr(param, "ds_tensor") else param.data
+
+
+def ema_decay(decay: float, num_updates: int) -> float:
+    """Decay with warm-up: min(decay, (1 + n) / (10 + n))."""
+    return min(decay, (1.0 + num_updates) / (10.0 + num_updates))
+
+
+class EMA:
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.num_updates = 0
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.shadow = [local_tensor(p).detach().float().clone() for _, p in self._params(model)]
+
+    def _params(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+        params = dict(model.named_parameters())
+        return [(n, params[n]) for n in self.names]
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module, applied: torch.Tensor | None = None) -> None:
+        """Move the average towards the weights. `applied` (0/1 tensor) freezes it on skipped steps
+        without a host synchronisation."""
+        d = ema_decay(self.decay, self.num_updates)
+        self.num_updates += 1
+        current = [local_tensor(p).float() for _, p in self._params(model)]
+        if applied is None:
+            torch._foreach_lerp_(self.shadow, current, 1.0 - d)
+        else:
+            weight = (1.0 - d) * applied.to(self.shadow[0].device, torch.float32)
+            for s, c in zip(self.shadow, current):
+                s.lerp_(c, weight)
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def applied_to(self, model: torch.nn.Module) -> Iterator[None]:
+        """Temporarily put the EMA weights into `model` (for eval, export)."""
+        saved = []
+        for (_, p), s in zip(self._params(model), self.shadow):
+            t = local_tensor(p)
+            saved.append(t.detach().clone())
+            t.copy_(s)
+        try:
+            yield
+        finally:
+            for (_, p), old in zip(self._params(model), saved):
+                local_tensor(p).copy_(old)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "num_updates": self.num_updates,
+                "shadow": {n: s for n, s in zip(self.names, self.shadow)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay = state["decay"]
+        self.num_updates = int(state["num_updates"])
+        for i, n in enumerate(self.names):
+            self.shadow[i].copy_(state["shadow"][n])
+
+    @torch.no_grad()
+    def load_full(self, model: torch.nn.Module, full: dict[str, torch.Tensor], rank: int,
+                  num_updates: int) -> None:
+        """Load a consolidated EMA state dict, taking this rank's ZeRO-3 slice where params are partitioned."""
+        for i, (name, p) in enumerate(self._params(model)):
+            if name not in full:
+                raise KeyError(f"EMA weights lack parameter '{name}'")
+            src = full[name].float()
+            if hasattr(p, "ds_tensor"):
+                # ZeRO-3 layout: the flattened parameter, zero-padded, split evenly across ranks.
+                size = self.shadow[i].numel()
+                part = src.flatten()[rank * size:(rank + 1) * size]
+                out = torch.zeros(size)
+                out[: part.numel()] = part
+                src = out.view_as(self.shadow[i])
+            self.shadow[i].copy_(src)
+        self.num_updates = num_updates

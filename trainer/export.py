@@ -1,0 +1,77 @@
+"""Consolidate a checkpoint of any backend into one fp32 safetensors file loadable without DeepSpeed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from trainer.checkpoint import CheckpointError, resolve_checkpoint, verify_checkpoint
+
+
+def load_model_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 model state dict from an accelerate checkpoint (plain, sharded, DeepSpeed or FSDP)."""
+    ckpt_dir = Path(ckpt_dir)
+    if (ckpt_dir / "model.safetensors").is_file():
+        return load_file(ckpt_dir / "model.safetensors")
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(ckpt_dir / shard).items()}
+    if (ckpt_dir / "pytorch_model").is_dir():
+        # ZeRO-1/2/3: merge the per-rank fp32 partitions (any stage) on one CPU process.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag="pytorch_model")
+    fsdp = sorted(ckpt_dir.glob("pytorch_model_fsdp_*"))
+    if fsdp:
+        from accelerate.utils import merge_fsdp_weights
+
+        with tempfile.TemporaryDirectory() as tmp:
+            merge_fsdp_weights(str(fsdp[0]), tmp, safe_serialization=True)
+            return load_model_weights(Path(tmp))
+    raise CheckpointError(f"checkpoint {ckpt_dir} holds no model weights this exporter knows "
+                          f"(model.safetensors, pytorch_model/ or pytorch_model_fsdp_*/)")
+
+
+def export_run(run_dir: str | Path, out: str | Path | None = None, checkpoint: str = "latest",
+               weights: str = "auto") -> Path:
+    """Write RUN's weights (EMA when kept, unless weights='model') as fp32 safetensors plus its config."""
+    run_dir = Path(run_dir)
+    ckpt_dir = resolve_checkpoint(run_dir if checkpoint in ("latest", "best") else checkpoint,
+                                  checkpoint if checkpoint in ("latest", "best") else "latest")
+    state = verify_checkpoint(ckpt_dir)
+    ema_file = ckpt_dir / "ema.safetensors"
+    if weights == "ema" and not ema_file.is_file():
+        raise CheckpointError(f"checkpoint {ckpt_dir} has no EMA weights (train.ema_decay was 0)")
+    use_ema = weights != "model" and ema_file.is_file()
+    state_dict = load_file(ema_file) if use_ema else load_model_weights(ckpt_dir)
+    state_dict = {k: v.float().contiguous() if v.is_floating_point() else v.contiguous()
+                  for k, v in state_dict.items()}
+    out = Path(out) if out else run_dir / "export" / "model.safetensors"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"checkpoint": str(ckpt_dir), "step": str(state.get("step")),
+                "weights": "ema" if use_ema else "model"}
+    save_file(state_dict, str(out), metadata=metadata)
+    config = ckpt_dir.parent.parent / "config.yaml"
+    if config.is_file():
+        shutil.copyfile(config, out.with_name(out.stem + ".config.yaml"))
+    return out
+
+
+def load_exported(path: str | Path) -> tuple[torch.nn.Module, "object"]:
+    """Rebuild the task's model from an export (weights + config) on one device, no DeepSpeed."""
+    import yaml
+
+    from trainer.config import config_from_dict
+    from trainer.tasks import get_task
+
+    path = Path(path)
+    cfg = config_from_dict(yaml.safe_load(path.with_name(path.stem + ".config.yaml").read_text()))
+    model = get_task(cfg.task.name)(cfg.task, seed=cfg.run.seed).build_model()
+    model.load_state_dict(load_file(path), strict=True)
+    return model, cfg

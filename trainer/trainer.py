@@ -1,0 +1,416 @@
+"""The Trainer: plain PyTorch plus Accelerator verbs.
+
+Read top to bottom: `__init__` builds task, model, data and optimizer and prepares them;
+`fit` runs optimizer steps (`train_step`), evaluates (`evaluate`) and checkpoints (`save`).
+The loop never branches on the task; backend differences (DeepSpeed steps inside backward)
+are confined to `train_step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import shutil
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from accelerate.utils import DistributedType, set_seed
+from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from trainer import checkpoint as ckpt
+from trainer.config import Config, config_to_dict, save_config
+from trainer.data.samplers import EpochSampler, WorkerSeeder
+from trainer.distributed import PreemptionWatcher, build_accelerator, scale_factor
+from trainer.ema import EMA
+from trainer.metrics_log import MetricsLog, peak_memory_mb
+from trainer.tasks import get_task
+
+logger = logging.getLogger("trainer")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint records besides model/optimizer/scheduler/RNG (the data position is step x accum)."""
+
+    step: int = 0
+    best_metric: float | None = None
+    best_step: int | None = None
+    nonfinite_skipped: int = 0
+    world_size: int = 1
+    backend: str = ""
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """Fused optimizer (sync-free skipping via `found_inf`); no weight decay on biases and norms."""
+    o = cfg.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if o.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, fused=True)
+    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    return cls(groups, lr=lr, betas=tuple(o.betas), eps=o.eps, fused=True)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, deepspeed_config: str | None = None):
+        self.cfg = cfg
+        self.accelerator = acc = build_accelerator(cfg, deepspeed_config)
+        self.is_deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+        self.run_dir = Path(cfg.run.output_dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        world, t = acc.num_processes, cfg.train
+
+        set_seed(cfg.run.seed)  # identical initial weights on every rank
+        self.task = get_task(cfg.task.name)(cfg.task, seed=cfg.run.seed)
+        model = self.task.build_model()
+        train_set, eval_set = self.task.build_datasets()
+
+        factor = scale_factor(cfg.optim.scale_lr, world, cfg.optim.base_world_size)
+        self.lr = cfg.optim.lr * factor
+        self.warmup_steps = round(cfg.optim.warmup_steps * (factor if cfg.optim.scale_warmup else 1.0))
+        optimizer = build_optimizer(cfg, model, self.lr)
+        self.scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=self.warmup_steps,
+                                       num_training_steps=t.max_steps)
+
+        self.train_sampler = EpochSampler(len(train_set), cfg.run.seed, cfg.data.shuffle,
+                                          multiple_of=world * t.per_device_batch_size)
+        loader_args = dict(collate_fn=self.task.collate, num_workers=cfg.data.num_workers,
+                           pin_memory=cfg.data.pin_memory and torch.cuda.is_available(),
+                           worker_init_fn=WorkerSeeder(), persistent_workers=cfg.data.num_workers > 0)
+        train_loader = DataLoader(train_set, batch_size=t.per_device_batch_size, sampler=self.train_sampler,
+                                  drop_last=True, **loader_args)
+        prepared = acc.prepare(model, optimizer, train_loader)
+        self.model, self.optimizer, self.train_loader = prepared
+        self.eval_loader = None
+        if eval_set is not None:
+            eval_loader = DataLoader(eval_set, batch_size=cfg.eval.batch_size or t.per_device_batch_size,
+                                     shuffle=False, **loader_args)
+            self.eval_loader = acc.prepare(eval_loader)
+        acc.register_for_checkpointing(self.scheduler)
+        set_seed(cfg.run.seed + acc.process_index)  # independent noise/dropout streams per rank
+
+        self.ema = EMA(acc.unwrap_model(self.model), t.ema_decay) if t.ema_decay > 0 else None
+        self.state = TrainState(world_size=world, backend=str(acc.distributed_type.value))
+        self._bad_total = torch.zeros((), dtype=torch.int64, device=acc.device)
+        self._bad_run = torch.zeros_like(self._bad_total)
+        self._bad_run_max = torch.zeros_like(self._bad_total)
+        self._ds_skipped = 0
+        self.last_eval: dict[str, float] = {}
+
+        self.resumed_from = resumed_from = self._resume()
+        if acc.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+            self.metrics = MetricsLog(self.run_dir, self.state.step if resumed_from else None)
+            if acc.log_with:
+                acc.init_trackers(cfg.log.project, config=_flat_hparams(config_to_dict(cfg)))
+        self._log_start(resumed_from)
+
+    # ------------------------------------------------------------------ resume
+    def _resume(self) -> Path | None:
+        mode = self.cfg.run.resume
+        if mode == "none":
+            return None
+        path = ckpt.latest_checkpoint(self.ckpt_root) if mode == "auto" else ckpt.resolve_checkpoint(mode)
+        if path is None:
+            return None
+        acc = self.accelerator
+        saved = ckpt.verify_checkpoint(path, check_hashes=self.cfg.ckpt.verify and acc.is_local_main_process)
+        if saved.get("world_size") != acc.num_processes and (self.is_deepspeed or "DEEPSPEED" in saved.get("backend", "")):
+            raise ckpt.CheckpointError(f"checkpoint {path} was written by {saved.get('world_size')} DeepSpeed "
+                                       f"processes; resume it with the same number (now {acc.num_processes})")
+        try:
+            acc.load_state(str(path))
+        except Exception as err:  # a checkpoint that passed its manifest but will not load
+            raise ckpt.CheckpointError(f"checkpoint {path} could not be loaded: {err}") from err
+        self.state = TrainState(**{**saved, "world_size": acc.num_processes,
+                                   "backend": str(acc.distributed_type.value)})
+        self._bad_total.fill_(self.state.nonfinite_skipped)
+        if self.ema is not None:
+            ema_file = path / "ema.safetensors"
+            if not ema_file.is_file():
+                raise ckpt.CheckpointError(f"checkpoint {path} has no ema.safetensors but train.ema_decay > 0")
+            self.ema.load_full(acc.unwrap_model(self.model), load_file(ema_file), acc.process_index,
+                               num_updates=self.state.step)
+        return path
+
+    def _log_start(self, resumed_from: Path | None) -> None:
+        acc, t = self.accelerator, self.cfg.train
+        effective = t.per_device_batch_size * t.grad_accum_steps * acc.num_processes
+        lines = [f"backend={acc.distributed_type.value} processes={acc.num_processes} device={acc.device} "
+                 f"precision={t.mixed_precision}",
+                 f"effective batch = {t.per_device_batch_size} per device x {t.grad_accum_steps} accum x "
+                 f"{acc.num_processes} processes = {effective}",
+                 f"lr = {self.lr:.3g} (optim.lr {self.cfg.optim.lr:.3g}, scale_lr={self.cfg.optim.scale_lr}), "
+                 f"warmup = {self.warmup_steps} steps, schedule={self.cfg.optim.scheduler}"]
+        if self.train_sampler.dropped_per_epoch:
+            lines.append(f"{self.train_sampler.dropped_per_epoch} of {self.train_sampler.num_samples} training "
+                         f"samples left out per epoch (a different remainder each epoch) so ranks stay even")
+        if resumed_from:
+            lines.append(f"resumed from {resumed_from} at step {self.state.step}")
+        if acc.is_main_process:
+            for line in lines:
+                logger.info(line)
+            self.metrics.write({"step": self.state.step, "event": "start", "effective_batch_size": effective,
+                                "scaled_lr": self.lr, "warmup_steps": self.warmup_steps,
+                                "world_size": acc.num_processes})
+
+    # ------------------------------------------------------------------ data
+    def _micro_batches(self, consumed: int) -> Iterator[Any]:
+        """Endless micro-batches starting after `consumed` of them (epochs follow one another)."""
+        per_epoch = len(self.train_loader)
+        epoch, skip = divmod(consumed, per_epoch)
+        while True:
+            self.train_loader.set_epoch(epoch)
+            loader = self.accelerator.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
+            yield from loader
+            epoch, skip = epoch + 1, 0
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> str:
+        """Train to train.max_steps; returns `completed` or `preempted`."""
+        acc, t = self.accelerator, self.cfg.train
+        watcher = PreemptionWatcher(acc.num_processes)
+        micro = self._micro_batches(self.state.step * t.grad_accum_steps)
+        bar = tqdm(total=t.max_steps, initial=self.state.step, desc="train", dynamic_ncols=True,
+                   disable=not (acc.is_main_process and self.cfg.log.progress_bar))
+        window = _Window(acc.device)
+        status = "completed"
+        saved_at = self.state.step if self.resumed_from else -1  # that step is on disk already
+        self.model.train()
+        while self.state.step < t.max_steps:
+            batches = [next(micro) for _ in range(t.grad_accum_steps)]
+            stats = self.train_step(batches)
+            self.state.step += 1
+            step = self.state.step
+            window.add(stats, sum(self.task.batch_size(b) for b in batches))
+            bar.update(1)
+            if step % self.cfg.log.every_steps == 0 or step == t.max_steps:
+                self._log_train(window, stats, bar)
+            improved = False
+            if self.cfg.eval.every_steps and step % self.cfg.eval.every_steps == 0 and step < t.max_steps:
+                improved = self._track_best(self.evaluate())
+            if step < t.max_steps and (improved or (self.cfg.ckpt.every_steps and step % self.cfg.ckpt.every_steps == 0)):
+                self.save(best=improved)
+                saved_at = step
+            if watcher.should_stop():
+                status = "preempted"
+                break
+        bar.close()
+        if status == "completed":
+            improved = self._track_best(self.evaluate())
+            if saved_at != self.state.step or improved:
+                self.save(best=improved)
+        elif saved_at != self.state.step:
+            self.save(best=False)
+        if status == "preempted" and acc.is_main_process:
+            logger.warning("stop requested by %s: checkpoint at step %d written, exiting", watcher.received
+                           or "another rank", self.state.step)
+        watcher.close()
+        acc.wait_for_everyone()
+        acc.end_training()
+        return status
+
+    def train_step(self, batches: list[Any]) -> dict[str, torch.Tensor]:
+        """One optimizer step over `batches` (grad_accum_steps micro-batches of this rank).
+
+        The step's loss is the weighted mean over all micro-batches of all ranks, each weighted by
+        its units (`task.batch_weight`), so micro-batches of different sizes count correctly.
+        """
+        acc = self.accelerator
+        weights = [torch.as_tensor(self.task.batch_weight(b), dtype=torch.float32, device=acc.device)
+                   for b in batches]
+        local_units = torch.stack(weights).sum()
+        total_units = acc.reduce(local_units, reduction="sum") if acc.num_processes > 1 else local_units
+        # backward() divides by the accumulation steps and DDP/ZeRO average over ranks; undo both.
+        rescale = acc.num_processes * len(batches)
+        step_loss = torch.zeros((), device=acc.device)
+        grad_norm = None
+        for batch, weight in zip(batches, weights):
+            with acc.accumulate(self.model):
+                out = self.task.loss(self.model, batch)
+                share = out.loss.float() * (weight / total_units)
+                acc.backward(share * rescale)
+                step_loss += share.detach()
+                if acc.sync_gradients:
+                    grad_norm, finite = self._clip_and_guard()
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(acc.unwrap_model(self.model), applied=finite.to(torch.float32))
+        return {"loss": step_loss, "units": local_units, "grad_norm": grad_norm,
+                **{k: v.detach() for k, v in out.logs.items()}}
+
+    def _clip_and_guard(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip gradients, and arrange for a non-finite step to be skipped without a host sync."""
+        acc, max_norm = self.accelerator, self.cfg.train.grad_clip_norm
+        if self.is_deepspeed:
+            # DeepSpeed clips (gradient_clipping) and skips overflowing steps inside its own step.
+            return torch.zeros((), device=acc.device), torch.ones((), dtype=torch.bool, device=acc.device)
+        grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else math.inf)
+        finite = torch.isfinite(grad_norm)
+        bad = (~finite).to(torch.int64)
+        self._bad_total += bad
+        self._bad_run.add_(bad).mul_(bad)
+        torch.maximum(self._bad_run_max, self._bad_run, out=self._bad_run_max)
+        if acc.scaler is None:  # with fp16 the GradScaler owns found_inf and skips by itself
+            inner = self.optimizer.optimizer
+            inner.grad_scale = None
+            inner.found_inf = bad.to(torch.float32)
+        return grad_norm.detach(), finite
+
+    def _nonfinite_counts(self) -> tuple[int, int]:
+        if self.is_deepspeed:
+            skipped = int(getattr(self.model, "skipped_steps", 0))
+            new = skipped - self._ds_skipped
+            self._ds_skipped = skipped
+            self._bad_total += new
+            run_max = new  # DeepSpeed reports counts, not runs: a window all skipped counts as a run
+            return int(self._bad_total), run_max
+        total, run_max = int(self._bad_total), int(self._bad_run_max)
+        self._bad_run_max.copy_(self._bad_run)
+        return total, run_max
+
+    # ------------------------------------------------------------------ logging
+    def _log_train(self, window: "_Window", stats: dict[str, torch.Tensor], bar: tqdm) -> None:
+        acc = self.accelerator
+        totals = torch.stack([window.loss, window.units, torch.tensor(float(window.samples), device=acc.device)])
+        if acc.num_processes > 1:
+            totals = acc.reduce(totals, reduction="sum")
+        loss_sum, units, samples = totals.tolist()
+        elapsed = time.perf_counter() - window.start
+        total_bad, run_max = self._nonfinite_counts()
+        self.state.nonfinite_skipped = total_bad
+        if run_max >= self.cfg.train.max_nonfinite_in_row:
+            raise NonFiniteLossError(
+                f"{run_max} optimizer steps in a row had a non-finite loss or gradient (up to step "
+                f"{self.state.step}); lower optim.lr, enable train.grad_clip_norm or check the data")
+        grad_norm = stats["grad_norm"]
+        if grad_norm is None and self.is_deepspeed:
+            grad_norm = self.model.get_global_grad_norm()
+        record = {"step": self.state.step, "loss": loss_sum / window.steps, "lr": self.scheduler.get_last_lr()[0],
+                  "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                  "samples_per_s": samples / elapsed, f"{self.task.unit}_per_s": units / elapsed,
+                  "step_time_s": elapsed / window.steps, "peak_memory_mb": peak_memory_mb(acc.device),
+                  "nonfinite_skipped": total_bad, "epoch": self.state.step * self.cfg.train.grad_accum_steps
+                  / len(self.train_loader)}
+        record.update({k: float(v) for k, v in stats.items() if k not in ("loss", "units", "grad_norm")})
+        if record["grad_norm"] is not None and self.is_deepspeed and not math.isfinite(record["grad_norm"]):
+            record["grad_norm"] = None
+        self._write(record)
+        if acc.is_main_process:
+            bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.2g}")
+        window.reset()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        self.metrics.write(record)
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.accelerator.log_with:
+            self.accelerator.log(scalars, step=record["step"])
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Metrics over the whole eval set, each sample exactly once whatever world size and batch."""
+        if self.eval_loader is None:
+            return {}
+        acc = self.accelerator
+        self.model.eval()
+        values: dict[str, list[torch.Tensor]] = defaultdict(list)
+        use_ema = self.ema.applied_to(acc.unwrap_model(self.model)) if self.ema else contextlib.nullcontext()
+        with use_ema:
+            for batch in self.eval_loader:
+                out = acc.gather_for_metrics(self.task.eval_step(self.model, batch))
+                for key, value in out.items():
+                    values[key].append(value.detach().float().cpu())
+        self.model.train()
+        metrics = self.task.reduce_metrics({k: torch.cat(v) for k, v in values.items()})
+        self.last_eval = metrics
+        self._write({"step": self.state.step, **{f"eval/{k}": v for k, v in metrics.items()}})
+        return metrics
+
+    def _track_best(self, metrics: dict[str, float]) -> bool:
+        name = self.cfg.eval.metric
+        if name not in metrics:
+            if metrics:
+                logger.warning("eval.metric '%s' is not among the eval metrics %s", name, sorted(metrics))
+            return False
+        value, best = metrics[name], self.state.best_metric
+        better = best is None or (value < best if self.cfg.eval.mode == "min" else value > best)
+        if better:
+            self.state.best_metric, self.state.best_step = value, self.state.step
+        return better
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, best: bool = False) -> Path:
+        """Write a complete checkpoint atomically (every rank takes part) and rotate old ones."""
+        acc = self.accelerator
+        name = ckpt.step_dir_name(self.state.step)
+        tmp, final = self.ckpt_root / f".tmp-{name}", self.ckpt_root / name
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp), safe_serialization=True)
+        if self.ema is not None:
+            with self.ema.applied_to(acc.unwrap_model(self.model)):
+                full = acc.get_state_dict(self.model)
+            if acc.is_main_process:
+                save_file({k: v.detach().float().contiguous().clone() for k, v in full.items()},
+                          str(tmp / "ema.safetensors"))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            ckpt.write_manifest(tmp, dataclasses.asdict(self.state), with_hashes=self.cfg.ckpt.verify)
+            ckpt.finalize(tmp, final, self.ckpt_root, best=best)
+            ckpt.rotate(self.ckpt_root, self.cfg.ckpt.keep_last)
+        acc.wait_for_everyone()
+        return final
+
+
+class _Window:
+    """Per-rank running sums between two logging steps (device tensors: no host sync per step)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = torch.zeros((), device=self.device)
+        self.units = torch.zeros((), device=self.device)
+        self.samples = 0
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, stats: dict[str, torch.Tensor], samples: int) -> None:
+        self.loss += stats["loss"]
+        self.units += stats["units"]
+        self.samples += samples
+        self.steps += 1
+
+
+def _flat_hparams(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat_hparams(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
