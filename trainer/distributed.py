@@ -96,7 +96,7 @@ def build_accelerator(cfg: Config, deepspeed_config: str | None = None) -> Accel
         dataloader_config=DataLoaderConfiguration(even_batches=True),
         project_config=ProjectConfiguration(project_dir=cfg.run.output_dir,
                                             logging_dir=str(Path(cfg.run.output_dir) / "tb")),
-        log_with=(["tensorboard"] if cfg.log.tensorboard else []) + list(cfg.log.trackers),
+        log_with=(["tensorboard"] if cfg.log.tensorboard else []) + list(cfg.log.trackers) or None,
     )
     if launched_with_deepspeed(deepspeed_config):
         env_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")

@@ -248,7 +248,7 @@ class Trainer:
                 acc.backward(share * rescale)
                 step_loss += share.detach()
                 if acc.sync_gradients:
-                    grad_norm, finite = self._clip_and_guard()
+                    grad_norm, finite = self._clip_and_guard(step_loss)
                     self.optimizer.step()
                     self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
@@ -257,14 +257,18 @@ class Trainer:
         return {"loss": step_loss, "units": local_units, "grad_norm": grad_norm,
                 **{k: v.detach() for k, v in out.logs.items()}}
 
-    def _clip_and_guard(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clip gradients, and arrange for a non-finite step to be skipped without a host sync."""
+    def _clip_and_guard(self, step_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip gradients, and arrange for a step with a non-finite loss or gradient to be skipped
+        without a host sync (fused optimizers honour `found_inf`, as under a GradScaler)."""
         acc, max_norm = self.accelerator, self.cfg.train.grad_clip_norm
         if self.is_deepspeed:
             # DeepSpeed clips (gradient_clipping) and skips overflowing steps inside its own step.
             return torch.zeros((), device=acc.device), torch.ones((), dtype=torch.bool, device=acc.device)
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else math.inf)
-        finite = torch.isfinite(grad_norm)
+        loss_ok = torch.isfinite(step_loss).to(torch.float32)
+        if acc.num_processes > 1:  # every rank must take the same decision
+            loss_ok = acc.reduce(loss_ok, reduction="sum") == acc.num_processes
+        finite = torch.isfinite(grad_norm) & loss_ok.bool()
         bad = (~finite).to(torch.int64)
         self._bad_total += bad
         self._bad_run.add_(bad).mul_(bad)

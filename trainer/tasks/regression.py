@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,8 @@ class RegressionConfig(TaskConfig):
     """Standard deviation of the target noise."""
     data_seed: int = 1234
     """Seed of the synthetic data (independent of run.seed)."""
+    delay_s: float = 0.0
+    """Artificial delay per training micro-batch (seconds), so kill/preemption tests can hit a step."""
 
 
 class SyntheticRegression(Dataset):
@@ -81,6 +84,8 @@ class RegressionTask(Task):
         return SyntheticRegression(c, c.num_train, 0), SyntheticRegression(c, c.num_eval, 1)
 
     def loss(self, model: nn.Module, batch: dict) -> LossOutput:
+        if self.cfg.delay_s:
+            time.sleep(self.cfg.delay_s)
         err = model(batch["x"]).float() - batch["y"]
         mse = err.pow(2).mean()
         return LossOutput(loss=mse, weight=float(len(err)), logs={"mae": err.abs().mean().detach()})

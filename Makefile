@@ -1,0 +1,40 @@
+# Two commands on a fresh machine:
+#   make train   set up .venv, train the main job (2 processes), export and plot it
+#   make test    set up .venv and run the test suite (the command CI runs)
+PYTHON     ?= python3
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+# The CPU build of torch must be installed before the package, or pip pulls CUDA wheels.
+# On a GPU node use e.g. `make train TORCH_SPEC=torch`.
+TORCH_SPEC ?= torch==2.13.0
+NPROC      ?= 2
+CONFIG     ?= configs/regression_tiny.yaml
+RUN_DIR    ?= runs/main
+PYTEST_ARGS ?=
+
+.PHONY: setup train test bench clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	# deepspeed's setup imports torch: build it against the torch installed above.
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+train: setup
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes $(NPROC) \
+		scripts/train.py $(CONFIG) run.output_dir=$(RUN_DIR) run.resume=none
+	$(VENV)/bin/trainer export $(RUN_DIR)
+	$(VENV)/bin/trainer plot $(RUN_DIR)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+bench: setup
+	$(PY) benchmarks/overhead.py --out BENCHMARKS.md
+
+clean:
+	rm -rf runs build *.egg-info

@@ -1,0 +1,62 @@
+"""`trainer plot RUN_DIR`: PNG curves of training loss, learning rate and eval metrics."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on clusters
+import matplotlib.pyplot as plt  # noqa: E402
+
+from trainer.metrics_log import read_metrics  # noqa: E402
+
+
+def _series(records: list[dict], keys: list[str]) -> dict[str, tuple[list, list]]:
+    out: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
+    for r in records:
+        for k in keys:
+            if isinstance(r.get(k), (int, float)):
+                out[k][0].append(r["step"])
+                out[k][1].append(r[k])
+    return out
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    """Write train.png (loss, lr, grad norm, throughput) and eval.png (every eval/* metric)."""
+    run_dir = Path(run_dir)
+    out_dir = Path(out_dir) if out_dir else run_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = read_metrics(run_dir)
+    written = []
+    train_keys = ["loss", "lr", "grad_norm", "samples_per_s"]
+    series = _series(records, train_keys)
+    if series:
+        fig, axes = plt.subplots(1, len(train_keys), figsize=(4 * len(train_keys), 3.2))
+        for ax, key in zip(axes, train_keys):
+            steps, values = series.get(key, ([], []))
+            ax.plot(steps, values, marker=".")
+            ax.set_title(key)
+            ax.set_xlabel("step")
+            if key == "loss" and values and min(values) > 0:
+                ax.set_yscale("log")
+        fig.tight_layout()
+        path = out_dir / "train.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    eval_keys = sorted({k for r in records for k in r if k.startswith("eval/") and not k.startswith("eval/num_")})
+    if eval_keys:
+        series = _series(records, eval_keys)
+        fig, axes = plt.subplots(1, len(eval_keys), figsize=(4 * len(eval_keys), 3.2), squeeze=False)
+        for ax, key in zip(axes[0], eval_keys):
+            ax.plot(*series[key], marker="o")
+            ax.set_title(key)
+            ax.set_xlabel("step")
+        fig.tight_layout()
+        path = out_dir / "eval.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
