@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from trainer.checkpoint import CheckpointError
 from trainer.config import load_config
@@ -93,6 +94,10 @@ def test_ema_warmup_and_use_in_eval(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(shadow_params, params(trainer)))  # EMA differs from live
     assert trainer.ema.num_updates == 5
     assert math.isfinite(live)
+    saved = load_file(tmp_path / "checkpoints" / "step_00000005" / "ema.safetensors")
+    names = [n for n, _ in model.named_parameters()]
+    for name, shadow in zip(names, trainer.ema.shadow):
+        assert torch.equal(saved[name], shadow), name  # the checkpoint holds the EMA, not the live weights
 
 
 def test_schedule_steps_once_per_optimizer_step_and_lr_scaling(tmp_path):

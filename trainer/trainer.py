@@ -376,10 +376,10 @@ class Trainer:
         acc.save_state(str(tmp), safe_serialization=True)
         if self.ema is not None:
             with self.ema.applied_to(acc.unwrap_model(self.model)):
-                full = acc.get_state_dict(self.model)
+                full = acc.get_state_dict(self.model)  # may alias the live tensors: copy before leaving
+                full = {k: v.detach().float().clone().contiguous() for k, v in (full or {}).items()}
             if acc.is_main_process:
-                save_file({k: v.detach().float().contiguous().clone() for k, v in full.items()},
-                          str(tmp / "ema.safetensors"))
+                save_file(full, str(tmp / "ema.safetensors"))
         acc.wait_for_everyone()
         if acc.is_main_process:
             ckpt.write_manifest(tmp, dataclasses.asdict(self.state), with_hashes=self.cfg.ckpt.verify)
