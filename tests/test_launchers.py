@@ -3,13 +3,15 @@ global batch to the same weights as one process, evaluates each sample exactly o
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, TINY, TRAIN, accelerate_cmd, free_port, read_jsonl, run_cmd, train_losses
+from conftest import (BIN, ROOT, TINY, TRAIN, accelerate_cmd, child_env, free_port, read_jsonl, run_cmd,
+                      train_losses)
 from trainer.export import export_run, load_exported
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -36,7 +38,30 @@ LAUNCHES = {
     "deepspeed_zero2": lambda out: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                                     TRAIN, TINY, *TWO, f"run.output_dir={out}", "--deepspeed",
                                     str(Path(TRAIN).parents[1] / "ds_configs" / "zero2.json")],
+    "deepspeed_zero1": lambda out: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                                    TRAIN, TINY, *TWO, f"run.output_dir={out}", "--deepspeed",
+                                    str(Path(TRAIN).parents[1] / "ds_configs" / "zero1.json")],
+    "deepspeed_zero3": lambda out: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                                    TRAIN, TINY, *TWO, f"run.output_dir={out}", "--deepspeed",
+                                    str(Path(TRAIN).parents[1] / "ds_configs" / "zero3.json")],
+    # On a CPU-only machine accelerate runs FSDP as DDP (it supports FSDP on GPUs only): same numbers.
+    "fsdp": lambda out: accelerate_cmd("fsdp.yaml", TINY, *TWO, f"run.output_dir={out}"),
+    # Two "machines" on one host, one process each, as scripts/slurm/train.sbatch starts them.
+    "multinode_ddp": "two launchers",
 }
+
+
+def multinode(out: Path) -> None:
+    port = free_port()
+    procs = [subprocess.Popen(
+        [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "multinode_ddp.yaml"),
+         "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+         "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), TRAIN, TINY, *TWO,
+         f"run.output_dir={out}"], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True) for rank in (0, 1)]
+    outputs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, text in zip(procs, outputs):
+        assert p.returncode == 0, text[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +71,10 @@ def runs(tmp_path_factory):
     done = {}
     for name, build in LAUNCHES.items():
         out = root / name
-        run_cmd(build(out), timeout=400)
+        if name == "multinode_ddp":
+            multinode(out)
+        else:
+            run_cmd(build(out), timeout=400)
         done[name] = out
     return done
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 import signal
@@ -21,6 +22,8 @@ from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin, In
 from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
 from trainer.config import Config, ConfigError
+
+logger = logging.getLogger("trainer")
 
 PREEMPTED_EXIT_CODE = 75
 """Exit status after a SIGTERM/SIGUSR1 checkpoint (EX_TEMPFAIL: try again, i.e. requeue)."""
@@ -108,6 +111,10 @@ def build_accelerator(cfg: Config, deepspeed_config: str | None = None) -> Accel
             # cpu=True would silently drop DeepSpeed; without an explicit backend each rank runs alone.
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
     else:
+        if not use_cuda and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+            logger.warning("accelerate runs FSDP only on GPUs: on this CPU-only machine the FSDP config "
+                           "trains as plain DDP over gloo (same results, no sharding)")
+        # A MULTI_GPU (or FSDP) yaml on a machine without GPUs becomes MULTI_CPU over gloo this way.
         kwargs["cpu"] = not use_cuda
     return Accelerator(**kwargs)
 

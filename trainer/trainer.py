@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import shutil
@@ -29,7 +30,7 @@ from transformers import get_scheduler
 from trainer import checkpoint as ckpt
 from trainer.config import Config, config_to_dict, save_config
 from trainer.data.samplers import EpochSampler, WorkerSeeder
-from trainer.distributed import PreemptionWatcher, build_accelerator, scale_factor
+from trainer.distributed import PREEMPTED_EXIT_CODE, PreemptionWatcher, build_accelerator, scale_factor
 from trainer.ema import EMA
 from trainer.metrics_log import MetricsLog, peak_memory_mb
 from trainer.tasks import get_task
@@ -218,9 +219,14 @@ class Trainer:
                 self.save(best=improved)
         elif saved_at != self.state.step:
             self.save(best=False)
-        if status == "preempted" and acc.is_main_process:
-            logger.warning("stop requested by %s: checkpoint at step %d written, exiting", watcher.received
-                           or "another rank", self.state.step)
+        marker = self.run_dir / "preempted.json"
+        if acc.is_main_process:
+            marker.unlink(missing_ok=True)
+            if status == "preempted":
+                # Launchers (torchrun's agent) replace our exit status; batch scripts look for this file.
+                ckpt.atomic_write_text(marker, json.dumps({"step": self.state.step, "signal": watcher.received}))
+                logger.warning("stop requested by %s: checkpoint at step %d written, exiting with status %d",
+                               watcher.received or "another rank", self.state.step, PREEMPTED_EXIT_CODE)
         watcher.close()
         acc.wait_for_everyone()
         acc.end_training()
