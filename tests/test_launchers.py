@@ -115,3 +115,15 @@ def test_zero3_export_loads_on_one_device_and_predicts_like_ddp(runs):
     x = torch.randn(7, cfg.task.in_dim)
     torch.testing.assert_close(model(x), ref(x), rtol=0, atol=1e-5)
     assert (runs["zero3"] / "exported.config.yaml").is_file()
+
+
+@pytest.mark.parametrize("config", ["ddp.yaml", "zero3.yaml"])
+def test_uneven_data_does_not_hang_and_counts_exactly(tmp_path, config):
+    """101 train / 37 eval samples on 2 ranks (eval batch 5): no rank waits forever, no duplicates."""
+    out = tmp_path / "run"
+    run_cmd(accelerate_cmd(config, TINY, *TWO, "task.num_train=101", "task.num_eval=37", "eval.batch_size=5",
+                           f"run.output_dir={out}"), timeout=300)
+    evals = [r for r in read_jsonl(out) if "eval/num_samples" in r]
+    assert evals and all(r["eval/num_samples"] == 37 and r["eval/num_unique"] == 37 for r in evals)
+    start = next(r for r in read_jsonl(out) if r.get("event") == "start")
+    assert start["world_size"] == 2

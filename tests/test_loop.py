@@ -178,3 +178,15 @@ def test_interrupted_save_leaves_latest_intact(tmp_path):
     again.fit()
     assert (root / "latest").read_text().strip() == "step_00000006"
     assert not (root / ".tmp-step_00000006").exists()
+
+
+def test_bf16_trains_and_fp16_on_cpu_is_refused(tmp_path):
+    from trainer.config import ConfigError
+
+    trainer = make(tmp_path / "bf16", "train.mixed_precision=bf16", "train.max_steps=10", "log.every_steps=5")
+    trainer.fit()
+    assert trainer.accelerator.mixed_precision == "bf16"
+    assert math.isfinite(trainer.last_eval["loss"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="fp16 needs a CUDA GPU"):
+            make(tmp_path / "fp16", "train.mixed_precision=fp16")

@@ -90,6 +90,9 @@ def launched_with_deepspeed(deepspeed_config: str | None) -> bool:
 def build_accelerator(cfg: Config, deepspeed_config: str | None = None) -> Accelerator:
     """The Accelerator for this launch: DeepSpeed if a json or a DEEPSPEED yaml says so, else DDP/FSDP/single."""
     use_cuda = torch.cuda.is_available()
+    if cfg.train.mixed_precision == "fp16" and not use_cuda:
+        # accelerate would silently train in fp32: refuse instead.
+        raise ConfigError("train.mixed_precision=fp16 needs a CUDA GPU; on CPU use bf16 or no")
     kwargs: dict[str, Any] = dict(
         mixed_precision=cfg.train.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
