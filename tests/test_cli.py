@@ -51,3 +51,12 @@ def test_tasks_and_config_help():
     assert "regression" in run_cmd([str(BIN / "trainer"), "tasks"]).stdout
     help_text = run_cmd([str(BIN / "trainer"), "config-help", "--task", "regression"]).stdout
     assert "`train.grad_accum_steps`" in help_text and "`task.num_train`" in help_text
+
+
+def test_readme_documents_every_config_key():
+    from trainer.config import describe_config
+
+    readme = (ROOT / "README.md").read_text()
+    for line in describe_config("regression").splitlines()[2:]:
+        key = line.split("|")[1].strip()
+        assert key in readme, f"README lacks {key}: regenerate the table with `trainer config-help --task regression`"
