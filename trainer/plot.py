@@ -23,6 +23,21 @@ def _series(records: list[dict], keys: list[str]) -> dict[str, tuple[list, list]
     return out
 
 
+def _figure(series: dict[str, tuple[list, list]], keys: list[str], path: Path, log_keys: tuple = ()) -> Path:
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        steps, values = series.get(key, ([], []))
+        ax.plot(steps, values, marker=".")
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        if key in log_keys and values and min(values) > 0:
+            ax.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Write train.png (loss, lr, grad norm, throughput) and eval.png (every eval/* metric)."""
     run_dir = Path(run_dir)
@@ -33,30 +48,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     train_keys = ["loss", "lr", "grad_norm", "samples_per_s"]
     series = _series(records, train_keys)
     if series:
-        fig, axes = plt.subplots(1, len(train_keys), figsize=(4 * len(train_keys), 3.2))
-        for ax, key in zip(axes, train_keys):
-            steps, values = series.get(key, ([], []))
-            ax.plot(steps, values, marker=".")
-            ax.set_title(key)
-            ax.set_xlabel("step")
-            if key == "loss" and values and min(values) > 0:
-                ax.set_yscale("log")
-        fig.tight_layout()
-        path = out_dir / "train.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_figure(series, train_keys, out_dir / "train.png", log_keys=("loss",)))
     eval_keys = sorted({k for r in records for k in r if k.startswith("eval/") and not k.startswith("eval/num_")})
     if eval_keys:
-        series = _series(records, eval_keys)
-        fig, axes = plt.subplots(1, len(eval_keys), figsize=(4 * len(eval_keys), 3.2), squeeze=False)
-        for ax, key in zip(axes[0], eval_keys):
-            ax.plot(*series[key], marker="o")
-            ax.set_title(key)
-            ax.set_xlabel("step")
-        fig.tight_layout()
-        path = out_dir / "eval.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_figure(_series(records, eval_keys), eval_keys, out_dir / "eval.png"))
     return written

@@ -213,12 +213,15 @@ class Trainer:
                 status = "preempted"
                 break
         bar.close()
-        if status == "completed":
-            improved = self._track_best(self.evaluate())
-            if saved_at != self.state.step or improved:
-                self.save(best=improved)
-        elif saved_at != self.state.step:
-            self.save(best=False)
+        self._finish(status, saved_at, watcher)
+        return status
+
+    def _finish(self, status: str, saved_at: int, watcher: PreemptionWatcher) -> None:
+        """Final eval and checkpoint of a completed run, or the checkpoint and marker of a preempted one."""
+        acc = self.accelerator
+        improved = self._track_best(self.evaluate()) if status == "completed" else False
+        if saved_at != self.state.step or improved:
+            self.save(best=improved)
         marker = self.run_dir / "preempted.json"
         if acc.is_main_process:
             marker.unlink(missing_ok=True)
@@ -230,7 +233,6 @@ class Trainer:
         watcher.close()
         acc.wait_for_everyone()
         acc.end_training()
-        return status
 
     def train_step(self, batches: list[Any]) -> dict[str, torch.Tensor]:
         """One optimizer step over `batches` (grad_accum_steps micro-batches of this rank).

@@ -1,0 +1,237 @@
+"""Per-step training overhead of our Trainer, against a plain PyTorch loop and transformers.Trainer.
+
+One process on CPU, fp32. Three ways train the same MLP (`build_mlp` of the regression task,
+identical initial weights from the same seed) on the same `SyntheticRegression` data with the same
+optimizer (AdamW fused, weight decay 0, lr 1e-3 constant, no warm-up), batch size and gradient
+clipping at 1.0:
+
+  (a) plain  a hand-written loop: DataLoader, forward, MSE, backward, clip_grad_norm_,
+             optimizer.step(), scheduler.step(), zero_grad(set_to_none=True); no host sync.
+  (b) ours   `trainer.trainer.Trainer(cfg).fit()` (log.every_steps=50, no eval/checkpoint during
+             the run). We time `fit()` itself, not a copy of its loop, so every per-step cost of
+             the real loop counts (data, train_step, window bookkeeping, progress bar, preemption
+             check, logging at every 50th step). `evaluate` and `save` are replaced by no-ops so the
+             final eval/checkpoint cost nothing, and `train_step` is wrapped to read the clock as
+             step warmup+1 and step warmup+steps+1 begin: the time between is exactly `steps`
+             iterations of fit's loop (max_steps = warmup+steps+1, so the last-step log is outside).
+  (c) hf     `transformers.Trainer.train()` (logging_steps=50, no save/eval, PrinterCallback
+             removed); a callback reads the clock at the end of step warmup and step warmup+steps.
+
+Each (config, method) is measured `--repeats` times, a/b/c interleaved, each with a fresh model,
+optimizer and run; the table gives the median steps/s. Two configs: `compute` (per-step compute
+dominates) and `overhead` (a small model and batch, so the framework's Python work dominates).
+
+Targets: b/a >= 0.98 (our loop costs at most 2% over hand-written PyTorch) and b/c >= 1.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import accelerate
+import transformers
+from accelerate.utils import set_seed
+from transformers import Trainer as HFTrainer
+from transformers import TrainerCallback, TrainingArguments
+from transformers.trainer_callback import PrinterCallback
+
+from trainer.config import load_config
+from trainer.tasks.regression import RegressionConfig, SyntheticRegression, build_mlp
+from trainer.trainer import Trainer
+
+SEED = 0
+LR, CLIP, LOG_EVERY = 1e-3, 1.0, 50
+CONFIGS = {  # name: model and batch; num_train is a multiple of every batch (no partial batches)
+    "compute": dict(in_dim=64, hidden=256, depth=3, out_dim=8, batch=64, num_train=4096),
+    "overhead": dict(in_dim=64, hidden=32, depth=3, out_dim=8, batch=16, num_train=4096),
+}
+
+
+def describe(c: dict) -> str:
+    return f"{c['in_dim']}-{c['hidden']}x{c['depth']}-{c['out_dim']} MLP, batch {c['batch']}"
+
+
+def dataset(c: dict) -> SyntheticRegression:
+    rc = RegressionConfig(num_train=c["num_train"], in_dim=c["in_dim"], hidden=c["hidden"],
+                          depth=c["depth"], out_dim=c["out_dim"])
+    return SyntheticRegression(rc, rc.num_train, 0)
+
+
+def model(c: dict) -> nn.Sequential:
+    set_seed(SEED)  # what our Trainer does before task.build_model()
+    return build_mlp(c["in_dim"], c["hidden"], c["out_dim"], c["depth"])
+
+
+def run_plain(c: dict, steps: int, warmup: int, workdir: str) -> float:  # noqa: ARG001
+    net = model(c)
+    loader = DataLoader(dataset(c), batch_size=c["batch"], shuffle=True, drop_last=True,
+                        generator=torch.Generator().manual_seed(SEED))
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.0, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+
+    def endless():
+        while True:
+            yield from loader
+
+    batches = endless()
+    net.train()
+
+    def step() -> None:
+        batch = next(batches)
+        loss = (net(batch["x"]) - batch["y"]).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps / (time.perf_counter() - start)
+
+
+def run_ours(c: dict, steps: int, warmup: int, workdir: str) -> float:
+    cfg = load_config(None, [
+        "task.name=regression", f"task.num_train={c['num_train']}", f"task.in_dim={c['in_dim']}",
+        f"task.hidden={c['hidden']}", f"task.depth={c['depth']}", f"task.out_dim={c['out_dim']}",
+        "task.num_eval=8", f"train.max_steps={warmup + steps + 1}", f"train.per_device_batch_size={c['batch']}",
+        "train.grad_accum_steps=1", f"optim.lr={LR}", "optim.scheduler=constant", "optim.warmup_steps=0",
+        f"train.grad_clip_norm={CLIP}", "eval.every_steps=0", "ckpt.every_steps=0",
+        f"log.every_steps={LOG_EVERY}", "log.tensorboard=false", "log.progress_bar=false",
+        f"run.output_dir={workdir}/ours", "run.resume=none", f"run.seed={SEED}"])
+    trainer = Trainer(cfg)
+    clock: dict[str, float] = {}
+    calls = 0
+    train_step = trainer.train_step
+
+    def timed_train_step(batches):
+        nonlocal calls
+        calls += 1
+        if calls == warmup + 1:
+            clock["start"] = time.perf_counter()
+        elif calls == warmup + steps + 1:
+            clock["end"] = time.perf_counter()
+        return train_step(batches)
+
+    trainer.train_step = timed_train_step
+    trainer.evaluate = lambda: {}
+    trainer.save = lambda best=False: None
+    trainer.fit()
+    return steps / (clock["end"] - clock["start"])
+
+
+class _MSE(nn.Module):
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y, index=None):  # noqa: ARG002
+        return {"loss": (self.net(x) - y).pow(2).mean()}
+
+
+class _Clock(TrainerCallback):
+    def __init__(self, first: int, last: int):
+        self.first, self.last, self.times = first, last, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in (self.first, self.last):
+            self.times[state.global_step] = time.perf_counter()
+
+
+def run_hf(c: dict, steps: int, warmup: int, workdir: str) -> float:
+    args = TrainingArguments(
+        output_dir=f"{workdir}/hf", max_steps=warmup + steps, per_device_train_batch_size=c["batch"],
+        learning_rate=LR, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
+        max_grad_norm=CLIP, optim="adamw_torch_fused", logging_steps=LOG_EVERY, save_strategy="no",
+        eval_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+        seed=SEED, remove_unused_columns=False)
+    clock = _Clock(warmup, warmup + steps)
+    trainer = HFTrainer(model=_MSE(model(c)), args=args, train_dataset=dataset(c), callbacks=[clock])
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    return steps / (clock.times[warmup + steps] - clock.times[warmup])
+
+
+METHODS = {"a": run_plain, "b": run_ours, "c": run_hf}
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
+            f"accelerate {accelerate.__version__}, transformers {transformers.__version__}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300, help="timed optimizer steps per measurement")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps before each measurement")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per (config, method); median reported")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for stable numbers")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
+    p.add_argument("--out", help="append a dated section with machine, command and table to this markdown file")
+    a = p.parse_args()
+    if a.steps <= LOG_EVERY:
+        p.error(f"--steps must exceed {LOG_EVERY} so that (b) and (c) log inside the timed steps")
+    names = [n.strip() for n in a.configs.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in CONFIGS]:
+        p.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("trainer").setLevel(logging.WARNING)
+    started = time.perf_counter()
+    results: dict[str, dict[str, list[float]]] = {n: {m: [] for m in METHODS} for n in names}
+    with tempfile.TemporaryDirectory(prefix="overhead-") as workdir:
+        for r in range(a.repeats):
+            for name in names:
+                for key, fn in METHODS.items():
+                    torch.set_num_threads(a.threads)  # frameworks must not change it between runs
+                    sps = fn(CONFIGS[name], a.steps, a.warmup, workdir)
+                    results[name][key].append(sps)
+                    print(f"repeat {r + 1}/{a.repeats} {name:8s} ({key}) {sps:8.1f} steps/s", file=sys.stderr)
+
+    rows = ["| config | (a) plain steps/s | (b) ours steps/s | (c) HF Trainer steps/s | b/a | b/c |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for name in names:
+        med = {k: statistics.median(v) for k, v in results[name].items()}
+        rows.append(f"| {name}: {describe(CONFIGS[name])} | {med['a']:.1f} | {med['b']:.1f} | {med['c']:.1f} "
+                    f"| {med['b'] / med['a']:.3f} | {med['b'] / med['c']:.3f} |")
+    table = "\n".join(rows)
+    elapsed = time.perf_counter() - started
+    print(table)
+    print(f"\n{a.steps} timed steps after {a.warmup} warm-up, median of {a.repeats}, "
+          f"{a.threads} thread(s); total {elapsed:.0f} s")
+    if a.out:
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        command = shlex.join([os.path.basename(sys.executable), *sys.argv])
+        with open(a.out, "a") as f:
+            f.write(f"\n## Overhead benchmark, {now}\n\n- Machine: {machine()}\n- Command: `{command}`\n"
+                    f"- {a.steps} timed optimizer steps after {a.warmup} warm-up steps, median of "
+                    f"{a.repeats} interleaved repeats, torch threads = {a.threads}, fp32, one process\n"
+                    f"- Targets: b/a >= 0.98, b/c >= 1.0\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
