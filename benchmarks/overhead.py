@@ -18,8 +18,9 @@ clipping at 1.0:
              removed); a callback reads the clock at the end of step warmup and step warmup+steps.
 
 Each (config, method) is measured `--repeats` times, a/b/c interleaved, each with a fresh model,
-optimizer and run; the table gives the median steps/s. Two configs: `compute` (per-step compute
-dominates) and `overhead` (a small model and batch, so the framework's Python work dominates).
+optimizer and run; the table gives the median steps/s. Three configs: `compute` (~10 ms of
+compute per step on one thread: the math dominates), `medium` (~2.5 ms) and `overhead` (a small
+model and batch, ~1 ms: the frameworks' per-step Python work dominates).
 
 Targets: b/a >= 0.98 (our loop costs at most 2% over hand-written PyTorch) and b/c >= 1.0.
 """
@@ -56,7 +57,8 @@ from trainer.trainer import Trainer
 SEED = 0
 LR, CLIP, LOG_EVERY = 1e-3, 1.0, 50
 CONFIGS = {  # name: model and batch; num_train is a multiple of every batch (no partial batches)
-    "compute": dict(in_dim=64, hidden=256, depth=3, out_dim=8, batch=64, num_train=4096),
+    "compute": dict(in_dim=64, hidden=512, depth=3, out_dim=8, batch=128, num_train=4096),
+    "medium": dict(in_dim=64, hidden=256, depth=3, out_dim=8, batch=64, num_train=4096),
     "overhead": dict(in_dim=64, hidden=32, depth=3, out_dim=8, batch=16, num_train=4096),
 }
 

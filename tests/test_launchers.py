@@ -127,3 +127,24 @@ def test_uneven_data_does_not_hang_and_counts_exactly(tmp_path, config):
     assert evals and all(r["eval/num_samples"] == 37 and r["eval/num_unique"] == 37 for r in evals)
     start = next(r for r in read_jsonl(out) if r.get("event") == "start")
     assert start["world_size"] == 2
+
+
+def test_nonfinite_step_skipped_consistently_across_ranks(tmp_path):
+    """Sample 5 poisons its batch's loss on one rank only: every rank must skip the same steps
+    (DDP through our guard, ZeRO-2 through DeepSpeed's), ending where one process ends."""
+    args = [TINY, *TWO, "task.nan_sample=5", "train.ema_decay=0"]
+    runs = {"single": tmp_path / "single", "ddp": tmp_path / "ddp", "zero2": tmp_path / "zero2"}
+    run_cmd([str(BIN / "python"), TRAIN, TINY, *ONE, "task.nan_sample=5", "train.ema_decay=0",
+             f"run.output_dir={runs['single']}"])
+    run_cmd(accelerate_cmd("ddp.yaml", *args, f"run.output_dir={runs['ddp']}"))
+    run_cmd(accelerate_cmd("zero2.yaml", *args, f"run.output_dir={runs['zero2']}"))
+    ref = final_weights(runs["single"], "model")
+    skipped = [r["nonfinite_skipped"] for r in read_jsonl(runs["single"]) if "nonfinite_skipped" in r][-1]
+    assert skipped == 2  # 6 steps = 2 epochs of 3 steps, the poisoned sample once per epoch
+    for name in ("ddp", "zero2"):
+        got = final_weights(runs[name], "model")
+        for key in ref:
+            assert torch.isfinite(got[key]).all()
+            torch.testing.assert_close(got[key], ref[key], rtol=0, atol=1e-5, msg=f"{name} {key}")
+        counts = [r["nonfinite_skipped"] for r in read_jsonl(runs[name]) if "nonfinite_skipped" in r]
+        assert counts[-1] == 2, name

@@ -60,7 +60,7 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
         assert torch.equal(a, b)
     state = trainer.optimizer.optimizer.state
     assert all(float(s["step"]) == 0 for s in state.values())  # Adam's step counter did not advance
-    assert int(trainer._bad_total) == 1
+    assert trainer._nonfinite_counts() == (1, 1)
     trainer.task.loss = good_loss
     trainer.train_step([batch(0, 8, trainer)])
     assert any(not torch.equal(a, b) for a, b in zip(params(trainer), before))

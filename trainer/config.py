@@ -94,8 +94,10 @@ class TrainConfig:
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     ema_decay: float = 0.0
     """EMA decay of the weights (0 disables); warm-up min(decay, (1+n)/(10+n)). EMA weights are used for eval and export."""
+    skip_nonfinite: bool = True
+    """Skip (and count) optimizer steps whose loss or gradient is not finite; a few tensor ops a step."""
     max_nonfinite_in_row: int = 10
-    """Non-finite loss/gradient steps are skipped and counted; this many in a row aborts the run."""
+    """With skip_nonfinite, this many skipped steps in a row abort the run (checked at logging steps)."""
 
 
 @dataclass

@@ -36,18 +36,14 @@ class EMA:
         return [(n, params[n]) for n in self.names]
 
     @torch.no_grad()
-    def update(self, model: torch.nn.Module, applied: torch.Tensor | None = None) -> None:
-        """Move the average towards the weights. `applied` (0/1 tensor) freezes it on skipped steps
+    def update(self, model: torch.nn.Module, skipped: torch.Tensor | None = None) -> None:
+        """Move the average towards the weights. `skipped` (0/1 tensor) freezes it on skipped steps
         without a host synchronisation."""
         d = ema_decay(self.decay, self.num_updates)
         self.num_updates += 1
         current = [local_tensor(p).float() for _, p in self._params(model)]
-        if applied is None:
-            torch._foreach_lerp_(self.shadow, current, 1.0 - d)
-        else:
-            weight = (1.0 - d) * applied.to(self.shadow[0].device, torch.float32)
-            for s, c in zip(self.shadow, current):
-                s.lerp_(c, weight)
+        weight = 1.0 - d if skipped is None else (1.0 - d) * (1.0 - skipped.to(self.shadow[0].device, torch.float32))
+        torch._foreach_lerp_(self.shadow, current, weight)
 
     @contextlib.contextmanager
     @torch.no_grad()

@@ -54,3 +54,33 @@ class WorkerSeeder:
         seed = torch.initial_seed() % 2**32
         random.seed(seed)
         np.random.seed(seed)
+
+
+class RankBatchSampler(Sampler[list[int]]):
+    """This rank's batches of an EpochSampler: global batch k goes to rank k % world_size.
+
+    Every rank iterates the same (seed, epoch) order, so the global batches are the same whatever
+    the world size. `set_epoch(epoch, skip)` starts an epoch `skip` batches in without loading the
+    skipped samples, which is how a resumed run gets back to its data position.
+    """
+
+    def __init__(self, sampler: EpochSampler, batch_size: int, rank: int, world_size: int):
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.sampler.set_epoch(epoch)
+        self.skip = skip
+
+    def __len__(self) -> int:
+        return len(self.sampler) // (self.batch_size * self.world_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = list(self.sampler)
+        step = self.batch_size * self.world_size
+        for start in range(self.skip * step, len(indices), step):
+            offset = start + self.rank * self.batch_size
+            yield indices[offset: offset + self.batch_size]

@@ -36,6 +36,8 @@ class RegressionConfig(TaskConfig):
     """Seed of the synthetic data (independent of run.seed)."""
     delay_s: float = 0.0
     """Artificial delay per training micro-batch (seconds), so kill/preemption tests can hit a step."""
+    nan_sample: int = -1
+    """Training sample whose batch gets a NaN loss (tests the non-finite guard); -1 for none."""
 
 
 class SyntheticRegression(Dataset):
@@ -86,9 +88,11 @@ class RegressionTask(Task):
     def loss(self, model: nn.Module, batch: dict) -> LossOutput:
         if self.cfg.delay_s:
             time.sleep(self.cfg.delay_s)
-        err = model(batch["x"]).float() - batch["y"]
-        mse = err.pow(2).mean()
-        return LossOutput(loss=mse, weight=float(len(err)), logs={"mae": err.abs().mean().detach()})
+        x = batch["x"]
+        if self.cfg.nan_sample >= 0:  # a corrupt input row: NaN loss and NaN gradients, as in real life
+            x = torch.where((batch["index"] == self.cfg.nan_sample)[:, None], float("nan"), x)
+        err = model(x).float() - batch["y"]
+        return LossOutput(loss=err.pow(2).mean(), weight=float(len(err)))
 
     def eval_step(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
         err = model(batch["x"]).float() - batch["y"]
