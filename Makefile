@@ -12,7 +12,7 @@ CONFIG     ?= configs/regression_tiny.yaml
 RUN_DIR    ?= runs/main
 PYTEST_ARGS ?=
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test bench readme-config clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/overhead.py --out BENCHMARKS.md
+
+readme-config: setup
+	$(PY) scripts/update_readme_config.py
 
 clean:
 	rm -rf runs build *.egg-info

@@ -59,4 +59,4 @@ def test_readme_documents_every_config_key():
     readme = (ROOT / "README.md").read_text()
     for line in describe_config("regression").splitlines()[2:]:
         key = line.split("|")[1].strip()
-        assert key in readme, f"README lacks {key}: regenerate the table with `trainer config-help --task regression`"
+        assert key in readme, f"README lacks {key}: run `make readme-config`"
