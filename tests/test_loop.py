@@ -190,3 +190,21 @@ def test_bf16_trains_and_fp16_on_cpu_is_refused(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="fp16 needs a CUDA GPU"):
             make(tmp_path / "fp16", "train.mixed_precision=fp16")
+
+
+def test_best_checkpoint_is_kept_and_pointed_to(tmp_path):
+    import json
+
+    trainer = make(tmp_path, "train.max_steps=12", "eval.every_steps=2", "ckpt.every_steps=4", "ckpt.keep_last=1",
+                   "optim.lr=0.2")  # a high lr makes the eval loss go up and down
+    trainer.fit()
+    evals = {r["step"]: r["eval/loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+             if "eval/loss" in r}
+    best_step = min(evals, key=evals.get)
+    root = tmp_path / "checkpoints"
+    assert (root / "best").read_text().strip() == f"step_{best_step:08d}"
+    assert (root / f"step_{best_step:08d}").is_dir()
+    assert (root / "latest").read_text().strip() == "step_00000012"
+    kept = sorted(p.name for p in root.glob("step_*"))
+    assert kept == sorted({f"step_{best_step:08d}", "step_00000012"})
+    assert trainer.state.best_step == best_step and trainer.state.best_metric == pytest.approx(evals[best_step])

@@ -18,10 +18,14 @@ from trainer.config import TaskConfig
 
 @dataclass
 class LossOutput:
-    """Loss of one micro-batch: `loss` is the mean over `weight` units (samples, tokens, atoms)."""
+    """Loss of one micro-batch: the mean over its units (samples, tokens, atoms), plus scalar logs.
+
+    The units themselves come from `Task.batch_weight`, which the Trainer calls before the forward
+    pass: the normalisation over all micro-batches and ranks must be known before backward (DeepSpeed
+    steps inside it).
+    """
 
     loss: torch.Tensor
-    weight: torch.Tensor | float | None = None
     logs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 

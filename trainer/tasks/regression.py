@@ -92,7 +92,7 @@ class RegressionTask(Task):
         if self.cfg.nan_sample >= 0:  # a corrupt input row: NaN loss and NaN gradients, as in real life
             x = torch.where((batch["index"] == self.cfg.nan_sample)[:, None], float("nan"), x)
         err = model(x).float() - batch["y"]
-        return LossOutput(loss=err.pow(2).mean(), weight=float(len(err)))
+        return LossOutput(loss=err.pow(2).mean())
 
     def eval_step(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
         err = model(batch["x"]).float() - batch["y"]
