@@ -1,0 +1,227 @@
+"""Protein datasets from FASTA files: cached Arrow builds, a sharded stream, tokenization.
+
+`build_fasta_dataset` parses once per (file content, settings) into a fingerprinted Arrow cache
+(`datasets.Dataset.from_generator`); the reader's `FastaStats` are stored as a JSON sidecar per file
+so that a cached load reports the same counts. `stream_fasta` reads with bounded memory and gives
+each record to exactly one (rank, dataloader worker). Ranks are passed in: nothing here touches
+`torch.distributed`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import datasets
+import numpy as np
+from torch.utils.data import IterableDataset, get_worker_info
+
+from trainer.data.fasta import (FASTA_COLUMNS, INT_COLUMNS, STRING_COLUMNS, FastaFormatError, FastaStats,
+                                iter_fasta)
+from trainer.data.protein_tokenizer import _TABLE, encode_residues
+
+FORMAT_VERSION = "fasta-v1"
+"""Bump when the reader's output changes, so that old caches are not reused."""
+TOKENIZE_VERSION = "protein-tok-v1"
+
+FASTA_FEATURES = datasets.Features({
+    "id": datasets.Value("string"), "sequence": datasets.Value("string"), "length": datasets.Value("int32"),
+    "split": datasets.Value("string"),
+    **{k: datasets.Value("string") for k in STRING_COLUMNS[1:]},
+    **{k: datasets.Value("int64") for k in INT_COLUMNS},
+})
+assert list(FASTA_FEATURES) == list(FASTA_COLUMNS)
+
+SAMPLE_FASTA = "uniprot_sample_3k.fasta.gz"
+
+
+def default_protein_fasta() -> Path:
+    """The bundled 3,000-record UniProtKB sample (see trainer/data/samples/README.md)."""
+    return Path(__file__).resolve().parent / "samples" / SAMPLE_FASTA
+
+
+def _as_paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
+    if isinstance(paths, (str, Path)):
+        return [Path(paths)]
+    return [Path(p) for p in paths]
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.blake2b(json.dumps(obj, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def _file_entry(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """What identifies one file's parse: its absolute path, size and mtime, plus the settings."""
+    path = path.resolve()
+    st = path.stat()
+    entry = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    entry["key"] = _digest({**entry, **settings})
+    return entry
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _generate(files: list[dict[str, Any]], settings: dict[str, Any], stats_dir: str) -> Iterator[dict[str, Any]]:
+    """Generator for `Dataset.from_generator`; writes each file's stats sidecar once it is fully read."""
+    reader_kwargs = {k: settings[k] for k in ("min_length", "max_length", "nonstandard", "val_fraction", "salt")}
+    for entry in files:
+        stats = FastaStats()
+        yield from iter_fasta(entry["path"], stats=stats, shard=tuple(entry["shard"]), **reader_kwargs)
+        _write_json_atomic(Path(stats_dir) / f"{entry['stats_key']}.json", {"file": entry, "stats": stats.to_dict()})
+
+
+def _unwrap_format_error(e: BaseException) -> FastaFormatError | None:
+    """`datasets` wraps generator errors in DatasetGenerationError; find the reader's own error."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, FastaFormatError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _in_split(splits: list[str], name: str) -> list[bool]:
+    return [s == name for s in splits]
+
+
+def build_fasta_dataset(paths: str | Path | Iterable[str | Path], *, cache_dir: str | Path | None = None,
+                        split: str | None = None, val_fraction: float = 0.02, min_length: int = 0,
+                        max_length: int = 0, nonstandard: str = "keep", salt: str = "",
+                        num_proc: int | None = None) -> tuple[datasets.Dataset, FastaStats]:
+    """Parse FASTA files into a cached Arrow dataset with the `FASTA_COLUMNS` schema.
+
+    The cache key covers every file's absolute path, size and mtime and all settings, so a changed
+    file or setting re-parses and anything else is a cache hit. `split` selects "train" or
+    "validation" (by `split_of` on the id); None returns all records with their `split` column. The
+    stats always describe the whole parse (all splits) and are the same for cached loads.
+    `num_proc` > 1 parses in that many processes; each scans every file but decodes only records
+    k with k mod num_proc = its index, so one big file (UniRef50) parallelises too. Row order then
+    depends on num_proc, which is therefore part of the cache key.
+    """
+    if split not in (None, "train", "validation"):
+        raise ValueError(f"split must be None, 'train' or 'validation', got {split!r}")
+    files_in = _as_paths(paths)
+    if not files_in:
+        raise ValueError("no FASTA files given")
+    settings = {"version": FORMAT_VERSION, "val_fraction": float(val_fraction), "min_length": int(min_length),
+                "max_length": int(max_length), "nonstandard": nonstandard, "salt": salt}
+    files = [_file_entry(p, settings) for p in files_in]
+    n_shards = max(1, num_proc or 1)
+    shards = [{**f, "shard": [i, n_shards], "stats_key": f"{f['key']}-{i}of{n_shards}"}
+              for f in files for i in range(n_shards)]
+    root = Path(cache_dir) if cache_dir is not None else Path(datasets.config.HF_DATASETS_CACHE)
+    stats_dir = root / "fasta_stats"
+    fingerprint = _digest([f["key"] for f in files] + [n_shards])
+    try:
+        # An explicit fingerprint: hashing the generator function would pull in module globals.
+        ds = datasets.Dataset.from_generator(
+            _generate, features=FASTA_FEATURES, cache_dir=str(cache_dir) if cache_dir is not None else None,
+            gen_kwargs={"files": shards, "settings": settings, "stats_dir": str(stats_dir)},
+            num_proc=n_shards if n_shards > 1 else None, fingerprint=fingerprint)
+    except Exception as e:
+        err = _unwrap_format_error(e)
+        if err is not None:
+            raise err from None
+        raise
+    stats = FastaStats()
+    for entry in shards:
+        sidecar = stats_dir / f"{entry['stats_key']}.json"
+        if sidecar.exists():
+            stats += FastaStats.from_dict(json.loads(sidecar.read_text())["stats"])
+        else:
+            # The Arrow cache outlived its sidecar: recount rather than report wrong numbers.
+            file_stats = FastaStats()
+            for _ in iter_fasta(entry["path"], stats=file_stats, shard=tuple(entry["shard"]), **{
+                    k: settings[k] for k in ("min_length", "max_length", "nonstandard", "val_fraction", "salt")}):
+                pass
+            _write_json_atomic(sidecar, {"file": entry, "stats": file_stats.to_dict()})
+            stats += file_stats
+    stats.files = len(files)  # each shard counted its file once
+    if split is not None:
+        ds = ds.filter(_in_split, input_columns="split", batched=True, fn_kwargs={"name": split},
+                       new_fingerprint=_digest([fingerprint, "split", split]))
+    return ds, stats
+
+
+def _encode_batch(sequences: list[str]) -> dict[str, list[np.ndarray]]:
+    """input_ids of a batch: one table lookup for the whole batch, then views per sequence."""
+    joined = "".join(sequences).encode("ascii", errors="replace")
+    values = _TABLE[np.frombuffer(joined, dtype=np.uint8)]
+    ends = np.cumsum([len(s) for s in sequences])
+    return {"input_ids": np.split(values, ends[:-1])}
+
+
+def tokenize_dataset(ds: datasets.Dataset, num_proc: int | None = None, batch_size: int = 1000) -> datasets.Dataset:
+    """Add an int8 `input_ids` column (ids of `encode_residues`), cached by the dataset fingerprint."""
+    features = ds.features.copy()
+    features["input_ids"] = datasets.List(datasets.Value("int8"))
+    return ds.map(_encode_batch, input_columns="sequence", batched=True, batch_size=batch_size,
+                  features=features, num_proc=num_proc,
+                  new_fingerprint=_digest([ds._fingerprint, TOKENIZE_VERSION]))
+
+
+class FastaStream(IterableDataset):
+    """Records of FASTA files, read lazily and sharded over (rank, dataloader worker).
+
+    Record k of a file (counting every header) goes to shard k mod (world_size x num_workers), where
+    shard = rank x num_workers + worker id: every record reaches exactly one (rank, worker). Each
+    worker still scans the whole file, but only decodes and validates its own records. `stats`
+    counts what this iterator (in this process) read.
+    """
+
+    def __init__(self, paths: Sequence[Path], *, rank: int, world_size: int, split: str | None,
+                 columns: Sequence[str] | None, with_input_ids: bool, reader_kwargs: dict[str, Any]):
+        super().__init__()
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.paths = list(paths)
+        self.rank, self.world_size = rank, world_size
+        self.split = split
+        self.columns = list(columns) if columns is not None else None
+        self.with_input_ids = with_input_ids
+        self.reader_kwargs = reader_kwargs
+        self.stats = FastaStats()
+
+    def shard(self) -> tuple[int, int]:
+        """(index, count) of this (rank, worker)."""
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        return self.rank * workers + worker, self.world_size * workers
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        shard = self.shard()
+        for path in self.paths:
+            for rec in iter_fasta(path, stats=self.stats, shard=shard, **self.reader_kwargs):
+                if self.split is not None and rec["split"] != self.split:
+                    continue
+                if self.with_input_ids:
+                    rec["input_ids"] = encode_residues(rec["sequence"])
+                if self.columns is not None:
+                    rec = {k: rec[k] for k in self.columns}
+                yield rec
+
+
+def stream_fasta(paths: str | Path | Iterable[str | Path], *, rank: int = 0, world_size: int = 1,
+                 split: str | None = None, val_fraction: float = 0.02, min_length: int = 0, max_length: int = 0,
+                 nonstandard: str = "keep", salt: str = "", columns: Sequence[str] | None = None,
+                 with_input_ids: bool = False) -> FastaStream:
+    """A `torch.utils.data.IterableDataset` over FASTA records with bounded memory (see `FastaStream`).
+
+    `columns` restricts the yielded fields (None = all of `FASTA_COLUMNS`); `with_input_ids` adds
+    `input_ids` from `encode_residues`.
+    """
+    if split not in (None, "train", "validation"):
+        raise ValueError(f"split must be None, 'train' or 'validation', got {split!r}")
+    reader_kwargs = {"val_fraction": val_fraction, "min_length": min_length, "max_length": max_length,
+                     "nonstandard": nonstandard, "salt": salt}
+    return FastaStream(_as_paths(paths), rank=rank, world_size=world_size, split=split, columns=columns,
+                       with_input_ids=with_input_ids, reader_kwargs=reader_kwargs)
