@@ -28,6 +28,7 @@ ONE = COMMON + ["train.per_device_batch_size=16"]
 LAUNCHES = {
     "single": lambda out: [str(BIN / "python"), TRAIN, TINY, *ONE, f"run.output_dir={out}"],
     "cli": lambda out: [str(BIN / "trainer"), "train", TINY, *ONE, f"run.output_dir={out}"],
+    "accelerate_single": lambda out: accelerate_cmd("single.yaml", TINY, *ONE, f"run.output_dir={out}"),
     "ddp": lambda out: accelerate_cmd("ddp.yaml", TINY, *TWO, f"run.output_dir={out}"),
     "torchrun": lambda out: [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", TRAIN, TINY,
                              *TWO, f"run.output_dir={out}"],

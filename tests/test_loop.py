@@ -140,28 +140,33 @@ def test_no_host_sync_between_logging_steps(tmp_path, monkeypatch):
 def test_corrupt_truncated_and_incomplete_checkpoints(tmp_path):
     trainer = make(tmp_path, "train.max_steps=4", "ckpt.every_steps=2")
     trainer.fit()
-    latest = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+    root = tmp_path / "checkpoints"
+    latest = root / (root / "latest").read_text().strip()
 
-    def resume():
+    def resume(which):
         from accelerate.state import AcceleratorState, GradientState
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-        return make(tmp_path, "train.max_steps=6")
+        return make(tmp_path, "train.max_steps=6", f"run.resume={which}")
 
     weights = latest / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"model.safetensors has \d+ bytes, expected \d+ \(truncated"):
-        resume()
+        resume(latest)
+    assert resume("auto").state.step == 2  # auto falls back to the previous good checkpoint
     flipped = bytearray(data)
     flipped[-1] ^= 0xFF
     weights.write_bytes(bytes(flipped))
     with pytest.raises(CheckpointError, match="model.safetensors fails its sha256"):
-        resume()
+        resume(latest)
     weights.write_bytes(data)
     (latest / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="incomplete: no manifest.json"):
-        resume()
+        resume(latest)
+    (root / "step_00000002" / "trainer_state.json").write_text("{}")  # size changes: caught by the manifest
+    with pytest.raises(CheckpointError, match="trainer_state.json has"):
+        resume("auto")  # nothing good left to fall back to
 
 
 def test_interrupted_save_leaves_latest_intact(tmp_path):
@@ -208,3 +213,30 @@ def test_best_checkpoint_is_kept_and_pointed_to(tmp_path):
     kept = sorted(p.name for p in root.glob("step_*"))
     assert kept == sorted({f"step_{best_step:08d}", "step_00000012"})
     assert trainer.state.best_step == best_step and trainer.state.best_metric == pytest.approx(evals[best_step])
+
+
+def test_resume_none_moves_old_checkpoints_aside(tmp_path):
+    make(tmp_path, "train.max_steps=2").fit()
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    fresh = make(tmp_path, "train.max_steps=2", "run.resume=none")
+    assert fresh.state.step == 0
+    aside = list(tmp_path.glob("checkpoints.replaced-*"))
+    assert len(aside) == 1 and (aside[0] / "step_00000002").is_dir()
+
+
+def test_deepspeed_json_must_agree_with_trainer_config():
+    from trainer.config import ConfigError
+    from trainer.distributed import fill_deepspeed_config
+
+    cfg = load_config(None, ["train.grad_accum_steps=2", "train.ema_decay=0.99"])
+    filled = fill_deepspeed_config({"gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 3}}, cfg)
+    assert filled["gradient_accumulation_steps"] == 2 and filled["bf16"]["enabled"] is False
+    assert filled["zero_optimization"]["stage3_param_persistence_threshold"] == 0  # EMA needs partitions
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=4"):
+        fill_deepspeed_config({"gradient_accumulation_steps": 4}, cfg)
+    with pytest.raises(ConfigError, match="must not define 'optimizer'"):
+        fill_deepspeed_config({"optimizer": {"type": "Adam"}}, cfg)
+    with pytest.raises(ConfigError, match="persistence_threshold"):
+        fill_deepspeed_config({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e5}}, cfg)

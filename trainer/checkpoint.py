@@ -62,6 +62,8 @@ def write_manifest(ckpt_dir: Path, state: dict[str, Any], with_hashes: bool) -> 
     for path in sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
         rel = str(path.relative_to(ckpt_dir))
         files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path) if with_hashes else None}
+        with open(path, "rb") as f:  # on disk before the rename makes the checkpoint visible
+            os.fsync(f.fileno())
     atomic_write_text(ckpt_dir / MANIFEST, json.dumps({"files": files}, indent=1))
 
 
@@ -116,6 +118,15 @@ def latest_checkpoint(root: Path) -> Path | None:
         return target
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+def resume_candidates(root: Path) -> list[Path]:
+    """Checkpoints to try for run.resume=auto, best first: `latest`, then older complete ones."""
+    found = list_checkpoints(root)[::-1]
+    latest = read_pointer(root, "latest")
+    if latest is not None:
+        found = [latest] + [p for p in found if p != latest]
+    return found
 
 
 def resolve_checkpoint(path_or_run: str | Path, which: str = "latest") -> Path:

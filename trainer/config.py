@@ -33,7 +33,7 @@ class RunConfig:
     seed: int = 0
     """Base seed; rank r uses seed + r for its own RNG streams, data order depends on seed only."""
     resume: str = "auto"
-    """`auto` (continue from the latest checkpoint in output_dir if any), `none`, or a checkpoint path."""
+    """`auto` (continue from the latest good checkpoint in output_dir if any), `none` (start over; old checkpoints are moved aside), or a checkpoint path."""
 
 
 @dataclass
@@ -115,7 +115,7 @@ class EvalConfig:
 @dataclass
 class CkptConfig:
     every_steps: int = 0
-    """Checkpoint every N optimizer steps (0: only at the end)."""
+    """Checkpoint every N optimizer steps (0: none in between); also at the end and at every eval that improves eval.metric."""
     keep_last: int = 2
     """Keep this many most recent checkpoints (the best one is kept in addition)."""
     verify: bool = True
@@ -264,10 +264,17 @@ def _validate(cfg: Config) -> None:
         if value not in choices:
             raise ConfigError(f"config key '{section}.{key}' must be one of {list(choices)}, got {value!r}")
     positive = [("train", "max_steps"), ("train", "per_device_batch_size"), ("train", "grad_accum_steps"),
-                ("optim", "base_world_size"), ("log", "every_steps")]
+                ("train", "max_nonfinite_in_row"), ("optim", "base_world_size"), ("log", "every_steps")]
     for section, key in positive:
         if getattr(getattr(cfg, section), key) < 1:
             raise ConfigError(f"config key '{section}.{key}' must be >= 1")
+    non_negative = [("eval", "every_steps"), ("ckpt", "every_steps"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
+                    ("data", "num_workers"), ("eval", "batch_size"), ("train", "grad_clip_norm")]
+    for section, key in non_negative:
+        if getattr(getattr(cfg, section), key) < 0:
+            raise ConfigError(f"config key '{section}.{key}' must be >= 0")
+    if not 0.0 <= cfg.train.ema_decay < 1.0:
+        raise ConfigError("config key 'train.ema_decay' must be in [0, 1)")
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:

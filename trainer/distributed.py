@@ -68,6 +68,9 @@ def fill_deepspeed_config(ds: dict, cfg: Config) -> dict:
     for key, value in values.items():
         if ds.get(key, "auto") == "auto":
             ds[key] = value
+        elif float(ds[key]) != float(value):
+            raise ConfigError(f"DeepSpeed config sets {key}={ds[key]} but the trainer config implies {value}; "
+                              f"write \"auto\" in the json so both agree")
     for key in ("bf16", "fp16"):
         section = ds.setdefault(key, {})
         if section.get("enabled", "auto") == "auto":
@@ -78,6 +81,12 @@ def fill_deepspeed_config(ds: dict, cfg: Config) -> dict:
     if "optimizer" in ds or "scheduler" in ds:
         raise ConfigError("DeepSpeed config must not define 'optimizer' or 'scheduler': the trainer builds them "
                           "from the optim section (one schedule under every backend)")
+    zero = ds.setdefault("zero_optimization", {})
+    if zero.get("stage") == 3 and t.ema_decay > 0:
+        # The EMA lives on each rank's partition; a parameter kept whole ("persistent") is not read from it.
+        if zero.get("stage3_param_persistence_threshold", 0) not in (0, "auto"):
+            raise ConfigError("train.ema_decay > 0 under ZeRO-3 needs stage3_param_persistence_threshold: 0")
+        zero["stage3_param_persistence_threshold"] = 0
     ds.setdefault("zero_force_ds_cpu_optimizer", False)
     ds.setdefault("steps_per_print", 10**9)
     return ds

@@ -60,15 +60,17 @@ class EMA:
             for (_, p), old in zip(self._params(model), saved):
                 local_tensor(p).copy_(old)
 
-    def state_dict(self) -> dict:
-        return {"decay": self.decay, "num_updates": self.num_updates,
-                "shadow": {n: s for n, s in zip(self.names, self.shadow)}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.decay = state["decay"]
-        self.num_updates = int(state["num_updates"])
-        for i, n in enumerate(self.names):
-            self.shadow[i].copy_(state["shadow"][n])
+    @torch.no_grad()
+    def full_state(self, model: torch.nn.Module, gather) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 EMA weights by parameter name; `gather` concatenates a tensor from all
+        ranks (a collective: every rank must call this)."""
+        full = {}
+        for (name, p), shadow in zip(self._params(model), self.shadow):
+            if hasattr(p, "ds_tensor"):  # ZeRO-3: flat partitions in rank order, padding at the end
+                full[name] = gather(shadow.flatten())[: p.ds_numel].view(p.ds_shape).clone()
+            else:
+                full[name] = shadow.clone()
+        return full
 
     @torch.no_grad()
     def load_full(self, model: torch.nn.Module, full: dict[str, torch.Tensor], rank: int,

@@ -49,7 +49,9 @@ def export_run(run_dir: str | Path, out: str | Path | None = None, checkpoint: s
     if weights == "ema" and not ema_file.is_file():
         raise CheckpointError(f"checkpoint {ckpt_dir} has no EMA weights (train.ema_decay was 0)")
     use_ema = weights != "model" and ema_file.is_file()
-    state_dict = load_file(ema_file) if use_ema else load_model_weights(ckpt_dir)
+    state_dict = load_model_weights(ckpt_dir)
+    if use_ema:  # the EMA covers the parameters; buffers (e.g. norm statistics) come from the model
+        state_dict.update(load_file(ema_file))
     state_dict = {k: v.float().contiguous() if v.is_floating_point() else v.contiguous()
                   for k, v in state_dict.items()}
     out = Path(out) if out else run_dir / "export" / "model.safetensors"

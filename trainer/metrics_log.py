@@ -38,8 +38,13 @@ class MetricsLog:
 
     def _truncate_after(self, step: int) -> None:
         # Lines logged after the checkpoint we resume from are replayed by the resumed run.
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except json.JSONDecodeError:  # a line cut short by the crash we are resuming from
+                continue
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:

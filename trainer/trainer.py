@@ -2,8 +2,8 @@
 
 Read top to bottom: `__init__` builds task, model, data and optimizer and prepares them;
 `fit` runs optimizer steps (`train_step`), evaluates (`evaluate`) and checkpoints (`save`).
-The loop never branches on the task; backend differences (DeepSpeed steps inside backward)
-are confined to `train_step`.
+The loop never branches on the task; backend differences (DeepSpeed steps and clips inside
+backward and counts its own skipped steps) stay in the step and logging helpers.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from trainer import checkpoint as ckpt
-from trainer.config import Config, config_to_dict, save_config
-from trainer.data.samplers import EpochSampler, RankBatchSampler, WorkerSeeder
+from trainer.config import Config, ConfigError, config_to_dict, save_config
+from trainer.data.samplers import EpochIndexed, EpochSampler, RankBatchSampler, WorkerSeeder
 from trainer.distributed import PREEMPTED_EXIT_CODE, PreemptionWatcher, build_accelerator, scale_factor
 from trainer.ema import EMA
 from trainer.metrics_log import MetricsLog, peak_memory_mb
@@ -52,6 +52,7 @@ class TrainState:
     nonfinite_skipped: int = 0
     world_size: int = 1
     backend: str = ""
+    grad_accum_steps: int = 1
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -72,6 +73,8 @@ class Trainer:
         self.cfg = cfg
         self.accelerator = acc = build_accelerator(cfg, deepspeed_config)
         self.is_deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+        if acc.distributed_type == DistributedType.FSDP and cfg.train.ema_decay > 0:
+            raise ConfigError("train.ema_decay > 0 is not supported under FSDP yet (DDP and ZeRO-1/2/3 are)")
         self.run_dir = Path(cfg.run.output_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         world, t = acc.num_processes, cfg.train
@@ -95,19 +98,28 @@ class Trainer:
                            worker_init_fn=WorkerSeeder(), persistent_workers=cfg.data.num_workers > 0)
         # Our own rank sharding rather than a prepared loader: the data position is then a pure function
         # of the step (exact resume without loading skipped batches) and no wrapper sits in the hot loop.
-        self.batch_sampler = RankBatchSampler(self.train_sampler, t.per_device_batch_size, acc.process_index, world)
-        self.train_loader = DataLoader(train_set, batch_sampler=self.batch_sampler, **loader_args)
+        epoch_aware = hasattr(train_set, "get_item")
+        self.batch_sampler = RankBatchSampler(self.train_sampler, t.per_device_batch_size, acc.process_index, world,
+                                              with_epoch=epoch_aware)
+        train_set = EpochIndexed(train_set) if epoch_aware else train_set
+        # Its own generator, reseeded every epoch: iterators must not draw from the global RNG (which
+        # a resumed run restores) and worker seeds must be a function of (seed, rank, epoch).
+        self._loader_generator = torch.Generator()
+        self.train_loader = DataLoader(train_set, batch_sampler=self.batch_sampler,
+                                       generator=self._loader_generator, **loader_args)
         self.model, self.optimizer = acc.prepare(model, optimizer)
         self.eval_loader = None
         if eval_set is not None:
+            # Its own generator too: a (re)created iterator would otherwise draw from the global RNG.
             eval_loader = DataLoader(eval_set, batch_size=cfg.eval.batch_size or t.per_device_batch_size,
-                                     shuffle=False, **loader_args)
+                                     shuffle=False, generator=torch.Generator().manual_seed(cfg.run.seed),
+                                     **loader_args)
             self.eval_loader = acc.prepare(eval_loader)
-        acc.register_for_checkpointing(self.scheduler)
         set_seed(cfg.run.seed + acc.process_index)  # independent noise/dropout streams per rank
 
         self.ema = EMA(acc.unwrap_model(self.model), t.ema_decay) if t.ema_decay > 0 else None
-        self.state = TrainState(world_size=world, backend=str(acc.distributed_type.value))
+        self.state = TrainState(world_size=world, backend=str(acc.distributed_type.value),
+                                grad_accum_steps=t.grad_accum_steps)
         # Plain PyTorch calls where accelerate's wrappers would only forward them (they cost ~0.3 ms a step).
         self._plain_step = (not self.is_deepspeed and acc.scaler is None
                             and acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU,
@@ -131,21 +143,41 @@ class Trainer:
     def _resume(self) -> Path | None:
         mode = self.cfg.run.resume
         if mode == "none":
+            self._set_aside_old_checkpoints()
             return None
-        path = ckpt.latest_checkpoint(self.ckpt_root) if mode == "auto" else ckpt.resolve_checkpoint(mode)
-        if path is None:
-            return None
+        if mode == "auto":
+            candidates = ckpt.resume_candidates(self.ckpt_root)
+            if not candidates:
+                return None
+        else:
+            candidates = [ckpt.resolve_checkpoint(mode)]
         acc = self.accelerator
-        saved = ckpt.verify_checkpoint(path, check_hashes=self.cfg.ckpt.verify and acc.is_local_main_process)
+        for i, path in enumerate(candidates):
+            saved, problem = self._verify_everywhere(path)
+            if problem is None:
+                break
+            if mode != "auto" or i == len(candidates) - 1:
+                raise ckpt.CheckpointError(problem)
+            logger.warning("%s; falling back to the previous checkpoint", problem)
         if saved.get("world_size") != acc.num_processes and (self.is_deepspeed or "DEEPSPEED" in saved.get("backend", "")):
             raise ckpt.CheckpointError(f"checkpoint {path} was written by {saved.get('world_size')} DeepSpeed "
                                        f"processes; resume it with the same number (now {acc.num_processes})")
+        if saved.get("grad_accum_steps", self.cfg.train.grad_accum_steps) != self.cfg.train.grad_accum_steps:
+            logger.warning("train.grad_accum_steps changed from %s to %s: the data position counts optimizer steps, "
+                           "so the sample order differs from the original run", saved["grad_accum_steps"],
+                           self.cfg.train.grad_accum_steps)
         try:
             acc.load_state(str(path))
         except Exception as err:  # a checkpoint that passed its manifest but will not load
             raise ckpt.CheckpointError(f"checkpoint {path} could not be loaded: {err}") from err
-        self.state = TrainState(**{**saved, "world_size": acc.num_processes,
-                                   "backend": str(acc.distributed_type.value)})
+        acc.step = 0  # accumulation boundaries restart with each optimizer step, whatever accum was
+        self.scheduler.load_state_dict(saved.pop("scheduler"))
+        fields = {f.name for f in dataclasses.fields(TrainState)}
+        self.state = TrainState(**{k: v for k, v in saved.items() if k in fields})
+        self.state.world_size, self.state.backend = acc.num_processes, str(acc.distributed_type.value)
+        self.state.grad_accum_steps = self.cfg.train.grad_accum_steps
+        if self.is_deepspeed:
+            self._ds_skipped = int(getattr(self.model, "skipped_steps", 0))
         if self.ema is not None:
             ema_file = path / "ema.safetensors"
             if not ema_file.is_file():
@@ -153,6 +185,29 @@ class Trainer:
             self.ema.load_full(acc.unwrap_model(self.model), load_file(ema_file), acc.process_index,
                                num_updates=self.state.step)
         return path
+
+    def _verify_everywhere(self, path: Path) -> tuple[dict, str | None]:
+        """Verify on every rank (hashes on each node's main rank) and agree: one bad rank fails all."""
+        acc = self.accelerator
+        saved, problem = {}, None
+        try:
+            saved = ckpt.verify_checkpoint(path, check_hashes=self.cfg.ckpt.verify and acc.is_local_main_process)
+        except ckpt.CheckpointError as err:
+            problem = str(err)
+        if acc.num_processes > 1:
+            failed = acc.reduce(torch.tensor(float(problem is not None), device=acc.device), reduction="sum")
+            if problem is None and float(failed) > 0:
+                problem = f"checkpoint {path} failed verification on another rank"
+        return saved, problem
+
+    def _set_aside_old_checkpoints(self) -> None:
+        """run.resume=none in a directory with checkpoints: keep them, but out of this run's way."""
+        acc = self.accelerator
+        if acc.is_main_process and ckpt.list_checkpoints(self.ckpt_root):
+            aside = self.ckpt_root.with_name(f"checkpoints.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            self.ckpt_root.rename(aside)
+            logger.warning("run.resume=none: the existing checkpoints were moved to %s", aside)
+        acc.wait_for_everyone()
 
     def _log_start(self, resumed_from: Path | None) -> None:
         acc, t = self.accelerator, self.cfg.train
@@ -182,6 +237,7 @@ class Trainer:
         epoch, skip = divmod(consumed, len(self.batch_sampler))
         while True:
             self.batch_sampler.set_epoch(epoch, skip)
+            self._loader_generator.manual_seed(self.cfg.run.seed * 1_000_003 + self.accelerator.process_index * 10_007 + epoch)
             for batch in self.train_loader:
                 yield batch if device.type == "cpu" else send_to_device(batch, device, non_blocking=True)
             epoch, skip = epoch + 1, 0
@@ -194,7 +250,7 @@ class Trainer:
         micro = self._micro_batches(self.state.step * t.grad_accum_steps)
         bar = tqdm(total=t.max_steps, initial=self.state.step, desc="train", dynamic_ncols=True,
                    disable=not (acc.is_main_process and self.cfg.log.progress_bar))
-        window = _Window(acc.device)
+        window = _Window()
         status = "completed"
         saved_at = self.state.step if self.resumed_from else -1  # that step is on disk already
         self.model.train()
@@ -217,6 +273,10 @@ class Trainer:
                 status = "preempted"
                 break
         bar.close()
+        if self.resumed_from is not None and saved_at == self.state.step and status == "completed":
+            watcher.close()  # resumed a finished run: its final eval and checkpoint exist already
+            acc.end_training()
+            return status
         self._finish(status, saved_at, watcher)
         return status
 
@@ -269,7 +329,8 @@ class Trainer:
         if acc.num_processes == 1 and all(isinstance(w, (int, float)) for w in weights):
             total = float(sum(weights))  # host numbers: no device work at all
             return [w / total for w in weights], total
-        weights = [torch.as_tensor(w, dtype=torch.float32, device=acc.device) for w in weights]
+        weights = [w.to(acc.device, torch.float32) if isinstance(w, torch.Tensor)
+                   else torch.full((), float(w), dtype=torch.float32, device=acc.device) for w in weights]
         local = weights[0] if len(weights) == 1 else torch.stack(weights).sum()
         total = acc.reduce(local, reduction="sum") if acc.num_processes > 1 else local
         return [w / total for w in weights], local
@@ -347,7 +408,8 @@ class Trainer:
         loss_sum, units, samples = totals.tolist()
         elapsed = time.perf_counter() - window.start
         total_bad, run_max = self._nonfinite_counts()
-        if run_max >= self.cfg.train.max_nonfinite_in_row:
+        # Under fp16 a loss scaler overflows on purpose now and then: count those steps, never abort.
+        if run_max >= self.cfg.train.max_nonfinite_in_row and self.cfg.train.mixed_precision != "fp16":
             raise NonFiniteLossError(
                 f"{run_max} optimizer steps in a row had a non-finite loss or gradient (up to step "
                 f"{self.state.step}); lower optim.lr, enable train.grad_clip_norm or check the data")
@@ -421,14 +483,13 @@ class Trainer:
         acc.wait_for_everyone()
         acc.save_state(str(tmp), safe_serialization=True)
         if self.ema is not None:
-            with self.ema.applied_to(acc.unwrap_model(self.model)):
-                full = acc.get_state_dict(self.model)  # may alias the live tensors: copy before leaving
-                full = {k: v.detach().float().clone().contiguous() for k, v in (full or {}).items()}
+            full = self.ema.full_state(acc.unwrap_model(self.model), acc.gather)  # fp32, collective
             if acc.is_main_process:
                 save_file(full, str(tmp / "ema.safetensors"))
         acc.wait_for_everyone()
         if acc.is_main_process:
-            ckpt.write_manifest(tmp, dataclasses.asdict(self.state), with_hashes=self.cfg.ckpt.verify)
+            state = {**dataclasses.asdict(self.state), "scheduler": self.scheduler.state_dict()}
+            ckpt.write_manifest(tmp, state, with_hashes=self.cfg.ckpt.verify)
             ckpt.finalize(tmp, final, self.ckpt_root, best=best)
             ckpt.rotate(self.ckpt_root, self.cfg.ckpt.keep_last)
         acc.wait_for_everyone()
@@ -438,8 +499,7 @@ class Trainer:
 class _Window:
     """Per-rank running totals between two logging steps (device tensors are summed only when logging)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:

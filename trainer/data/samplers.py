@@ -7,7 +7,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 
 class EpochSampler(Sampler[int]):
@@ -64,11 +64,12 @@ class RankBatchSampler(Sampler[list[int]]):
     skipped samples, which is how a resumed run gets back to its data position.
     """
 
-    def __init__(self, sampler: EpochSampler, batch_size: int, rank: int, world_size: int):
+    def __init__(self, sampler: EpochSampler, batch_size: int, rank: int, world_size: int, with_epoch: bool = False):
         self.sampler = sampler
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
+        self.with_epoch = with_epoch  # yield (epoch, index) keys for an EpochIndexed dataset
         self.skip = 0
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
@@ -83,4 +84,20 @@ class RankBatchSampler(Sampler[list[int]]):
         step = self.batch_size * self.world_size
         for start in range(self.skip * step, len(indices), step):
             offset = start + self.rank * self.batch_size
-            yield indices[offset: offset + self.batch_size]
+            batch = indices[offset: offset + self.batch_size]
+            yield [(self.sampler.epoch, i) for i in batch] if self.with_epoch else batch
+
+
+class EpochIndexed(Dataset):
+    """Passes the epoch to datasets with `get_item(index, epoch)` (per-epoch random crops that a
+    resumed run reproduces exactly, even inside persistent worker processes)."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, index = key
+        return self.dataset.get_item(index, epoch)

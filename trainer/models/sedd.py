@@ -420,14 +420,20 @@ def _score_fn(model: Callable[..., torch.Tensor], x: torch.Tensor, sigma: torch.
     return model(x, sigma.reshape(-1)).float().exp()
 
 
-def _euler_step(model, graph: Graph, noise: Noise, x, t, step_size, generator) -> torch.Tensor:
+def _euler_step(
+    model: Callable[..., torch.Tensor], graph: Graph, noise: Noise, x: torch.Tensor, t: torch.Tensor,
+    step_size: float, generator: GeneratorLike,
+) -> torch.Tensor:
     sigma, dsigma = noise(t)
     score = _score_fn(model, x, sigma)
     rev_rate = step_size * dsigma[..., None] * graph.reverse_rate(x, score)
     return graph.sample_rate(x, rev_rate, generator)
 
 
-def _analytic_step(model, graph: Graph, noise: Noise, x, t, step_size, generator) -> torch.Tensor:
+def _analytic_step(
+    model: Callable[..., torch.Tensor], graph: Graph, noise: Noise, x: torch.Tensor, t: torch.Tensor,
+    step_size: float, generator: GeneratorLike,
+) -> torch.Tensor:
     curr_sigma = noise(t)[0]
     next_sigma = noise(t - step_size)[0]
     dsigma = curr_sigma - next_sigma
@@ -439,7 +445,10 @@ def _analytic_step(model, graph: Graph, noise: Noise, x, t, step_size, generator
 _PREDICTORS = {"euler": _euler_step, "analytic": _analytic_step}
 
 
-def _denoise_step(model, graph: Graph, noise: Noise, x, t, generator, allowed_states) -> torch.Tensor:
+def _denoise_step(
+    model: Callable[..., torch.Tensor], graph: Graph, noise: Noise, x: torch.Tensor, t: torch.Tensor,
+    generator: GeneratorLike, allowed_states: Optional[torch.Tensor],
+) -> torch.Tensor:
     sigma = noise(t)[0]
     score = _score_fn(model, x, sigma)
     probs = graph.staggered_score(score, sigma) * graph.transp_transition(x, sigma)

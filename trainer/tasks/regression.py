@@ -30,6 +30,8 @@ class RegressionConfig(TaskConfig):
     """Hidden width of the MLP."""
     depth: int = 2
     """Hidden layers."""
+    dropout: float = 0.0
+    """Dropout after each hidden layer (draws from the rank's RNG: exercises RNG restore on resume)."""
     noise: float = 0.1
     """Standard deviation of the target noise."""
     data_seed: int = 1234
@@ -58,11 +60,11 @@ class SyntheticRegression(Dataset):
         return {"x": self.x[i], "y": self.y[i], "index": torch.tensor(i)}
 
 
-def build_mlp(in_dim: int, hidden: int, out_dim: int, depth: int) -> nn.Sequential:
+def build_mlp(in_dim: int, hidden: int, out_dim: int, depth: int, dropout: float = 0.0) -> nn.Sequential:
     layers: list[nn.Module] = []
     width = in_dim
     for _ in range(depth):
-        layers += [nn.Linear(width, hidden), nn.GELU()]
+        layers += [nn.Linear(width, hidden), nn.GELU()] + ([nn.Dropout(dropout)] if dropout else [])
         width = hidden
     layers.append(nn.Linear(width, out_dim))
     return nn.Sequential(*layers)
@@ -79,7 +81,7 @@ class RegressionTask(Task):
 
     def build_model(self) -> nn.Module:
         c = self.cfg
-        return build_mlp(c.in_dim, c.hidden, c.out_dim, c.depth)
+        return build_mlp(c.in_dim, c.hidden, c.out_dim, c.depth, c.dropout)
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         c = self.cfg
