@@ -1,5 +1,6 @@
 # Two commands on a fresh machine:
-#   make train   set up .venv, train the main job (2 processes), export and plot it
+#   make train   set up .venv, train the main job (protein SEDD, 2 processes), evaluate, export,
+#                sample 64 sequences and plot
 #   make test    set up .venv and run the test suite (the command CI runs)
 PYTHON     ?= python3
 VENV       ?= .venv
@@ -8,7 +9,8 @@ PY         := $(VENV)/bin/python
 # On a GPU node use e.g. `make train TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 NPROC      ?= 2
-CONFIG     ?= configs/regression_tiny.yaml
+CONFIG     ?= configs/protein_sedd_tiny.yaml
+SAMPLES    ?= 64
 RUN_DIR    ?= runs/main
 PYTEST_ARGS ?=
 
@@ -28,6 +30,8 @@ train: setup
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes $(NPROC) \
 		scripts/train.py $(CONFIG) run.output_dir=$(RUN_DIR) run.resume=none
 	$(VENV)/bin/trainer export $(RUN_DIR)
+	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes $(NPROC) \
+		-m trainer sample $(RUN_DIR) --num-samples $(SAMPLES) --out $(RUN_DIR)/samples.fasta
 	$(VENV)/bin/trainer plot $(RUN_DIR)
 
 test: setup

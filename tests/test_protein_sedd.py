@@ -3,11 +3,13 @@ exact-once and batch-size invariant, and the task runs under 2-process DDP."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from conftest import BIN, ROOT, accelerate_cmd, read_jsonl, run_cmd
+from conftest import BIN, ROOT, accelerate_cmd, free_port, read_jsonl, run_cmd
 from trainer.config import load_config
 from trainer.data.samplers import EpochIndexed
 from trainer.tasks.protein_sedd import PAD_STATE, NUM_RESIDUES, collate_crops
@@ -75,3 +77,34 @@ def test_two_process_ddp_run(tmp_path):
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
     assert next(r for r in records if r.get("event") == "start")["world_size"] == 2
     assert "tokens_per_s" in records[-2] or any("tokens_per_s" in r for r in records)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sampling_same_sequences_with_one_and_two_processes(tmp_path):
+    run = tmp_path / "run"
+    run_cmd([str(BIN / "trainer"), "train", CONFIG, f"run.output_dir={run}", "train.max_steps=10",
+             "eval.every_steps=0", "log.progress_bar=false", f"task.cache_dir={tmp_path / 'cache'}"])
+    one, two = tmp_path / "one.fasta", tmp_path / "two.fasta"
+    common = ["--num-samples", "7", "--steps", "12"]
+    run_cmd([str(BIN / "trainer"), "sample", str(run), "--out", str(one), *common])
+    run_cmd([str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
+             "--main_process_port", str(free_port()), "-m", "trainer", "sample", str(run), "--out", str(two),
+             "--batch-size", "2", *common])
+    assert one.read_text() == two.read_text()
+    records = one.read_text().split(">")[1:]
+    assert len(records) == 7
+    lengths = []
+    for record in records:
+        header, *lines = record.strip().splitlines()
+        seq = "".join(lines)
+        assert set(seq) <= set("ACDEFGHIKLMNPQRSTVWYXBZUO")  # residues only, never mask or padding
+        assert header.endswith(f"length={len(seq)}")
+        lengths.append(len(seq))
+    stats = json.loads(one.with_suffix(".json").read_text())
+    assert stats["num_samples"] == 7 and sum(stats["lengths"]["histogram"].values()) == 7
+    assert stats["kl_samples_to_training"] >= 0
+    fixed = tmp_path / "fixed.fasta"
+    run_cmd([str(BIN / "trainer"), "sample", str(run), "--out", str(fixed), "--num-samples", "3", "--length", "17",
+             "--steps", "8", "--sampler", "euler"])
+    assert all(len("".join(r.strip().splitlines()[1:])) == 17 for r in fixed.read_text().split(">")[1:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -24,6 +25,18 @@ def _export(args: argparse.Namespace) -> int:
 
     out = export_run(args.run_dir, out=args.out, checkpoint=args.checkpoint, weights=args.weights)
     print(out)
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from trainer.generate import sample_run
+
+    stats = sample_run(args.run_dir, args.num_samples, args.out, checkpoint=args.checkpoint, weights=args.weights,
+                       seed=args.seed, batch_size=args.batch_size, steps=args.steps, sampler=args.sampler,
+                       length=args.length)
+    if stats is not None:
+        print(json.dumps({k: v for k, v in stats.items() if k in ("num_samples", "world_size", "lengths",
+                                                                   "kl_samples_to_training")}))
     return 0
 
 
@@ -69,6 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--weights", choices=["auto", "ema", "model"], default="auto",
                         help="auto: EMA weights when the run kept an EMA")
     export.set_defaults(func=_export)
+
+    sample = sub.add_parser("sample", help="draw samples from a run (any number of processes, same samples)")
+    sample.add_argument("run_dir")
+    sample.add_argument("--num-samples", type=int, required=True)
+    sample.add_argument("--out", required=True, help="output file (FASTA for proteins); statistics go to OUT.json")
+    sample.add_argument("--steps", type=int, default=None, help="sampler steps (default: the sequence length)")
+    sample.add_argument("--sampler", choices=["euler", "analytic"], default="analytic")
+    sample.add_argument("--length", type=int, default=None, help="fixed length (default: drawn from the training data)")
+    sample.add_argument("--seed", type=int, default=0, help="sample k uses a generator seeded by (seed, k)")
+    sample.add_argument("--batch-size", type=int, default=16)
+    sample.add_argument("--checkpoint", default="latest", help="latest, best, or a checkpoint directory")
+    sample.add_argument("--weights", choices=["auto", "ema", "model"], default="auto")
+    sample.set_defaults(func=_sample)
 
     plot = sub.add_parser("plot", help="PNG curves of loss, lr and eval metrics from metrics.jsonl")
     plot.add_argument("run_dir")

@@ -38,27 +38,35 @@ def load_model_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
                           f"(model.safetensors, pytorch_model/ or pytorch_model_fsdp_*/)")
 
 
+def consolidated_weights(run_dir: str | Path, checkpoint: str = "latest",
+                         weights: str = "auto") -> tuple[dict[str, torch.Tensor], Path]:
+    """Full fp32 state dict of a run's checkpoint (EMA parameters when kept, unless weights='model')."""
+    run_dir = Path(run_dir)
+    named = checkpoint in ("latest", "best")
+    ckpt_dir = resolve_checkpoint(run_dir if named else checkpoint, checkpoint if named else "latest")
+    verify_checkpoint(ckpt_dir)
+    ema_file = ckpt_dir / "ema.safetensors"
+    if weights == "ema" and not ema_file.is_file():
+        raise CheckpointError(f"checkpoint {ckpt_dir} has no EMA weights (train.ema_decay was 0)")
+    state_dict = load_model_weights(ckpt_dir)
+    if weights != "model" and ema_file.is_file():
+        # The EMA covers the parameters; buffers (e.g. norm statistics) come from the model.
+        state_dict.update(load_file(ema_file))
+    return {k: v.float().contiguous() if v.is_floating_point() else v.contiguous()
+            for k, v in state_dict.items()}, ckpt_dir
+
+
 def export_run(run_dir: str | Path, out: str | Path | None = None, checkpoint: str = "latest",
                weights: str = "auto") -> Path:
     """Write RUN's weights (EMA when kept, unless weights='model') as fp32 safetensors plus its config."""
     run_dir = Path(run_dir)
-    ckpt_dir = resolve_checkpoint(run_dir if checkpoint in ("latest", "best") else checkpoint,
-                                  checkpoint if checkpoint in ("latest", "best") else "latest")
-    state = verify_checkpoint(ckpt_dir)
-    ema_file = ckpt_dir / "ema.safetensors"
-    if weights == "ema" and not ema_file.is_file():
-        raise CheckpointError(f"checkpoint {ckpt_dir} has no EMA weights (train.ema_decay was 0)")
-    use_ema = weights != "model" and ema_file.is_file()
-    state_dict = load_model_weights(ckpt_dir)
-    if use_ema:  # the EMA covers the parameters; buffers (e.g. norm statistics) come from the model
-        state_dict.update(load_file(ema_file))
-    state_dict = {k: v.float().contiguous() if v.is_floating_point() else v.contiguous()
-                  for k, v in state_dict.items()}
+    state_dict, ckpt_dir = consolidated_weights(run_dir, checkpoint, weights)
+    step = json.loads((ckpt_dir / "trainer_state.json").read_text()).get("step")
     out = Path(out) if out else run_dir / "export" / "model.safetensors"
     out.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {"checkpoint": str(ckpt_dir), "step": str(state.get("step")),
-                "weights": "ema" if use_ema else "model"}
-    save_file(state_dict, str(out), metadata=metadata)
+    used_ema = weights != "model" and (ckpt_dir / "ema.safetensors").is_file()
+    save_file(state_dict, str(out), metadata={"checkpoint": str(ckpt_dir), "step": str(step),
+                                              "weights": "ema" if used_ema else "model"})
     config = ckpt_dir.parent.parent / "config.yaml"
     if config.is_file():
         shutil.copyfile(config, out.with_name(out.stem + ".config.yaml"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -120,6 +121,8 @@ class ProteinSEDDTask(Task):
         self.graph = build_graph(cfg.graph, NUM_RESIDUES + 1 + (1 if cfg.graph == "absorb" else 0))
         self.noise = build_noise(cfg.noise)
         self.unigram_perplexity: float | None = None
+        self.train_lengths: np.ndarray | None = None
+        self.train_composition: np.ndarray | None = None
 
     def build_model(self) -> nn.Module:
         if self.cfg.model_preset not in DDIT_PRESETS:
@@ -135,7 +138,10 @@ class ProteinSEDDTask(Task):
         train, self.data_stats = build_fasta_dataset(path, split="train", **common)
         val, _ = build_fasta_dataset(path, split="validation", **common)
         train, val = tokenize_dataset(train), tokenize_dataset(val)
-        self.unigram_perplexity = unigram_perplexity(train)
+        counts = residue_counts(train)
+        self.unigram_perplexity = perplexity_of(counts)
+        self.train_composition = counts / counts.sum()
+        self.train_lengths = np.minimum(np.asarray(train["length"]), c.max_length)
         return (ProteinCrops(train, c.max_length, self.seed, random_crop=True),
                 ProteinCrops(val, c.max_length, self.seed, random_crop=False))
 
@@ -167,12 +173,71 @@ class ProteinSEDDTask(Task):
             metrics["unigram_perplexity"] = self.unigram_perplexity
         return metrics
 
+    def prepare_sampling(self) -> None:
+        """Sampling draws lengths from, and compares composition with, the training data (cached Arrow)."""
+        if self.train_lengths is None:
+            self.build_datasets()
 
-def unigram_perplexity(tokenized) -> float:
-    """exp(entropy) of the training set's residue frequencies: the no-context baseline."""
+    def generate(self, model: nn.Module, generators: list[torch.Generator], length: int | None = None,
+                  steps: int | None = None, sampler: str = "analytic") -> list[str]:
+        """One sequence per generator. Its length is `length`, or drawn from the training crops' length
+        distribution with the same generator; all randomness of sample k comes from generators[k]."""
+        from trainer.models.sedd import sample_one_per_generator
+
+        device = next(model.parameters()).device
+        if length is None:
+            if self.train_lengths is None:
+                raise ValueError("no training length distribution: pass a length")
+            picks = [int(torch.randint(len(self.train_lengths), (1,), generator=g, device=g.device)) for g in generators]
+            lengths = [int(self.train_lengths[i]) for i in picks]
+        else:
+            lengths = [length] * len(generators)
+        allowed = torch.zeros(self.graph.dim, dtype=torch.bool, device=device)
+        allowed[:NUM_RESIDUES] = True
+        out: list[str | None] = [None] * len(generators)
+        for size in sorted(set(lengths)):  # one batch per length, each row still driven by its own generator
+            rows = [i for i, n in enumerate(lengths) if n == size]
+            states = sample_one_per_generator(model, self.graph, self.noise, [generators[i] for i in rows], size,
+                                              steps or size, predictor=sampler, allowed_states=allowed, device=device)
+            for row, seq in zip(rows, states.tolist()):
+                out[row] = "".join(RESIDUES[s] for s in seq)
+        return out  # type: ignore[return-value]
+
+    def write_samples(self, sequences: list[str], out: Path) -> dict[str, Any]:
+        """FASTA of the samples plus statistics: lengths, residue composition and its KL to the training data."""
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w") as f:
+            for k, seq in enumerate(sequences):
+                f.write(f">sample_{k} length={len(seq)}\n")
+                for start in range(0, len(seq), 60):
+                    f.write(seq[start:start + 60] + "\n")
+        counts = np.array([sum(seq.count(r) for seq in sequences) for r in RESIDUES], dtype=np.float64)
+        composition = counts / max(counts.sum(), 1)
+        stats: dict[str, Any] = {
+            "lengths": {"min": min(map(len, sequences)), "max": max(map(len, sequences)),
+                        "mean": float(np.mean([len(s) for s in sequences])),
+                        "histogram": {int(n): int(c) for n, c in zip(*np.unique([len(s) for s in sequences],
+                                                                                 return_counts=True))}},
+            "composition": dict(zip(RESIDUES, composition.round(5).tolist())),
+        }
+        if self.train_composition is not None:
+            p, q = composition, self.train_composition
+            support = p > 0
+            stats["training_composition"] = dict(zip(RESIDUES, q.round(5).tolist()))
+            stats["kl_samples_to_training"] = float((p[support] * np.log(p[support] / np.maximum(q[support], 1e-12))).sum())
+        return stats
+
+
+def residue_counts(tokenized) -> np.ndarray:
+    """How often each of the 25 residues occurs in a tokenized dataset."""
     counts = np.zeros(VOCAB_SIZE, dtype=np.int64)
     for batch in tokenized.with_format("numpy", columns=["input_ids"]).iter(batch_size=1000):
         for ids in batch["input_ids"]:
             counts += np.bincount(ids.astype(np.int64), minlength=VOCAB_SIZE)
+    return counts[FIRST_RESIDUE_ID:FIRST_RESIDUE_ID + NUM_RESIDUES].astype(np.float64)
+
+
+def perplexity_of(counts: np.ndarray) -> float:
+    """exp(entropy) of a frequency table: the no-context (unigram) baseline perplexity."""
     p = counts[counts > 0] / counts.sum()
     return float(np.exp(-(p * np.log(p)).sum()))
