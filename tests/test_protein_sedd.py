@@ -104,6 +104,13 @@ def test_sampling_same_sequences_with_one_and_two_processes(tmp_path):
     stats = json.loads(one.with_suffix(".json").read_text())
     assert stats["num_samples"] == 7 and sum(stats["lengths"]["histogram"].values()) == 7
     assert stats["kl_samples_to_training"] >= 0
+    # The tokenizer travels with every checkpoint and export.
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(run / "checkpoints" / "step_00000010" / "tokenizer"))
+    assert tokenizer("MKV")["input_ids"] == [16, 14, 23]
+    run_cmd([str(BIN / "trainer"), "export", str(run)])
+    assert (run / "export" / "tokenizer" / "tokenizer.json").is_file()
     fixed = tmp_path / "fixed.fasta"
     run_cmd([str(BIN / "trainer"), "sample", str(run), "--out", str(fixed), "--num-samples", "3", "--length", "17",
              "--steps", "8", "--sampler", "euler"])

@@ -70,6 +70,9 @@ def export_run(run_dir: str | Path, out: str | Path | None = None, checkpoint: s
     config = ckpt_dir.parent.parent / "config.yaml"
     if config.is_file():
         shutil.copyfile(config, out.with_name(out.stem + ".config.yaml"))
+    for artifact in ("tokenizer",):  # what tasks save beside the weights (Task.save_artifacts)
+        if (ckpt_dir / artifact).is_dir():
+            shutil.copytree(ckpt_dir / artifact, out.parent / artifact, dirs_exist_ok=True)
     return out
 
 

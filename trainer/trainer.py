@@ -488,6 +488,7 @@ class Trainer:
                 save_file(full, str(tmp / "ema.safetensors"))
         acc.wait_for_everyone()
         if acc.is_main_process:
+            self.task.save_artifacts(tmp)
             state = {**dataclasses.asdict(self.state), "scheduler": self.scheduler.state_dict()}
             ckpt.write_manifest(tmp, state, with_hashes=self.cfg.ckpt.verify)
             ckpt.finalize(tmp, final, self.ckpt_root, best=best)

@@ -8,6 +8,7 @@ collates samples, computes the loss of a micro-batch and per-sample eval values,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -67,6 +68,9 @@ class Task:
     def eval_step(self, model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         """Per-sample values (each shaped [batch]) that `reduce_metrics` turns into metrics."""
         raise NotImplementedError
+
+    def save_artifacts(self, directory: Path) -> None:
+        """Write what a checkpoint or export needs besides weights and config (e.g. a tokenizer)."""
 
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
         """Metrics over the whole eval set; `values` holds each sample exactly once."""

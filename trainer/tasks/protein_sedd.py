@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from trainer.config import TaskConfig
 from trainer.data.protein import build_fasta_dataset, default_protein_fasta, tokenize_dataset
-from trainer.data.protein_tokenizer import FIRST_RESIDUE_ID, RESIDUES, VOCAB_SIZE
+from trainer.data.protein_tokenizer import FIRST_RESIDUE_ID, RESIDUES, VOCAB_SIZE, build_protein_tokenizer
 from trainer.models.ddit import DDIT_PRESETS, DDiT
 from trainer.models.sedd import build_graph, build_noise, score_entropy_loss
 from trainer.tasks import register_task
@@ -172,6 +172,9 @@ class ProteinSEDDTask(Task):
         if self.unigram_perplexity is not None:
             metrics["unigram_perplexity"] = self.unigram_perplexity
         return metrics
+
+    def save_artifacts(self, directory: Path) -> None:
+        build_protein_tokenizer().save_pretrained(str(directory / "tokenizer"))
 
     def prepare_sampling(self) -> None:
         """Sampling draws lengths from, and compares composition with, the training data (cached Arrow)."""
