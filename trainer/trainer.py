@@ -125,7 +125,7 @@ class Trainer:
                             and acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU,
                                                          DistributedType.MULTI_GPU))
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self._bad_flags: list[torch.Tensor] = []  # one 0-d bool per step since the last logging step
+        self._bad_flags: list[torch.Tensor] = []  # one 0./1. flag per step since the last logging step
         self._bad_run = 0
         self._ds_skipped = 0
         self.last_eval: dict[str, float] = {}
