@@ -121,3 +121,22 @@ def test_sigterm_through_accelerate_launch(tmp_path):
     proc.wait(timeout=120)
     marker = json.loads((out / "preempted.json").read_text())
     assert latest_checkpoint(out / "checkpoints").name == f"step_{marker['step']:08d}"
+
+
+@pytest.mark.distributed
+def test_streaming_uneven_shards_resume_exactly(tmp_path):
+    """A stream of 95 samples over 2 ranks: 6 batches of 8 per epoch on rank 0, 5 on rank 1. Training is
+    step-based, so nobody waits for the other's epoch end; each rank resumes from its own position."""
+    common = [*BASE, "train.per_device_batch_size=8", "train.max_steps=12", "ckpt.every_steps=4",
+              "task.streaming=true", "task.num_train=95"]
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    run_cmd(accelerate_cmd("ddp.yaml", TINY, *common, f"run.output_dir={ref}", "run.resume=none"))
+    state = json.loads((ref / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())
+    # 16 micro-batches per rank: rank 0 (6 a epoch) is at epoch 2 batch 4, rank 1 (5 a epoch) at epoch 3 batch 1
+    assert state["data_positions"] == [[2, 4], [3, 1]]
+    run_cmd(accelerate_cmd("ddp.yaml", TINY, *common, f"run.output_dir={resumed}",
+                           f"run.resume={ref / 'checkpoints' / 'step_00000004'}"))
+    ref_losses, got_losses = train_losses(ref), train_losses(resumed)
+    assert sorted(got_losses) == list(range(5, 13))
+    for step, loss in got_losses.items():
+        assert abs(loss - ref_losses[step]) <= 1e-6, (step, loss, ref_losses[step])

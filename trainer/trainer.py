@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -21,9 +22,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from accelerate.utils import DistributedType, send_to_device, set_seed
+from accelerate.utils import DistributedType, gather_object, send_to_device, set_seed
 from safetensors.torch import load_file, save_file
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
@@ -91,22 +92,33 @@ class Trainer:
         self.scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=self.warmup_steps,
                                        num_training_steps=t.max_steps)
 
-        self.train_sampler = EpochSampler(len(train_set), cfg.run.seed, cfg.data.shuffle,
-                                          multiple_of=world * t.per_device_batch_size)
         loader_args = dict(collate_fn=self.task.collate, num_workers=cfg.data.num_workers,
                            pin_memory=cfg.data.pin_memory and torch.cuda.is_available(),
                            worker_init_fn=WorkerSeeder(), persistent_workers=cfg.data.num_workers > 0)
-        # Our own rank sharding rather than a prepared loader: the data position is then a pure function
-        # of the step (exact resume without loading skipped batches) and no wrapper sits in the hot loop.
-        epoch_aware = hasattr(train_set, "get_item")
-        self.batch_sampler = RankBatchSampler(self.train_sampler, t.per_device_batch_size, acc.process_index, world,
-                                              with_epoch=epoch_aware)
-        train_set = EpochIndexed(train_set) if epoch_aware else train_set
         # Its own generator, reseeded every epoch: iterators must not draw from the global RNG (which
         # a resumed run restores) and worker seeds must be a function of (seed, rank, epoch).
         self._loader_generator = torch.Generator()
-        self.train_loader = DataLoader(train_set, batch_sampler=self.batch_sampler,
-                                       generator=self._loader_generator, **loader_args)
+        self.streaming = isinstance(train_set, IterableDataset)
+        if self.streaming:
+            # A stream shards itself over (rank, worker); its position is saved per rank.
+            if not hasattr(train_set, "set_shard"):
+                raise ConfigError(f"{type(train_set).__name__} is an IterableDataset without set_shard(rank, world_size)")
+            train_set.set_shard(acc.process_index, world)
+            self.train_sampler = self.batch_sampler = None
+            self.train_loader = DataLoader(train_set, batch_size=t.per_device_batch_size, drop_last=True,
+                                           generator=self._loader_generator, **loader_args)
+        else:
+            self.train_sampler = EpochSampler(len(train_set), cfg.run.seed, cfg.data.shuffle,
+                                              multiple_of=world * t.per_device_batch_size)
+            # Our own rank sharding rather than a prepared loader: the data position is then a pure
+            # function of the step (exact resume without loading skipped batches), no wrapper in the loop.
+            epoch_aware = hasattr(train_set, "get_item")
+            self.batch_sampler = RankBatchSampler(self.train_sampler, t.per_device_batch_size, acc.process_index,
+                                                  world, with_epoch=epoch_aware)
+            train_set = EpochIndexed(train_set) if epoch_aware else train_set
+            self.train_loader = DataLoader(train_set, batch_sampler=self.batch_sampler,
+                                           generator=self._loader_generator, **loader_args)
+        self._data_position = (0, 0)  # (epoch, batches of it consumed) of this rank: saved for streams
         self.model, self.optimizer = acc.prepare(model, optimizer)
         self.eval_loader = None
         if eval_set is not None:
@@ -172,6 +184,13 @@ class Trainer:
             raise ckpt.CheckpointError(f"checkpoint {path} could not be loaded: {err}") from err
         acc.step = 0  # accumulation boundaries restart with each optimizer step, whatever accum was
         self.scheduler.load_state_dict(saved.pop("scheduler"))
+        positions = saved.pop("data_positions", None)
+        if self.streaming:
+            if positions is None or len(positions) != acc.num_processes:
+                logger.warning("the stream's position was saved for another world size: restarting the data "
+                               "from the start of epoch 0 (weights, optimizer and schedule are restored)")
+            else:
+                self._data_position = tuple(positions[acc.process_index])
         fields = {f.name for f in dataclasses.fields(TrainState)}
         self.state = TrainState(**{k: v for k, v in saved.items() if k in fields})
         self.state.world_size, self.state.backend = acc.num_processes, str(acc.distributed_type.value)
@@ -218,7 +237,7 @@ class Trainer:
                  f"{acc.num_processes} processes = {effective}",
                  f"lr = {self.lr:.3g} (optim.lr {self.cfg.optim.lr:.3g}, scale_lr={self.cfg.optim.scale_lr}), "
                  f"warmup = {self.warmup_steps} steps, schedule={self.cfg.optim.scheduler}"]
-        if self.train_sampler.dropped_per_epoch:
+        if self.train_sampler is not None and self.train_sampler.dropped_per_epoch:
             lines.append(f"{self.train_sampler.dropped_per_epoch} of {self.train_sampler.num_samples} training "
                          f"samples left out per epoch (a different remainder each epoch) so ranks stay even")
         if resumed_from:
@@ -232,13 +251,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
     def _micro_batches(self, consumed: int) -> Iterator[Any]:
-        """Endless micro-batches of this rank, starting after `consumed` of them (epochs follow one another)."""
+        """Endless micro-batches of this rank, starting after `consumed` of them (epochs follow one another).
+
+        Map-style data: the position follows from `consumed` (same number of batches per epoch on every
+        rank). Streams: each rank resumes from its own saved (epoch, batch) position.
+        """
         device = self.accelerator.device
-        epoch, skip = divmod(consumed, len(self.batch_sampler))
+        if self.streaming:
+            epoch, skip = self._data_position
+        else:
+            epoch, skip = divmod(consumed, len(self.batch_sampler))
         while True:
-            self.batch_sampler.set_epoch(epoch, skip)
             self._loader_generator.manual_seed(self.cfg.run.seed * 1_000_003 + self.accelerator.process_index * 10_007 + epoch)
-            for batch in self.train_loader:
+            if self.streaming:
+                if hasattr(self.train_loader.dataset, "set_epoch"):
+                    self.train_loader.dataset.set_epoch(epoch)
+                loader = itertools.islice(self.train_loader, skip, None)  # a stream can only skip by reading
+            else:
+                self.batch_sampler.set_epoch(epoch, skip)
+                loader = self.train_loader
+            for position, batch in enumerate(loader, start=skip + 1):
+                self._data_position = (epoch, position)
                 yield batch if device.type == "cpu" else send_to_device(batch, device, non_blocking=True)
             epoch, skip = epoch + 1, 0
 
@@ -420,8 +453,8 @@ class Trainer:
                   "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "samples_per_s": samples / elapsed, f"{self.task.unit}_per_s": units / elapsed,
                   "step_time_s": elapsed / len(window.losses), "peak_memory_mb": peak_memory_mb(acc.device),
-                  "nonfinite_skipped": total_bad, "epoch": self.state.step * self.cfg.train.grad_accum_steps
-                  / len(self.batch_sampler)}
+                  "nonfinite_skipped": total_bad, "epoch": self._data_position[0] if self.streaming else
+                  self.state.step * self.cfg.train.grad_accum_steps / len(self.batch_sampler)}
         record.update({k: float(v) for k, v in stats.items() if k not in ("loss", "units", "grad_norm")})
         if record["grad_norm"] is not None and self.is_deepspeed and not math.isfinite(record["grad_norm"]):
             record["grad_norm"] = None
@@ -487,9 +520,13 @@ class Trainer:
             if acc.is_main_process:
                 save_file(full, str(tmp / "ema.safetensors"))
         acc.wait_for_everyone()
+        positions = [list(self._data_position)]
+        if self.streaming and acc.num_processes > 1:
+            positions = gather_object(positions)  # collective: every rank is in save()
         if acc.is_main_process:
             self.task.save_artifacts(tmp)
-            state = {**dataclasses.asdict(self.state), "scheduler": self.scheduler.state_dict()}
+            state = {**dataclasses.asdict(self.state), "scheduler": self.scheduler.state_dict(),
+                     "data_positions": positions}
             ckpt.write_manifest(tmp, state, with_hashes=self.cfg.ckpt.verify)
             ckpt.finalize(tmp, final, self.ckpt_root, best=best)
             ckpt.rotate(self.ckpt_root, self.cfg.ckpt.keep_last)

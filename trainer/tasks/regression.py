@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from trainer.config import TaskConfig
 from trainer.tasks import register_task
@@ -40,6 +40,8 @@ class RegressionConfig(TaskConfig):
     """Artificial delay per training micro-batch (seconds), so kill/preemption tests can hit a step."""
     nan_sample: int = -1
     """Training sample whose batch gets a NaN loss (tests the non-finite guard); -1 for none."""
+    streaming: bool = False
+    """Serve the training set as a stream (IterableDataset) sharded over ranks and workers."""
 
 
 class SyntheticRegression(Dataset):
@@ -70,6 +72,29 @@ def build_mlp(in_dim: int, hidden: int, out_dim: int, depth: int, dropout: float
     return nn.Sequential(*layers)
 
 
+class StreamedRegression(IterableDataset):
+    """The training set as a stream: a fresh order each epoch, record k to shard k mod (ranks x workers).
+    Shards may differ in length by one sample, as real streams do."""
+
+    def __init__(self, data: SyntheticRegression, seed: int):
+        self.data, self.seed = data, seed
+        self.rank, self.world_size, self.epoch = 0, 1, 0
+
+    def set_shard(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        shard, shards = self.rank * workers + worker, self.world_size * workers
+        order = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        for k in order[shard::shards].tolist():
+            yield self.data[k]
+
+
 @register_task("regression")
 class RegressionTask(Task):
     config_cls = RegressionConfig
@@ -85,7 +110,8 @@ class RegressionTask(Task):
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         c = self.cfg
-        return SyntheticRegression(c, c.num_train, 0), SyntheticRegression(c, c.num_eval, 1)
+        train = SyntheticRegression(c, c.num_train, 0)
+        return (StreamedRegression(train, self.seed) if c.streaming else train), SyntheticRegression(c, c.num_eval, 1)
 
     def loss(self, model: nn.Module, batch: dict) -> LossOutput:
         if self.cfg.delay_s:
