@@ -138,6 +138,17 @@ def test_resume_reproduces_crops_and_noise_exactly(tmp_path):
 
 
 def test_all_protein_configs_load():
-    for name in ("protein_sedd_tiny.yaml", "protein_sedd_small.yaml"):
+    for name in ("protein_sedd_tiny.yaml", "protein_sedd_small.yaml", "protein_sedd_uniref50.yaml"):
         cfg = load_config(str(ROOT / "configs" / name))
         assert cfg.task.name == "protein_sedd"
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_streaming_mode_trains_with_workers(tmp_path):
+    trainer = make(tmp_path, "task.streaming=true", "data.num_workers=2", "train.max_steps=6", "eval.every_steps=0",
+                   "ckpt.every_steps=3", "log.every_steps=3")
+    assert trainer.streaming
+    trainer.fit()
+    assert np.isfinite(trainer.last_eval["nelbo_per_token"])
+    state = (tmp_path / "checkpoints" / "step_00000003" / "trainer_state.json").read_text()
+    assert json.loads(state)["data_positions"] == [[0, 3]]

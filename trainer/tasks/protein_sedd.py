@@ -10,6 +10,7 @@ NELBO is the same whatever the world size or batch size.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from trainer.config import TaskConfig
-from trainer.data.protein import build_fasta_dataset, default_protein_fasta, tokenize_dataset
+from trainer.data.protein import build_fasta_dataset, default_protein_fasta, stream_fasta, tokenize_dataset
 from trainer.data.protein_tokenizer import FIRST_RESIDUE_ID, RESIDUES, VOCAB_SIZE, build_protein_tokenizer
 from trainer.models.ddit import DDIT_PRESETS, DDiT
 from trainer.models.sedd import build_graph, build_noise, score_entropy_loss
@@ -60,11 +61,36 @@ class ProteinSEDDConfig(TaskConfig):
     """Smallest diffusion time drawn for the loss."""
     eval_seed: int = 1234
     """Seed of the per-sample eval generators (diffusion times and corruption)."""
+    streaming: bool = False
+    """Read the training split as a stream (bounded memory, for the full UniRef50 file); validation stays Arrow."""
 
 
 def residue_states(token_ids: np.ndarray) -> np.ndarray:
     """Tokenizer ids of residues -> diffusion states 0..24."""
     return token_ids.astype(np.int64) - FIRST_RESIDUE_ID
+
+
+class ProteinStream(IterableDataset):
+    """Training crops from a FASTA stream; the window is drawn from (seed, epoch, sequence id)."""
+
+    def __init__(self, stream, max_length: int, seed: int):
+        self.stream, self.max_length, self.seed, self.epoch = stream, max_length, seed, 0
+
+    def set_shard(self, rank: int, world_size: int) -> None:
+        self.stream.rank, self.stream.world_size = rank, world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        for record in self.stream:
+            seq = record["input_ids"]
+            start = 0
+            if len(seq) > self.max_length:
+                key = int.from_bytes(hashlib.blake2b(record["id"].encode(), digest_size=8).digest(), "little")
+                rng = np.random.default_rng([self.seed, self.epoch, key])
+                start = int(rng.integers(0, len(seq) - self.max_length + 1))
+            yield {"states": residue_states(seq[start:start + self.max_length]), "index": -1}
 
 
 class ProteinCrops(Dataset):
@@ -135,15 +161,25 @@ class ProteinSEDDTask(Task):
         path = c.data_path or str(default_protein_fasta())
         common = dict(cache_dir=c.cache_dir or None, val_fraction=c.val_fraction, min_length=c.min_length,
                       nonstandard=c.nonstandard)
-        train, self.data_stats = build_fasta_dataset(path, split="train", **common)
-        val, _ = build_fasta_dataset(path, split="validation", **common)
-        train, val = tokenize_dataset(train), tokenize_dataset(val)
-        counts = residue_counts(train)
+        val, self.data_stats = build_fasta_dataset(path, split="validation", **common)
+        val = tokenize_dataset(val)
+        eval_set = ProteinCrops(val, c.max_length, self.seed, random_crop=False)
+        if c.streaming:
+            # Reference statistics (unigram baseline, sampling lengths) from the validation split: a
+            # hash-chosen subset of the same distribution, without materialising the training split.
+            reference = val
+            train_set = ProteinStream(stream_fasta(path, split="train", columns=["id", "input_ids"],
+                                                   with_input_ids=True, **common_stream(common)),
+                                      c.max_length, self.seed)
+        else:
+            train, _ = build_fasta_dataset(path, split="train", **common)
+            reference = train = tokenize_dataset(train)
+            train_set = ProteinCrops(train, c.max_length, self.seed, random_crop=True)
+        counts = residue_counts(reference)
         self.unigram_perplexity = perplexity_of(counts)
         self.train_composition = counts / counts.sum()
-        self.train_lengths = np.minimum(np.asarray(train["length"]), c.max_length)
-        return (ProteinCrops(train, c.max_length, self.seed, random_crop=True),
-                ProteinCrops(val, c.max_length, self.seed, random_crop=False))
+        self.train_lengths = np.minimum(np.asarray(reference["length"]), c.max_length)
+        return train_set, eval_set
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         return collate_crops(samples)
@@ -229,6 +265,11 @@ class ProteinSEDDTask(Task):
             stats["training_composition"] = dict(zip(RESIDUES, q.round(5).tolist()))
             stats["kl_samples_to_training"] = float((p[support] * np.log(p[support] / np.maximum(q[support], 1e-12))).sum())
         return stats
+
+
+def common_stream(common: dict[str, Any]) -> dict[str, Any]:
+    """The reader settings shared by the Arrow build and the stream."""
+    return {k: v for k, v in common.items() if k != "cache_dir"}
 
 
 def residue_counts(tokenized) -> np.ndarray:

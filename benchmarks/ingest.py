@@ -1,0 +1,177 @@
+"""FASTA.gz -> tokenized Arrow ingest speed (sequences/s), and the streaming reader's peak memory.
+
+One process on CPU, median of `--repeats` interleaved repeats (after one untimed warm-up of each
+Python method, so that lazy imports are not timed):
+
+  (a) baseline  what people write: Biopython `SeqIO.parse(gzip.open(f, "rt"), "fasta")`, a Python
+                loop over each residue with a dict lookup building a list of ids, then
+                `datasets.Dataset.from_dict({"id", "description", "sequence", "input_ids"})` (Arrow,
+                in memory).
+  (b) ours      `build_fasta_dataset(f, cache_dir=<fresh temp dir>)` + `tokenize_dataset`: header
+                parsing into the 19-column schema, residue policy, split, stats sidecar, Arrow
+                files on disk, int8 `input_ids`; uncached (a fresh cache dir every repeat).
+  (c) I/O limit `gzip -dc f > /dev/null` in a subprocess: decompression only.
+
+Streaming: `stream_fasta(f, with_input_ids=True)` iterated to the end over `f` and over an 8x
+concatenation of it (a multi-member .fasta.gz in a temp dir), each in a fresh Python process that
+reports its peak RSS (`ru_maxrss`) and its RSS after imports.
+
+Targets: b/a >= 5; c/b <= 3; streaming peak RSS of 8x within 10 % of 1x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import datasets
+import numpy as np
+
+from trainer.data.protein import build_fasta_dataset, tokenize_dataset
+from trainer.data.protein_tokenizer import UNK_ID, VOCAB
+
+DEFAULT_FILE = "/work/shared/data/proteins/uniprot_random_16k.fasta.gz"
+CONCAT = 8
+
+
+def run_baseline(path: str, workdir: str) -> int:  # noqa: ARG001
+    from Bio import SeqIO
+
+    vocab = dict(VOCAB)
+    ids, descriptions, sequences, input_ids = [], [], [], []
+    with gzip.open(path, "rt") as handle:
+        for record in SeqIO.parse(handle, "fasta"):
+            seq = str(record.seq)
+            ids.append(record.id)
+            descriptions.append(record.description)
+            sequences.append(seq)
+            input_ids.append([vocab.get(ch, UNK_ID) for ch in seq])
+    ds = datasets.Dataset.from_dict({"id": ids, "description": descriptions, "sequence": sequences,
+                                     "input_ids": input_ids})
+    return len(ds)
+
+
+def run_ours(path: str, workdir: str) -> int:
+    cache = tempfile.mkdtemp(dir=workdir)
+    try:
+        ds, _ = build_fasta_dataset(path, cache_dir=cache)
+        return len(tokenize_dataset(ds))
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def run_gzip(path: str, workdir: str) -> int:  # noqa: ARG001
+    subprocess.run(["gzip", "-dc", path], stdout=subprocess.DEVNULL, check=True)
+    return -1
+
+
+METHODS = {"a": run_baseline, "b": run_ours, "c": run_gzip}
+
+_STREAM_CHILD = """
+import resource, sys
+from trainer.data.protein import stream_fasta
+rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+n = res = 0
+for rec in stream_fasta(sys.argv[1], with_input_ids=True):
+    n += 1
+    res += len(rec["input_ids"])
+print(n, res, rss0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def stream_peak(path: str) -> tuple[int, int, float, float]:
+    """(records, residues, RSS after imports MiB, peak RSS MiB) of streaming `path` in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", _STREAM_CHILD, path], capture_output=True, text=True, check=True)
+    n, res, rss0, peak = map(int, out.stdout.split())
+    return n, res, rss0 / 1024, peak / 1024
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import Bio
+    import pyarrow
+    return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, datasets {datasets.__version__}, "
+            f"pyarrow {pyarrow.__version__}, numpy {np.__version__}, biopython {Bio.__version__}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--file", default=DEFAULT_FILE, help="FASTA(.gz) file to ingest")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per method; median reported")
+    p.add_argument("--out", help="append a dated section with machine, command and table to this markdown file")
+    a = p.parse_args()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    started = time.perf_counter()
+    times: dict[str, list[float]] = {k: [] for k in METHODS}
+    counts: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(prefix="ingest-") as workdir:
+        for key in ("a", "b"):
+            counts[key] = METHODS[key](a.file, workdir)  # warm-up: imports, page cache
+        for r in range(a.repeats):
+            for key, fn in METHODS.items():
+                t0 = time.perf_counter()
+                fn(a.file, workdir)
+                times[key].append(time.perf_counter() - t0)
+                print(f"repeat {r + 1}/{a.repeats} ({key}) {times[key][-1]:.3f} s", file=sys.stderr)
+        big = os.path.join(workdir, f"concat{CONCAT}.fasta.gz")
+        with open(a.file, "rb") as src:
+            data = src.read()
+        with open(big, "wb") as dst:
+            for _ in range(CONCAT):
+                dst.write(data)  # a multi-member gzip file: valid, and what `cat a.gz b.gz` gives
+        streams = {"1x": stream_peak(a.file), f"{CONCAT}x": stream_peak(big)}
+    if counts["a"] != counts["b"]:
+        print(f"warning: baseline read {counts['a']} records, ours {counts['b']}", file=sys.stderr)
+    n = counts["b"]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    sps = {k: n / t for k, t in med.items()}
+    b_a, c_b = sps["b"] / sps["a"], sps["c"] / sps["b"]
+    (n1, _, base1, peak1), (n8, _, base8, peak8) = streams.values()
+    ratio = peak8 / peak1
+    rows = ["| method | median s | sequences/s | vs (b) ours |", "|---|---:|---:|---:|",
+            f"| (a) baseline: Biopython + per-residue dict loop + `Dataset.from_dict` | {med['a']:.3f} "
+            f"| {sps['a']:,.0f} | {sps['a'] / sps['b']:.3f} |",
+            f"| (b) ours: `build_fasta_dataset` + `tokenize_dataset`, fresh cache | {med['b']:.3f} "
+            f"| {sps['b']:,.0f} | 1.000 |",
+            f"| (c) I/O limit: `gzip -dc > /dev/null` | {med['c']:.3f} | {sps['c']:,.0f} | {c_b:.2f} |",
+            "", "| streaming `stream_fasta(..., with_input_ids=True)` | records | RSS after imports MiB "
+            "| peak RSS MiB | peak - imports MiB |", "|---|---:|---:|---:|---:|",
+            f"| 1x file | {n1:,} | {base1:.1f} | {peak1:.1f} | {peak1 - base1:.1f} |",
+            f"| {CONCAT}x concatenation | {n8:,} | {base8:.1f} | {peak8:.1f} | {peak8 - base8:.1f} |"]
+    table = "\n".join(rows)
+    verdict = (f"Ours/baseline = {b_a:.2f}x (target >= 5x: {'met' if b_a >= 5 else 'NOT met'}); "
+               f"decompression/ours = {c_b:.2f}x (target <= 3x: {'met' if c_b <= 3 else 'NOT met'}); "
+               f"streaming peak RSS {CONCAT}x/1x = {ratio:.3f} (target within 10 %: "
+               f"{'met' if abs(ratio - 1) <= 0.10 else 'NOT met'}).")
+    elapsed = time.perf_counter() - started
+    print(table)
+    print(f"\n{verdict}\n{n:,} sequences, median of {a.repeats}; total {elapsed:.0f} s")
+    if a.out:
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        command = shlex.join([os.path.basename(sys.executable), *sys.argv])
+        with open(a.out, "a") as f:
+            f.write(f"\n## Ingest benchmark, {now}\n\n- Machine: {machine()}\n- Command: `{command}`\n"
+                    f"- File: `{a.file}` ({os.path.getsize(a.file) / 1e6:.1f} MB, {n:,} sequences); median of "
+                    f"{a.repeats} interleaved repeats after one untimed warm-up, one process\n"
+                    f"- Targets: b/a >= 5, c/b <= 3, streaming peak RSS {CONCAT}x/1x within 10 %\n\n"
+                    f"{table}\n\n{verdict}\n")
+
+
+if __name__ == "__main__":
+    main()
