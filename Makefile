@@ -38,7 +38,10 @@ test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 bench: setup
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench]"
 	$(PY) benchmarks/overhead.py --out BENCHMARKS.md
+	$(PY) benchmarks/ingest.py --out BENCHMARKS.md
+	$(PY) benchmarks/throughput.py --device cpu --out BENCHMARKS.md
 
 readme-config: setup
 	$(PY) scripts/update_readme_config.py
