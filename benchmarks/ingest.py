@@ -23,11 +23,9 @@ Targets: b/a >= 5; c/b <= 3; streaming peak RSS of 8x within 10 % of 1x.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gzip
 import os
 import platform
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -38,6 +36,7 @@ import time
 import datasets
 import numpy as np
 
+from bench_report import command_line, cpu_model, utc_now
 from trainer.data.fasta import iter_fasta
 from trainer.data.protein import build_fasta_dataset, tokenize_dataset
 from trainer.data.protein_tokenizer import UNK_ID, VOCAB
@@ -113,15 +112,10 @@ def stream_peak(path: str) -> tuple[int, float, float, float]:
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     import Bio
     import pyarrow
-    return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, datasets {datasets.__version__}, "
+    return (f"{cpu}; Python {platform.python_version()}, datasets {datasets.__version__}, "
             f"pyarrow {pyarrow.__version__}, numpy {np.__version__}, biopython {Bio.__version__}")
 
 
@@ -182,8 +176,7 @@ def main() -> None:
     print(table)
     print(f"\n{verdict}\n{n:,} sequences, median of {a.repeats}; total {elapsed:.0f} s")
     if a.out:
-        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        command = shlex.join([os.path.basename(sys.executable), *sys.argv])
+        now, command = utc_now(), command_line()
         with open(a.out, "a") as f:
             f.write(f"\n## Ingest benchmark, {now}\n\n- Machine: {machine()}\n- Command: `{command}`\n"
                     f"- File: `{a.file}` ({os.path.getsize(a.file) / 1e6:.1f} MB, {n:,} sequences); median of "

@@ -30,12 +30,9 @@ Targets: b/a >= 0.98 (our loop costs at most 2% over hand-written PyTorch) and b
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import logging
-import os
 import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -53,6 +50,7 @@ from transformers import Trainer as HFTrainer
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
+from bench_report import command_line, cpu_model, utc_now
 from trainer.config import load_config
 from trainer.tasks.regression import RegressionConfig, SyntheticRegression, build_mlp
 from trainer.trainer import Trainer
@@ -179,13 +177,8 @@ METHODS = {"a": run_plain, "b": run_ours, "b0": functools.partial(run_ours, extr
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
+    cpu = cpu_model()
+    return (f"{cpu}; Python {platform.python_version()}, torch {torch.__version__}, "
             f"accelerate {accelerate.__version__}, transformers {transformers.__version__}")
 
 
@@ -231,8 +224,7 @@ def main() -> None:
     print(f"\n{a.steps} timed steps after {a.warmup} warm-up, median of {a.repeats}, "
           f"{a.threads} thread(s); total {elapsed:.0f} s")
     if a.out:
-        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        command = shlex.join([os.path.basename(sys.executable), *sys.argv])
+        now, command = utc_now(), command_line()
         with open(a.out, "a") as f:
             f.write(f"\n## Overhead benchmark, {now}\n\n- Machine: {machine()}\n- Command: `{command}`\n"
                     f"- {a.steps} timed optimizer steps after {a.warmup} warm-up steps, median of "

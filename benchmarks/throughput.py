@@ -20,16 +20,16 @@ bf16) by default.
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import platform
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 import warnings
+
+from bench_report import command_line, cpu_model, utc_now
 
 # (device, preset): (max_length, per-device batch, warm-up steps, timed steps)
 SETTINGS = {
@@ -39,14 +39,6 @@ SETTINGS = {
     ("cuda", "small"): (512, 32, 10, 50),
     ("cuda", "medium"): (512, 16, 10, 30),
 }
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def cpu_peak_tflops() -> tuple[float, str]:
@@ -136,12 +128,12 @@ def main() -> None:
     threads = a.threads or os.cpu_count() or 1
     if a.device == "cuda":
         peak, peak_note = a.peak_tflops or 989.0, f"{a.peak_tflops or 989.0:g} TFLOP/s bf16 dense"
-        hw = f"{torch.cuda.get_device_name()} (bf16), host {cpu_name()}"
+        hw = f"{torch.cuda.get_device_name()} (bf16), host {cpu_model()}"
     else:
         est, how = cpu_peak_tflops()
         peak = a.peak_tflops or est
         peak_note = f"{peak * 1000:.0f} GFLOP/s fp32" + ("" if a.peak_tflops else f" (estimate: {how})")
-        hw = f"{cpu_name()}, {os.cpu_count()} cores (fp32, torch threads = {threads})"
+        hw = f"{cpu_model()} (fp32, torch threads = {threads})"
 
     warnings.filterwarnings("ignore")
     logging.getLogger("trainer").setLevel(logging.WARNING)
@@ -171,8 +163,7 @@ def main() -> None:
     print(table)
     print(f"\npeak {peak_note}; median of {a.repeats}; total {elapsed:.0f} s")
     if a.out:
-        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        command = shlex.join([os.path.basename(sys.executable), *sys.argv])
+        now, command = utc_now(), command_line()
         versions = f"Python {platform.python_version()}, torch {torch.__version__}"
         with open(a.out, "a") as f:
             f.write(f"\n## Training throughput benchmark (protein_sedd, {a.device}), {now}\n\n- Machine: {hw}; {versions}\n"

@@ -53,12 +53,16 @@ def sample_run(run_dir: str | Path, num_samples: int, out: str | Path, *, checkp
         with torch.no_grad():
             results.extend(zip(chunk, task.generate(model, generators, **options)))
     gathered = gather_object(results) if state.num_processes > 1 else results
-    if not state.is_main_process:
-        return None
-    samples = [s for _, s in sorted(gathered, key=lambda item: item[0])]
-    assert len(samples) == num_samples, (len(samples), num_samples)
-    stats = task.write_samples(samples, Path(out))
-    stats.update(num_samples=num_samples, world_size=state.num_processes, seed=seed, checkpoint=str(source),
-                 options={k: v for k, v in options.items() if v is not None})
-    Path(out).with_suffix(".json").write_text(json.dumps(stats, indent=1))
+    stats = None
+    if state.is_main_process:
+        samples = [s for _, s in sorted(gathered, key=lambda item: item[0])]
+        assert len(samples) == num_samples, (len(samples), num_samples)
+        stats = task.write_samples(samples, Path(out))
+        stats.update(num_samples=num_samples, world_size=state.num_processes, seed=seed,
+                     checkpoint=str(source), options={k: v for k, v in options.items() if v is not None})
+        Path(out).with_suffix(".json").write_text(json.dumps(stats, indent=1))
+    # Every rank leaves together and tears the process group down: a rank that exits while gloo's
+    # threads still serve the main process aborts ("terminate called without an active exception").
+    state.wait_for_everyone()
+    state.destroy_process_group()
     return stats

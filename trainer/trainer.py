@@ -337,7 +337,7 @@ class Trainer:
         The step's loss is the weighted mean over all micro-batches of all ranks, each weighted by
         its units (`task.batch_weight`), so micro-batches of different sizes count correctly.
         """
-        acc, world, accum = self.accelerator, self.accelerator.num_processes, len(batches)
+        acc, accum = self.accelerator, len(batches)
         fractions, local_units = self._unit_fractions(batches)
         shares = []
         for batch, fraction in zip(batches, fractions):

@@ -21,8 +21,7 @@ import numpy as np
 from datasets.arrow_writer import ArrowWriter
 from torch.utils.data import IterableDataset, get_worker_info
 
-from trainer.data.fasta import (FASTA_COLUMNS, INT_COLUMNS, STRING_COLUMNS, FastaFormatError, FastaStats,
-                                iter_fasta)
+from trainer.data.fasta import FASTA_COLUMNS, INT_COLUMNS, STRING_COLUMNS, FastaStats, iter_fasta
 from trainer.data.protein_tokenizer import _TABLE, encode_residues
 
 FORMAT_VERSION = "fasta-v1"
