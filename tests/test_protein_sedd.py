@@ -152,3 +152,26 @@ def test_streaming_mode_trains_with_workers(tmp_path):
     assert np.isfinite(trainer.last_eval["nelbo_per_token"])
     state = (tmp_path / "checkpoints" / "step_00000003" / "trainer_state.json").read_text()
     assert json.loads(state)["data_positions"] == [[0, 3]]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_token_budget_batching_two_processes_resumes_exactly_across_epochs(tmp_path):
+    """Length-bucketed token-budget batches under 2-process DDP: a run resumed after the first epoch
+    boundary (budget plans differ in length per epoch) ends bit-identical to the uninterrupted one."""
+    from safetensors.torch import load_file
+
+    common = [CONFIG, "train.max_steps=22", "ckpt.every_steps=20", "ckpt.keep_last=5", "eval.every_steps=0",
+              "log.every_steps=1", "log.progress_bar=false", "task.max_length=24", "data.batching=budget",
+              "data.max_units_per_batch=2048", "train.ema_decay=0", f"task.cache_dir={tmp_path / 'cache'}"]
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    run_cmd(accelerate_cmd("ddp.yaml", *common, f"run.output_dir={ref}"))
+    records = read_jsonl(ref)
+    assert max(r["epoch"] for r in records if "loss" in r) > 1.0  # the run crossed an epoch boundary
+    run_cmd(accelerate_cmd("ddp.yaml", *common, f"run.output_dir={resumed}",
+                           f"run.resume={ref / 'checkpoints' / 'step_00000020'}"))
+    a = load_file(ref / "checkpoints" / "step_00000022" / "model.safetensors")
+    b = load_file(resumed / "checkpoints" / "step_00000022" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert {r["step"]: r["loss"] for r in read_jsonl(resumed) if "loss" in r} == {21: losses[21], 22: losses[22]}

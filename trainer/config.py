@@ -44,6 +44,14 @@ class DataConfig:
     """Pin host memory for faster host-to-GPU copies (ignored on CPU)."""
     shuffle: bool = True
     """Shuffle the training set each epoch (order is a function of run.seed and the epoch)."""
+    batching: str = "fixed"
+    """`fixed`: per_device_batch_size samples per rank; `balanced`: the same counts, but each global
+    batch is split across ranks so their units (atoms, tokens; `Task.unit_sizes`) are even;
+    `budget`: length-bucketed batches of at most `max_units_per_batch` units per rank."""
+    max_units_per_batch: int = 0
+    """Unit budget per rank and micro-batch for batching=budget (e.g. tokens or atoms)."""
+    bucket_size: int = 0
+    """batching=budget: samples sorted by size together (default 64 global batches' worth, estimated)."""
 
 
 @dataclass
@@ -153,6 +161,7 @@ _CHOICES = {
     ("optim", "scale_lr"): ("none", "linear", "sqrt"),
     ("train", "mixed_precision"): ("no", "bf16", "fp16"),
     ("eval", "mode"): ("min", "max"),
+    ("data", "batching"): ("fixed", "balanced", "budget"),
 }
 
 
@@ -269,10 +278,13 @@ def _validate(cfg: Config) -> None:
         if getattr(getattr(cfg, section), key) < 1:
             raise ConfigError(f"config key '{section}.{key}' must be >= 1")
     non_negative = [("eval", "every_steps"), ("ckpt", "every_steps"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
-                    ("data", "num_workers"), ("eval", "batch_size"), ("train", "grad_clip_norm")]
+                    ("data", "num_workers"), ("data", "max_units_per_batch"), ("data", "bucket_size"),
+                    ("eval", "batch_size"), ("train", "grad_clip_norm")]
     for section, key in non_negative:
         if getattr(getattr(cfg, section), key) < 0:
             raise ConfigError(f"config key '{section}.{key}' must be >= 0")
+    if cfg.data.batching == "budget" and cfg.data.max_units_per_batch < 1:
+        raise ConfigError("data.batching=budget needs data.max_units_per_batch >= 1 (units per rank and micro-batch)")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         raise ConfigError("config key 'train.ema_decay' must be in [0, 1)")
 

@@ -30,7 +30,7 @@ from transformers import get_scheduler
 
 from trainer import checkpoint as ckpt
 from trainer.config import Config, ConfigError, config_to_dict, save_config
-from trainer.data.samplers import EpochIndexed, EpochSampler, RankBatchSampler, WorkerSeeder
+from trainer.data.samplers import BalancedBatchSampler, EpochIndexed, EpochSampler, RankBatchSampler, WorkerSeeder
 from trainer.distributed import PREEMPTED_EXIT_CODE, PreemptionWatcher, build_accelerator, scale_factor
 from trainer.ema import EMA
 from trainer.metrics_log import MetricsLog, peak_memory_mb
@@ -108,13 +108,10 @@ class Trainer:
             self.train_loader = DataLoader(train_set, batch_size=t.per_device_batch_size, drop_last=True,
                                            generator=self._loader_generator, **loader_args)
         else:
-            self.train_sampler = EpochSampler(len(train_set), cfg.run.seed, cfg.data.shuffle,
-                                              multiple_of=world * t.per_device_batch_size)
             # Our own rank sharding rather than a prepared loader: the data position is then a pure
             # function of the step (exact resume without loading skipped batches), no wrapper in the loop.
             epoch_aware = hasattr(train_set, "get_item")
-            self.batch_sampler = RankBatchSampler(self.train_sampler, t.per_device_batch_size, acc.process_index,
-                                                  world, with_epoch=epoch_aware)
+            self.batch_sampler = self._build_batch_sampler(train_set, epoch_aware)
             train_set = EpochIndexed(train_set) if epoch_aware else train_set
             self.train_loader = DataLoader(train_set, batch_sampler=self.batch_sampler,
                                            generator=self._loader_generator, **loader_args)
@@ -250,6 +247,27 @@ class Trainer:
                                 "world_size": acc.num_processes})
 
     # ------------------------------------------------------------------ data
+    def _build_batch_sampler(self, train_set: Any, epoch_aware: bool) -> RankBatchSampler | BalancedBatchSampler:
+        """This rank's batch sampler: fixed counts, or balanced/budgeted by the task's unit sizes."""
+        cfg, acc = self.cfg, self.accelerator
+        if cfg.data.batching == "fixed":
+            self.train_sampler = EpochSampler(len(train_set), cfg.run.seed, cfg.data.shuffle,
+                                              multiple_of=acc.num_processes * cfg.train.per_device_batch_size)
+            return RankBatchSampler(self.train_sampler, cfg.train.per_device_batch_size, acc.process_index,
+                                    acc.num_processes, with_epoch=epoch_aware)
+        sizes = self.task.unit_sizes(train_set)
+        if sizes is None:
+            raise ConfigError(f"data.batching={cfg.data.batching} needs unit sizes, which task "
+                              f"'{cfg.task.name}' does not give (Task.unit_sizes)")
+        try:
+            self.train_sampler = BalancedBatchSampler(
+                sizes, mode=cfg.data.batching, seed=cfg.run.seed, rank=acc.process_index,
+                world_size=acc.num_processes, shuffle=cfg.data.shuffle, batch_size=cfg.train.per_device_batch_size,
+                max_units=cfg.data.max_units_per_batch, bucket_size=cfg.data.bucket_size, with_epoch=epoch_aware)
+        except ValueError as err:
+            raise ConfigError(f"data.batching={cfg.data.batching}: {err}") from err
+        return self.train_sampler
+
     def _micro_batches(self, consumed: int) -> Iterator[Any]:
         """Endless micro-batches of this rank, starting after `consumed` of them (epochs follow one another).
 
@@ -260,7 +278,7 @@ class Trainer:
         if self.streaming:
             epoch, skip = self._data_position
         else:
-            epoch, skip = divmod(consumed, len(self.batch_sampler))
+            epoch, skip = self.batch_sampler.position(consumed)
         while True:
             self._loader_generator.manual_seed(self.cfg.run.seed * 1_000_003 + self.accelerator.process_index * 10_007 + epoch)
             if self.streaming:

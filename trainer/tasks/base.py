@@ -58,6 +58,10 @@ class Task:
         first = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values()))
         return int(first.shape[0])
 
+    def unit_sizes(self, dataset: Dataset) -> Any:
+        """Units (`unit`) of each training sample, for data.batching=balanced|budget; None: not supported."""
+        return None
+
     def batch_weight(self, batch: Any) -> torch.Tensor | float:
         """Units in a micro-batch; the loss of an optimizer step is their weighted mean."""
         return float(self.batch_size(batch))

@@ -184,6 +184,12 @@ class ProteinSEDDTask(Task):
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         return collate_crops(samples)
 
+    def unit_sizes(self, dataset: Dataset) -> np.ndarray | None:
+        """Tokens of each training crop (data.batching=budget: length-bucketed token-budget batches)."""
+        if not isinstance(dataset, ProteinCrops):
+            return None
+        return np.minimum(np.asarray(dataset.ids.data.column("length")), dataset.max_length)
+
     def batch_weight(self, batch: dict[str, Any]) -> int:
         return batch["num_tokens"]
 
