@@ -240,3 +240,17 @@ def test_deepspeed_json_must_agree_with_trainer_config():
         fill_deepspeed_config({"optimizer": {"type": "Adam"}}, cfg)
     with pytest.raises(ConfigError, match="persistence_threshold"):
         fill_deepspeed_config({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e5}}, cfg)
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_epochs_resolve_to_steps_and_are_saved(tmp_path):
+    import yaml
+
+    cfg = load_config(None, ["task.preset=tiny", f"run.output_dir={tmp_path}", "train.epochs=2.5", "eval.every_epochs=1",
+                             "ckpt.every_epochs=2", "train.per_device_batch_size=16", "log.progress_bar=false"])
+    trainer = Trainer(cfg)
+    per_epoch = len(trainer.batch_sampler)
+    assert cfg.train.max_steps == math.ceil(2.5 * per_epoch)
+    assert (cfg.eval.every_steps, cfg.ckpt.every_steps) == (per_epoch, 2 * per_epoch)
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["train"]["max_steps"] == cfg.train.max_steps

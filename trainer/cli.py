@@ -64,6 +64,12 @@ def _config_help(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_experiments(args: argparse.Namespace) -> int:
+    from trainer.experiments.cli import main as run_experiments_main
+
+    return run_experiments_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     chelp = sub.add_parser("config-help", help="every config key with its default and meaning")
     chelp.add_argument("--task", default=None)
     chelp.set_defaults(func=_config_help)
+
+    from trainer.experiments.cli import add_arguments as add_run_experiments_arguments
+
+    runexp = sub.add_parser("run-experiments", help="run a grid of experiments over GPU/CPU slots or as a SLURM array")
+    add_run_experiments_arguments(runexp)
+    runexp.set_defaults(func=_run_experiments)
     return parser
 
 

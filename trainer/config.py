@@ -92,6 +92,8 @@ class OptimConfig:
 class TrainConfig:
     max_steps: int = 100
     """Number of optimizer steps."""
+    epochs: float = 0.0
+    """When > 0, replaces max_steps by epochs x optimizer steps per epoch (map-style data; resolved at start)."""
     per_device_batch_size: int = 32
     """Micro-batch size per process."""
     grad_accum_steps: int = 1
@@ -112,6 +114,8 @@ class TrainConfig:
 class EvalConfig:
     every_steps: int = 0
     """Evaluate every N optimizer steps (0: only at the end)."""
+    every_epochs: float = 0.0
+    """When > 0, replaces every_steps by this many epochs' worth of optimizer steps."""
     batch_size: int = 0
     """Per-device eval batch size (0: train.per_device_batch_size)."""
     metric: str = "loss"
@@ -124,6 +128,8 @@ class EvalConfig:
 class CkptConfig:
     every_steps: int = 0
     """Checkpoint every N optimizer steps (0: none in between); also at the end and at every eval that improves eval.metric."""
+    every_epochs: float = 0.0
+    """When > 0, replaces every_steps by this many epochs' worth of optimizer steps."""
     keep_last: int = 2
     """Keep this many most recent checkpoints (the best one is kept in addition)."""
     verify: bool = True
@@ -179,7 +185,7 @@ def field_docs(cls: type) -> dict[str, str]:
         for node, nxt in zip(body, body[1:]):
             if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                     and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
-                docs[node.target.id] = str(nxt.value.value)
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())  # one line in tables
     return docs
 
 
@@ -277,7 +283,7 @@ def _validate(cfg: Config) -> None:
     for section, key in positive:
         if getattr(getattr(cfg, section), key) < 1:
             raise ConfigError(f"config key '{section}.{key}' must be >= 1")
-    non_negative = [("eval", "every_steps"), ("ckpt", "every_steps"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
+    non_negative = [("train", "epochs"), ("eval", "every_epochs"), ("ckpt", "every_epochs"), ("eval", "every_steps"), ("ckpt", "every_steps"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
                     ("data", "num_workers"), ("data", "max_units_per_batch"), ("data", "bucket_size"),
                     ("eval", "batch_size"), ("train", "grad_clip_norm")]
     for section, key in non_negative:

@@ -83,14 +83,8 @@ class Trainer:
         set_seed(cfg.run.seed)  # identical initial weights on every rank
         self.task = get_task(cfg.task.name)(cfg.task, seed=cfg.run.seed)
         model = self.task.build_model()
-        train_set, eval_set = self.task.build_datasets()
-
-        factor = scale_factor(cfg.optim.scale_lr, world, cfg.optim.base_world_size)
-        self.lr = cfg.optim.lr * factor
-        self.warmup_steps = round(cfg.optim.warmup_steps * (factor if cfg.optim.scale_warmup else 1.0))
-        optimizer = build_optimizer(cfg, model, self.lr)
-        self.scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=self.warmup_steps,
-                                       num_training_steps=t.max_steps)
+        with acc.main_process_first():  # the main process fills the data caches, the others read them
+            train_set, eval_set = self.task.build_datasets()
 
         loader_args = dict(collate_fn=self.task.collate, num_workers=cfg.data.num_workers,
                            pin_memory=cfg.data.pin_memory and torch.cuda.is_available(),
@@ -116,14 +110,25 @@ class Trainer:
             self.train_loader = DataLoader(train_set, batch_sampler=self.batch_sampler,
                                            generator=self._loader_generator, **loader_args)
         self._data_position = (0, 0)  # (epoch, batches of it consumed) of this rank: saved for streams
+        self._resolve_epochs()
+        factor = scale_factor(cfg.optim.scale_lr, world, cfg.optim.base_world_size)
+        self.lr = cfg.optim.lr * factor
+        self.warmup_steps = round(cfg.optim.warmup_steps * (factor if cfg.optim.scale_warmup else 1.0))
+        optimizer = build_optimizer(cfg, model, self.lr)
+        self.scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=self.warmup_steps,
+                                       num_training_steps=t.max_steps)
+
         self.model, self.optimizer = acc.prepare(model, optimizer)
-        self.eval_loader = None
-        if eval_set is not None:
-            # Its own generator too: a (re)created iterator would otherwise draw from the global RNG.
-            eval_loader = DataLoader(eval_set, batch_size=cfg.eval.batch_size or t.per_device_batch_size,
-                                     shuffle=False, generator=torch.Generator().manual_seed(cfg.run.seed),
-                                     **loader_args)
-            self.eval_loader = acc.prepare(eval_loader)
+        self.eval_loader = self.test_loader = None
+        with acc.main_process_first():
+            test_set = self.task.build_test_dataset()
+        for name, dataset in (("eval_loader", eval_set), ("test_loader", test_set)):
+            if dataset is not None:
+                # Its own generator too: a (re)created iterator would otherwise draw from the global RNG.
+                loader = DataLoader(dataset, batch_size=cfg.eval.batch_size or t.per_device_batch_size,
+                                    shuffle=False, generator=torch.Generator().manual_seed(cfg.run.seed),
+                                    **loader_args)
+                setattr(self, name, acc.prepare(loader))
         set_seed(cfg.run.seed + acc.process_index)  # independent noise/dropout streams per rank
 
         self.ema = EMA(acc.unwrap_model(self.model), t.ema_decay) if t.ema_decay > 0 else None
@@ -247,6 +252,20 @@ class Trainer:
                                 "world_size": acc.num_processes})
 
     # ------------------------------------------------------------------ data
+    def _resolve_epochs(self) -> None:
+        """Turn train.epochs, eval.every_epochs and ckpt.every_epochs into steps (saved in config.yaml)."""
+        cfg = self.cfg
+        if not (cfg.train.epochs or cfg.eval.every_epochs or cfg.ckpt.every_epochs):
+            return
+        if self.batch_sampler is None:
+            raise ConfigError("train.epochs / *.every_epochs need map-style data: a stream has no epoch length")
+        steps_per_epoch = max(1, len(self.batch_sampler) // cfg.train.grad_accum_steps)
+        if cfg.train.epochs:
+            cfg.train.max_steps = max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
+        for section in (cfg.eval, cfg.ckpt):
+            if section.every_epochs:
+                section.every_steps = max(1, round(section.every_epochs * steps_per_epoch))
+
     def _build_batch_sampler(self, train_set: Any, epoch_aware: bool) -> RankBatchSampler | BalancedBatchSampler:
         """This rank's batch sampler: fixed counts, or balanced/budgeted by the task's unit sizes."""
         cfg, acc = self.cfg, self.accelerator
@@ -335,6 +354,8 @@ class Trainer:
         """Final eval and checkpoint of a completed run, or the checkpoint and marker of a preempted one."""
         acc = self.accelerator
         improved = self._track_best(self.evaluate()) if status == "completed" else False
+        if status == "completed":
+            self.evaluate("test")
         if saved_at != self.state.step or improved:
             self.save(best=improved)
         marker = self.run_dir / "preempted.json"
@@ -491,23 +512,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Metrics over the whole eval set, each sample exactly once whatever world size and batch."""
-        if self.eval_loader is None:
+    def evaluate(self, split: str = "eval") -> dict[str, float]:
+        """Metrics over the whole eval (or test) set, each sample once whatever world size and batch.
+
+        The test split (`Task.build_test_dataset`) is evaluated once, at the end of a completed run;
+        the main process then hands all its per-sample values to `Task.write_report` (e.g. a parity plot).
+        """
+        loader = self.eval_loader if split == "eval" else self.test_loader
+        if loader is None:
             return {}
         acc = self.accelerator
         self.model.eval()
         values: dict[str, list[torch.Tensor]] = defaultdict(list)
         use_ema = self.ema.applied_to(acc.unwrap_model(self.model)) if self.ema else contextlib.nullcontext()
         with use_ema:
-            for batch in self.eval_loader:
+            for batch in loader:
                 out = acc.gather_for_metrics(self.task.eval_step(self.model, batch))
                 for key, value in out.items():
                     values[key].append(value.detach().float().cpu())
         self.model.train()
-        metrics = self.task.reduce_metrics({k: torch.cat(v) for k, v in values.items()})
-        self.last_eval = metrics
-        self._write({"step": self.state.step, **{f"eval/{k}": v for k, v in metrics.items()}})
+        joined = {k: torch.cat(v) for k, v in values.items()}
+        metrics = self.task.reduce_metrics(joined)
+        if split == "eval":
+            self.last_eval = metrics
+        self._write({"step": self.state.step, **{f"{split}/{k}": v for k, v in metrics.items()}})
+        if split == "test" and acc.is_main_process:
+            self.task.write_report(joined, metrics, self.run_dir / "test")
         return metrics
 
     def _track_best(self, metrics: dict[str, float]) -> bool:

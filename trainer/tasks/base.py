@@ -50,6 +50,10 @@ class Task:
         """Return (train, eval) map-style datasets; eval may be None."""
         raise NotImplementedError
 
+    def build_test_dataset(self) -> Dataset | None:
+        """A held-out test set, evaluated once at the end of a completed run (None: no test split)."""
+        return None
+
     def collate(self, samples: list[Any]) -> Any:
         return default_collate(samples)
 
@@ -79,3 +83,6 @@ class Task:
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
         """Metrics over the whole eval set; `values` holds each sample exactly once."""
         return {k: float(v.double().mean()) for k, v in values.items()}
+
+    def write_report(self, values: dict[str, torch.Tensor], metrics: dict[str, float], directory: Path) -> None:
+        """Main process, after the test evaluation: every per-sample value once (e.g. for a parity plot)."""

@@ -1,0 +1,336 @@
+"""Experiments files: validation, grid expansion, stable names and the command line of each run."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shlex
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from trainer.config import ConfigError
+
+TOP_KEYS = ("experiments", "defaults")
+DEFAULT_KEYS = ("timeout", "env", "gpus_per_experiment", "accelerate_config")
+ENTRY_KEYS = ("name", "config", "overrides", "command", "grid") + DEFAULT_KEYS
+# Filled when an experiment starts; everything else in a template must be a grid key.
+RUNTIME_PLACEHOLDERS = ("name", "out_dir", "gpus", "port", "python")
+# Files the runner itself writes into the output folder; an experiment folder must not shadow them.
+RESERVED_NAMES = ("results.json", "summary.csv", ".submitit")
+
+_NAME_OK = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.,=+\-]{0,199}$")
+_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smh]?)\s*$")
+
+
+class ExperimentsError(ConfigError):
+    """A problem in an experiments file that the user must fix (names the entry and key)."""
+
+
+@dataclass
+class Experiment:
+    """One run: an entry of the experiments file with one combination of its grid."""
+
+    name: str
+    entry: int
+    """Index of the entry under `experiments:` this run comes from."""
+    grid: dict[str, Any] = field(default_factory=dict)
+    config: str | None = None
+    """Absolute path of the trainer config (config experiments), else None."""
+    overrides: list[str] = field(default_factory=list)
+    command: list[str] | None = None
+    """Command template tokens (command experiments); placeholders are filled at launch."""
+    timeout: float | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    gpus_per_experiment: int = 1
+    accelerate_config: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return "config" if self.config is not None else "command"
+
+    def placeholders(self, out_dir: str | Path, gpus: Sequence[Any], port: int | None) -> dict[str, str]:
+        values = {key: format_value(value) for key, value in self.grid.items()}
+        values.update(name=self.name, out_dir=str(out_dir), gpus=",".join(str(g) for g in gpus),
+                      port="" if port is None else str(port), python=sys.executable)
+        return values
+
+    def argv(self, out_dir: str | Path, gpus: Sequence[Any] = (), port: int | None = None,
+             fresh: bool = True) -> list[str]:
+        """The command line of this run, with its output folder, devices and (K > 1) rendezvous port."""
+        values = self.placeholders(out_dir, gpus, port)
+        where = f"experiment '{self.name}'"
+        if self.command is not None:
+            return [fill(token, values, where) for token in self.command]
+        overrides = [fill(item, values, where) for item in self.overrides]
+        # Without --resume a rerun into an existing folder starts over; with it the trainer's default
+        # (run.resume=auto) continues an interrupted run from its latest checkpoint.
+        if fresh and not any(item.startswith("run.resume=") for item in overrides):
+            overrides.append("run.resume=none")
+        train = ["trainer", "train", str(self.config), *overrides, f"run.output_dir={out_dir}"]
+        if self.gpus_per_experiment == 1:
+            return [sys.executable, "-m", *train]
+        launch = [sys.executable, "-m", "accelerate.commands.launch"]
+        accelerate_config = self.accelerate_config or default_accelerate_config()
+        launch += ["--config_file", accelerate_config] if accelerate_config else ["--multi_gpu"]
+        launch += ["--num_machines", "1", "--num_processes", str(self.gpus_per_experiment),
+                   "--main_process_port", str(port if port is not None else free_port())]
+        return [*launch, "-m", *train]
+
+    def env_for(self, out_dir: str | Path, gpus: Sequence[Any], port: int | None) -> dict[str, str]:
+        values = self.placeholders(out_dir, gpus, port)
+        return {key: fill(value, values, f"experiment '{self.name}' env {key}") for key, value in self.env.items()}
+
+    def needs_port(self) -> bool:
+        if self.command is None:
+            return self.gpus_per_experiment > 1
+        return any("{port}" in token for token in self.command) or any("{port}" in v for v in self.env.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "entry": self.entry, "kind": self.kind, "grid": dict(self.grid),
+                "config": self.config, "overrides": list(self.overrides) if self.config is not None else None,
+                "command_template": list(self.command) if self.command is not None else None,
+                "timeout_s": self.timeout, "gpus_per_experiment": self.gpus_per_experiment}
+
+
+def default_accelerate_config() -> str | None:
+    """accelerate_configs/ddp.yaml of a source checkout (it also turns into multi-CPU gloo without GPUs)."""
+    path = Path(__file__).resolve().parents[2] / "accelerate_configs" / "ddp.yaml"
+    return str(path) if path.is_file() else None
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago: the kernel's pick for port 0, never a fixed number."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def format_value(value: Any) -> str:
+    """How a grid value appears in names, commands and overrides (YAML-readable, so `key=value` round-trips)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+def fill(template: str, values: Mapping[str, str], where: str) -> str:
+    """Replace {key} with values[key]; {{ and }} stand for literal braces. No attribute or index access."""
+
+    def sub(match: re.Match) -> str:
+        if match.group(0) == "{{":
+            return "{"
+        if match.group(0) == "}}":
+            return "}"
+        key = match.group(1)
+        if key not in values:
+            known = ", ".join("{" + k + "}" for k in values) or "none"
+            raise ExperimentsError(f"{where}: unknown placeholder {{{key}}} in {template!r} (known: {known})")
+        return values[key]
+
+    return _PLACEHOLDER.sub(sub, template)
+
+
+def expand_grid(grid: Mapping[str, Sequence[Any]] | None) -> list[dict[str, Any]]:
+    """Every combination of the grid's values, first key slowest, last key fastest (file order)."""
+    if not grid:
+        return [{}]
+    keys = list(grid)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
+
+
+def parse_duration(value: Any, where: str) -> float | None:
+    """Seconds from a number or a string such as '90', '90s', '30m', '2h'; None means no limit."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ExperimentsError(f"{where}: timeout must be seconds or a string like '30m', got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if not match:
+            raise ExperimentsError(f"{where}: timeout must be seconds or a string like '30m', got {value!r}")
+        seconds = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+    if seconds <= 0:
+        raise ExperimentsError(f"{where}: timeout must be > 0, got {value!r}")
+    return seconds
+
+
+def _check_keys(mapping: Mapping, allowed: Sequence[str], where: str) -> None:
+    for key in mapping:
+        if key not in allowed:
+            raise ExperimentsError(f"{where}: unknown key '{key}' (allowed: {', '.join(allowed)})")
+
+
+def _parse_settings(raw: Mapping[str, Any], where: str, base: dict[str, Any]) -> dict[str, Any]:
+    """timeout / env / gpus_per_experiment / accelerate_config of `raw` laid over `base`."""
+    out = dict(base)
+    if "timeout" in raw:
+        out["timeout"] = parse_duration(raw["timeout"], where)
+    if "env" in raw:
+        env = raw["env"] or {}
+        if not isinstance(env, dict):
+            raise ExperimentsError(f"{where}: env must be a mapping of NAME: value")
+        out["env"] = {**base.get("env", {}), **{str(k): format_value(v) for k, v in env.items()}}
+    if "gpus_per_experiment" in raw:
+        k = raw["gpus_per_experiment"]
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ExperimentsError(f"{where}: gpus_per_experiment must be an integer >= 1, got {k!r}")
+        out["gpus_per_experiment"] = k
+    if "accelerate_config" in raw:
+        path = raw["accelerate_config"]
+        if path is not None:
+            path = Path(str(path)).resolve()
+            if not path.is_file():
+                raise ExperimentsError(f"{where}: accelerate_config file not found: {path}")
+            path = str(path)
+        out["accelerate_config"] = path
+    return out
+
+
+def _parse_overrides(raw: Any, where: str) -> list[str]:
+    if raw is None:
+        return []
+    if isinstance(raw, dict):
+        items = [f"{key}={format_value(value)}" for key, value in raw.items()]
+    elif isinstance(raw, list):
+        items = [str(item) for item in raw]
+    else:
+        raise ExperimentsError(f"{where}: overrides must be a list of key=value strings or a mapping")
+    for item in items:
+        if "=" not in item:
+            raise ExperimentsError(f"{where}: override {item!r} must look like section.key=value")
+        if item.split("=", 1)[0].strip() == "run.output_dir":
+            raise ExperimentsError(f"{where}: run.output_dir is set by the runner (OUT/<name>); remove it")
+    return items
+
+
+def _parse_grid(raw: Any, where: str) -> dict[str, list[Any]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ExperimentsError(f"{where}: grid must be a mapping of key: [values]")
+    for key, values in raw.items():
+        if not isinstance(values, list) or not values:
+            raise ExperimentsError(f"{where}: grid key '{key}' must be a non-empty list, got {values!r}")
+        if key in RUNTIME_PLACEHOLDERS:
+            raise ExperimentsError(f"{where}: grid key '{key}' clashes with the placeholder {{{key}}}")
+    return {str(k): v for k, v in raw.items()}
+
+
+def _entry_label(index: int, entry: Mapping) -> str:
+    name = entry.get("name") if isinstance(entry, Mapping) else None
+    return f"experiments[{index}]" + (f" (name {name!r})" if name else "")
+
+
+def _expand_entry(index: int, entry: Mapping, defaults: dict[str, Any]) -> list[Experiment]:
+    where = _entry_label(index, entry)
+    _check_keys(entry, ENTRY_KEYS, where)
+    if not isinstance(entry.get("name"), str) or not entry["name"]:
+        raise ExperimentsError(f"{where}: every entry needs a `name` (a template such as 'lr{{optim.lr}}')")
+    if ("config" in entry) == ("command" in entry):
+        raise ExperimentsError(f"{where}: give exactly one of `config` (a trainer config) or `command`")
+    settings = _parse_settings(entry, where, defaults)
+    grid = _parse_grid(entry.get("grid"), where)
+
+    config = None
+    overrides: list[str] = []
+    command = None
+    if "config" in entry:
+        path = Path(str(entry["config"])).resolve()
+        if not path.is_file():
+            raise ExperimentsError(f"{where}: config file not found: {path}")
+        config = str(path)
+        overrides = _parse_overrides(entry.get("overrides"), where)
+    else:
+        if "overrides" in entry:
+            raise ExperimentsError(f"{where}: `overrides` only applies to `config` entries")
+        raw = entry["command"]
+        if isinstance(raw, str):
+            # Split before filling, so a value with spaces stays one argument; no shell is involved.
+            command = shlex.split(raw)
+        elif isinstance(raw, list) and raw:
+            command = [str(token) for token in raw]
+        else:
+            raise ExperimentsError(f"{where}: command must be a string or a non-empty list")
+        if not command:
+            raise ExperimentsError(f"{where}: command is empty")
+
+    runs = []
+    for values in expand_grid(grid):
+        formatted = {key: format_value(value) for key, value in values.items()}
+        name = fill(entry["name"], formatted, f"{where} name")
+        run_overrides = list(overrides)
+        if config is not None:
+            # Dotted grid keys are trainer config keys; plain ones only feed placeholders.
+            run_overrides += [f"{key}={formatted[key]}" for key in values if "." in key]
+        exp = Experiment(name=name, entry=index, grid=dict(values), config=config, overrides=run_overrides,
+                         command=command, timeout=settings.get("timeout"), env=dict(settings.get("env", {})),
+                         gpus_per_experiment=settings.get("gpus_per_experiment", 1),
+                         accelerate_config=settings.get("accelerate_config"))
+        if not _NAME_OK.match(name) or name in RESERVED_NAMES:
+            raise ExperimentsError(f"{where}: name {name!r} is not a safe folder name (letters, digits and "
+                                   "_ . , = + - only, at most 200 characters)")
+        # Catch unknown placeholders now rather than when the run starts hours later.
+        exp.argv("OUT", [0] * exp.gpus_per_experiment, 1)
+        exp.env_for("OUT", [0], 1)
+        runs.append(exp)
+    return runs
+
+
+def parse_experiments(data: Any, source: str = "<experiments>",
+                      cli_defaults: Mapping[str, Any] | None = None) -> list[Experiment]:
+    """Experiments from an already-loaded YAML document.
+
+    Settings resolve as: entry > command line (`cli_defaults`, e.g. --timeout) > file `defaults:`.
+    """
+    if not isinstance(data, dict) or "experiments" not in data:
+        raise ExperimentsError(f"{source}: expected a mapping with an `experiments:` list")
+    _check_keys(data, TOP_KEYS, source)
+    raw_defaults = data.get("defaults") or {}
+    if not isinstance(raw_defaults, dict):
+        raise ExperimentsError(f"{source}: defaults must be a mapping")
+    _check_keys(raw_defaults, DEFAULT_KEYS, f"{source} defaults")
+    defaults = _parse_settings(raw_defaults, f"{source} defaults", {"env": {}, "gpus_per_experiment": 1})
+    cli = {k: v for k, v in (cli_defaults or {}).items() if v is not None}
+    defaults = _parse_settings(cli, "command line", defaults)
+
+    entries = data["experiments"]
+    if not isinstance(entries, list) or not entries:
+        raise ExperimentsError(f"{source}: `experiments:` must be a non-empty list")
+    experiments: list[Experiment] = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ExperimentsError(f"{source}: experiments[{index}] must be a mapping")
+        experiments += _expand_entry(index, entry, defaults)
+
+    seen: dict[str, int] = {}
+    for exp in experiments:
+        seen[exp.name] = seen.get(exp.name, 0) + 1
+    duplicates = [name for name, count in seen.items() if count > 1]
+    if duplicates:
+        raise ExperimentsError(f"{source}: duplicate experiment names {duplicates}; put every grid key that "
+                               "varies into the name template")
+    return experiments
+
+
+def load_experiments(path: str | Path, cli_defaults: Mapping[str, Any] | None = None) -> list[Experiment]:
+    """Read, validate and expand an experiments YAML file into runs, in a stable order."""
+    path = Path(path)
+    if not path.is_file():
+        raise ExperimentsError(f"experiments file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ExperimentsError(f"experiments file {path} is not valid YAML: {err}") from None
+    return parse_experiments(data, str(path), cli_defaults)
