@@ -38,6 +38,6 @@ def get_task(name: str) -> type[Task]:
 
 
 # Built-in tasks register themselves on import.
-from trainer.tasks import protein_sedd, regression  # noqa: E402,F401
+from trainer.tasks import crystal_property, protein_sedd, regression  # noqa: E402,F401
 
 __all__ = ["LossOutput", "Task", "available_tasks", "get_task", "register_task"]

@@ -1,0 +1,177 @@
+"""Periodic graph construction speed (structures/s): vesin + numpy selection vs an ASE-based baseline.
+
+All structures of /work/shared/data/crystals (mlearn Si and Mo, training + test, and the 50
+JARVIS crystals of jarvis_bandgap_50: 506 structures, 2 to 108 atoms) are parsed once (untimed);
+then, in one process, median of `--repeats` interleaved repeats after one untimed warm-up:
+
+  (a) baseline  `build_graph(..., backend="ase")`: `ase.neighborlist.primitive_neighbor_list`
+                (ASE's numpy neighbour search, what `neighbor_list("ijSd", atoms, r)` calls) and
+                the same k-nearest selection, symmetrisation, lattice loops and de-duplication.
+  (b) ours      `build_graph(...)` with vesin's neighbour list.
+  (b1)          the vesin calls inside (b) alone, for the breakdown.
+
+for the ComFormer k-NN graph (k=25, lattice self-loops, as in the published runs) and a radius
+graph (cutoff 5 A, no loops). The two backends must give identical edge sets (checked). Also the
+end-to-end uncached `build_crystal_dataset` (parse + graphs + Arrow) with 1 and 2 processes.
+
+Target: b/a >= 10 for both graph kinds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import datasets
+import numpy as np
+
+from bench_report import command_line, cpu_model, utc_now
+from trainer.data import crystals as C
+
+DATA = Path("/work/shared/data/crystals")
+
+
+def sources(root: Path) -> list[Path]:
+    return [root / "mlearn" / el / f"{split}.json" for el in ("Si", "Mo") for split in ("training", "test")] + [
+        root / "jarvis_bandgap_50"]
+
+
+def load(root: Path) -> list[dict]:
+    return list(C.iter_crystals(sources(root), check_overlap=False))
+
+
+def build_all(structures: list[dict], spec: C.GraphSpec, backend: str) -> list[dict]:
+    return [C.build_graph(r["positions"], r["cell"], spec, backend=backend) for r in structures]
+
+
+def timed_search(structures: list[dict], spec: C.GraphSpec) -> float:
+    """Seconds spent inside the vesin calls of one (b) run."""
+    spent = 0.0
+    inner = C.neighbor_pairs
+
+    def wrapper(*args, **kwargs):
+        nonlocal spent
+        t0 = time.perf_counter()
+        out = inner(*args, **kwargs)
+        spent += time.perf_counter() - t0
+        return out
+
+    C.neighbor_pairs = wrapper
+    try:
+        build_all(structures, spec, "vesin")
+    finally:
+        C.neighbor_pairs = inner
+    return spent
+
+
+def same_graphs(a: list[dict], b: list[dict]) -> bool:
+    return all(all(np.array_equal(x[k], y[k]) for k in ("edge_src", "edge_dst", "edge_shift")) for x, y in zip(a, b))
+
+
+def end_to_end(root: Path, spec: C.GraphSpec, num_proc: int) -> float:
+    with tempfile.TemporaryDirectory(prefix="crystal-bench-") as cache:
+        t0 = time.perf_counter()
+        # One dataset of all 5 inputs (jarvis's id_prop value is its target whatever `target` says).
+        C.build_crystal_dataset(sources(root), graph=spec, cache_dir=cache, num_proc=num_proc)
+        return time.perf_counter() - t0
+
+
+def profile_top(structures: list[dict], spec: C.GraphSpec, backend: str, n: int = 8) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    build_all(structures, spec, backend)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    total = stats.total_tt
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][3], reverse=True)  # cumulative time
+    out = []
+    for (file, line, name), (_, _, tt, ct, _) in rows:
+        if name.startswith("<") or "cProfile" in file:
+            continue
+        out.append(f"{name} ({Path(file).name}:{line}) {ct / total:.0%} cumulative, {tt / total:.0%} own")
+        if len(out) == n:
+            break
+    return "; ".join(out)
+
+
+def machine() -> str:
+    import ase
+    import vesin
+    return (f"{cpu_model()}; Python {platform.python_version()}, numpy {np.__version__}, vesin {vesin.__version__}, "
+            f"ase {ase.__version__}, datasets {datasets.__version__}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=str(DATA), help="the shared crystals folder")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per method; median reported")
+    p.add_argument("--radius", type=float, default=5.0, help="cutoff of the radius graph, Å")
+    p.add_argument("--profile", action="store_true", help="print the top functions of (a) and (b)")
+    p.add_argument("--out", help="append a dated section with machine, command and table to this markdown file")
+    a = p.parse_args()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    root = Path(a.data)
+    started = time.perf_counter()
+    structures = load(root)
+    n, atoms = len(structures), sum(len(r["atomic_numbers"]) for r in structures)
+    specs = {"knn (k=25, lattice loops)": C.GraphSpec(kind="knn", k=25, use_lattice=True),
+             f"radius ({a.radius:g} Å)": C.GraphSpec(kind="radius", cutoff=a.radius, use_lattice=False)}
+    rows = ["| graph | edges | (a) ASE baseline s | (b) ours s | (b1) vesin calls in (b) s | structures/s (a) "
+            "| structures/s (b) | b/a |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    ratios = {}
+    profiles = []
+    for name, spec in specs.items():
+        ref, ours = build_all(structures, spec, "ase"), build_all(structures, spec, "vesin")  # warm-up + check
+        if not same_graphs(ref, ours):
+            sys.exit(f"{name}: the ASE and vesin backends disagree")
+        edges = sum(len(g["edge_src"]) for g in ours)
+        times: dict[str, list[float]] = {"a": [], "b": [], "b1": []}
+        for r in range(a.repeats):
+            for key, backend in (("a", "ase"), ("b", "vesin")):
+                t0 = time.perf_counter()
+                build_all(structures, spec, backend)
+                times[key].append(time.perf_counter() - t0)
+                print(f"{name} repeat {r + 1}/{a.repeats} ({key}) {times[key][-1]:.3f} s", file=sys.stderr)
+            times["b1"].append(timed_search(structures, spec))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratios[name] = med["a"] / med["b"]
+        rows.append(f"| {name} | {edges:,} | {med['a']:.3f} | {med['b']:.3f} | {med['b1']:.3f} | {n / med['a']:,.0f} "
+                    f"| {n / med['b']:,.0f} | **{ratios[name]:.1f}x** |")
+        if a.profile:
+            profiles.append(f"- {name}, (a): {profile_top(structures, spec, 'ase')}")
+            profiles.append(f"- {name}, (b): {profile_top(structures, spec, 'vesin')}")
+    knn = specs["knn (k=25, lattice loops)"]
+    e2e = {k: end_to_end(root, knn, k) for k in (1, 2)}
+    table = "\n".join(rows)
+    e2e_line = ("End to end, uncached `build_crystal_dataset` of the 5 inputs as one dataset (parse + validate + "
+                "knn graphs + Arrow files): " + ", ".join(f"num_proc={k}: {t:.2f} s ({n / t:,.0f} structures/s)"
+                                            for k, t in e2e.items()) + ".")
+    met = all(r >= 10 for r in ratios.values())
+    verdict = ("Ours/baseline: " + ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items())
+               + f" (target >= 10x: {'met' if met else 'NOT met'}).")
+    elapsed = time.perf_counter() - started
+    print(table)
+    print(f"\n{verdict}\n{e2e_line}\n{n} structures, {atoms:,} atoms; median of {a.repeats}; total {elapsed:.0f} s")
+    if profiles:
+        print("\n".join(profiles))
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(f"\n## Crystal graph construction benchmark, {utc_now()}\n\n- Machine: {machine()}\n"
+                    f"- Command: `{command_line()}`\n"
+                    f"- Data: `{root}` (mlearn Si + Mo training + test, jarvis_bandgap_50): {n} structures, "
+                    f"{atoms:,} atoms; median of {a.repeats} interleaved repeats after one untimed warm-up, "
+                    f"one process; both backends give identical edge sets\n"
+                    f"- Target: b/a >= 10 for both graph kinds\n\n{table}\n\n{verdict}\n\n{e2e_line}\n"
+                    + ("\nProfile (cumulative share of the run):\n\n" + "\n".join(profiles) + "\n" if profiles else ""))
+
+
+if __name__ == "__main__":
+    main()
