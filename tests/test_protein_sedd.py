@@ -175,3 +175,32 @@ def test_token_budget_batching_two_processes_resumes_exactly_across_epochs(tmp_p
     assert all(torch.equal(a[k], b[k]) for k in a)
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert {r["step"]: r["loss"] for r in read_jsonl(resumed) if "loss" in r} == {21: losses[21], 22: losses[22]}
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_packing_joins_every_training_sequence_once_with_separators(tmp_path):
+    from trainer.tasks.protein_sedd import SEP_STATE, PackedBlocks, residue_states
+
+    trainer = make(tmp_path, "task.packing=true", "train.max_steps=3", "eval.every_steps=0", "log.every_steps=1",
+                   "train.ema_decay=0")
+    blocks = trainer.train_loader.dataset
+    assert isinstance(blocks, PackedBlocks) and trainer.task.graph.dim == NUM_RESIDUES + 3  # pad, sep, mask
+    stream = np.concatenate([blocks[i]["states"] for i in range(len(blocks))])
+    assert not np.any(stream == PAD_STATE)  # packing leaves no padding
+    from collections import Counter
+
+    from trainer.data.protein import build_fasta_dataset, tokenize_dataset
+
+    train, _ = build_fasta_dataset(str(ROOT / "trainer/data/samples/uniprot_sample_3k.fasta.gz"), split="train",
+                                   cache_dir=str(tmp_path / "cache"), val_fraction=0.05)
+    want = Counter(tuple(residue_states(np.asarray(x)).tolist()) for x in tokenize_dataset(train)["input_ids"])
+    seps = np.flatnonzero(stream == SEP_STATE)
+    pieces = np.split(stream, seps)  # the first piece, then pieces that each start with a separator
+    complete = Counter([tuple(pieces[0].tolist())] + [tuple(p[1:].tolist()) for p in pieces[1:-1]])
+    missing = want - complete
+    assert not (complete - want)  # every complete piece is a training sequence, none twice
+    assert sum(missing.values()) <= 1  # only the one cut by the last block boundary
+    tail = tuple(stream[seps[-1] + 1:].tolist())
+    assert all(seq[:len(tail)] == tail for seq in missing)
+    assert trainer.fit() == "completed"
+    assert all(np.isfinite(r["loss"]) for r in read_jsonl(tmp_path) if "loss" in r)

@@ -31,6 +31,7 @@ from trainer.tasks.base import LossOutput, Task
 
 NUM_RESIDUES = len(RESIDUES)
 PAD_STATE = NUM_RESIDUES  # the state after the residues; the mask (absorbing graph) comes last
+SEP_STATE = NUM_RESIDUES + 1  # with task.packing: the separator between packed sequences
 
 
 @dataclass
@@ -61,6 +62,9 @@ class ProteinSEDDConfig(TaskConfig):
     """Smallest diffusion time drawn for the loss."""
     eval_seed: int = 1234
     """Seed of the per-sample eval generators (diffusion times and corruption)."""
+    packing: bool = False
+    """SEDD-style packing: training sequences (in a seeded order) joined by a separator state and cut into
+    blocks of max_length, so no position is padding; eval stays one crop per sequence."""
     streaming: bool = False
     """Read the training split as a stream (bounded memory, for the full UniRef50 file); validation stays Arrow."""
 
@@ -117,6 +121,34 @@ class ProteinCrops(Dataset):
         return self.get_item(index)
 
 
+class PackedBlocks(Dataset):
+    """Training sequences in a seeded order, each followed by SEP_STATE, concatenated and cut into blocks
+    of `max_length` states (the tail shorter than a block is dropped and logged)."""
+
+    def __init__(self, tokenized, max_length: int, seed: int):
+        column = tokenized.with_format(None).data.column("input_ids").combine_chunks()
+        if tokenized._indices is not None:
+            column = column.take(tokenized._indices.column(0))
+        offsets = column.offsets.to_numpy()
+        values = residue_states(column.values.to_numpy())
+        lengths = np.diff(offsets)
+        order = np.random.default_rng([seed, 77]).permutation(len(lengths))
+        stream = np.full(int(lengths.sum()) + len(lengths), SEP_STATE, dtype=np.int8)
+        starts = np.concatenate([[0], np.cumsum(lengths[order] + 1)[:-1]])
+        for start, k in zip(starts, order):  # one slice copy per sequence
+            stream[start:start + lengths[k]] = values[offsets[k]:offsets[k + 1]]
+        self.num_blocks = len(stream) // max_length
+        self.blocks = stream[: self.num_blocks * max_length].reshape(self.num_blocks, max_length)
+        self.max_length = max_length
+        self.dropped_tokens = len(stream) - self.blocks.size
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"states": self.blocks[index].astype(np.int64), "index": index}
+
+
 def collate_crops(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """Pad to the longest crop of the batch; `num_tokens` is a host int (no device sync to read it)."""
     longest = max(len(s["states"]) for s in samples)
@@ -144,7 +176,10 @@ class ProteinSEDDTask(Task):
 
     def __init__(self, cfg: ProteinSEDDConfig, seed: int = 0):
         super().__init__(cfg, seed)
-        self.graph = build_graph(cfg.graph, NUM_RESIDUES + 1 + (1 if cfg.graph == "absorb" else 0))
+        if cfg.packing and cfg.streaming:
+            raise ValueError("task.packing works on the cached (non-streaming) training split; drop one of the two")
+        states = NUM_RESIDUES + 1 + (1 if cfg.packing else 0)  # residues, pad, separator
+        self.graph = build_graph(cfg.graph, states + (1 if cfg.graph == "absorb" else 0))
         self.noise = build_noise(cfg.noise)
         self.unigram_perplexity: float | None = None
         self.train_lengths: np.ndarray | None = None
@@ -174,7 +209,8 @@ class ProteinSEDDTask(Task):
         else:
             train, _ = build_fasta_dataset(path, split="train", **common)
             reference = train = tokenize_dataset(train)
-            train_set = ProteinCrops(train, c.max_length, self.seed, random_crop=True)
+            train_set = (PackedBlocks(train, c.max_length, self.seed) if c.packing
+                         else ProteinCrops(train, c.max_length, self.seed, random_crop=True))
         counts = residue_counts(reference)
         self.unigram_perplexity = perplexity_of(counts)
         self.train_composition = counts / counts.sum()
@@ -186,6 +222,8 @@ class ProteinSEDDTask(Task):
 
     def unit_sizes(self, dataset: Dataset) -> np.ndarray | None:
         """Tokens of each training crop (data.batching=budget: length-bucketed token-budget batches)."""
+        if isinstance(dataset, PackedBlocks):
+            return np.full(len(dataset), dataset.max_length)
         if not isinstance(dataset, ProteinCrops):
             return None
         return np.minimum(np.asarray(dataset.ids.data.column("length")), dataset.max_length)
