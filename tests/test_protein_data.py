@@ -8,6 +8,7 @@ import os
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -71,6 +72,66 @@ def test_uniprot_headers_from_bundled_file():
     assert (h["id"], h["os"], h["ox"], h["gn"], h["pe"], h["sv"]) == ("P12345", "Homo sapiens", 9606, "ABC", 1, 2)
 
 
+def _random_header(rng: random.Random) -> str:
+    """A header of UniProt's shapes, mostly regular, with odd spacing, tags, values and ids mixed in."""
+    odd = rng.random() < 0.5
+    space = (lambda: rng.choice([" ", " ", "  ", "\t", " \t"])) if odd else (lambda: " ")
+    if rng.random() < 0.5:
+        first = (f"{rng.choice(['sp', 'tr', 'xx'])}|{rng.choice(['P12345', '', 'Q1'])}|{rng.choice(['N_H', '', 'A|B'])}"
+                 if odd else f"{rng.choice(['sp', 'tr'])}|P{rng.randint(0, 99999)}|N_{rng.randint(0, 9)}")
+        tags = [("OS", "s"), ("OX", "i"), ("GN", "s"), ("PE", "i"), ("SV", "i")]
+    elif rng.random() < 0.8:
+        first = rng.choice(["UniRef50_A0A1", "UniRef90_X", "UniRef_", "UniRefX", "UniRef100_a|b", "UniRef50_a=b"])
+        tags = [("n", "i"), ("Tax", "s"), ("TaxID", "i"), ("RepID", "s")]
+    else:
+        first = rng.choice(["myid", "gi|123|ref", "x=1", "", " lead", "é"])
+        tags = [("OS", "s"), ("n", "i")]
+    words = ["Genome", "polyprotein", "(Fragment)", "Homo", "sapiens", "7", "-1", "|"]
+    words += ["x=y", "A=", "=", "OS", "é"] if odd else []
+    parts = [first] + [space() + rng.choice(words) for _ in range(rng.randint(0, 3))]
+    chosen = [t for t in tags if rng.random() < 0.7]
+    if odd and rng.random() < 0.3:
+        rng.shuffle(chosen)
+        chosen += chosen[:1]
+    for key, kind in chosen:
+        ints = ["9606", "1", "007", "x1", "", " 5", "99999999999999999999"] if odd else ["9606", "1", "007"]
+        value = (rng.choice(ints)
+                 if kind == "i" else " ".join(rng.choice(words) for _ in range(rng.randint(0 if odd else 1, 3))))
+        parts.append(space() + f"{key}={value}")
+    parts += [space() + rng.choice(["Split=0", "Foo=bar baz", "X_1=", "k=v=w"] if odd else ["Split=0"])
+              for _ in range(rng.choice([0, 1, 1, 2]))]
+    return "".join(parts) + rng.choice(["", " ", "\t", "  \r"] if odd else ["", " "])
+
+
+def test_block_parser_equals_reference_parser(tmp_path):
+    """Every header, of the usual shape (vectorised) or not (reference fallback), as parse_header reads it."""
+    rng = random.Random(0)
+    headers = [_random_header(rng) for _ in range(6000)]
+    with gzip.open(SAMPLE, "rt") as f:
+        headers += [line[1:].rstrip("\n") for line in f if line.startswith(">")]
+    headers = [h for h in headers if h.strip()]  # no id: an error, tested elsewhere
+    path = write(tmp_path, "".join(f">{h}\nMKV\n" for h in headers))
+    try:
+        records = read_all(path)[0]
+    except FastaFormatError:  # an odd header whose id is empty: drop those and read again
+        headers = [h for h in headers if parse_header(h)["id"]]
+        records = read_all(write(tmp_path, "".join(f">{h}\nMKV\n" for h in headers)))[0]
+    assert len(records) == len(headers)
+    for header, record in zip(headers, records):
+        expected = parse_header(header.replace("\r", ""))
+        assert {k: record[k] for k in expected} == expected, header
+
+    # both paths ran: the bundled UniProt headers are vectorised, most odd random ones fall back
+    from trainer.data.fasta import INT_COLUMNS, STRING_COLUMNS
+    from trainer.data.fasta_headers import parse_header_block
+    data = "".join(f">{h}\n" for h in headers).encode()
+    buf = np.frombuffer(data, dtype=np.uint8)
+    ends = np.flatnonzero(buf == 10)
+    starts = np.concatenate([[1], ends[:-1] + 2])
+    _, slow = parse_header_block(buf, starts, ends, STRING_COLUMNS, INT_COLUMNS)
+    assert slow[-3000:].mean() < 0.01 and 0.2 < slow[:-3000].mean() < 0.8
+
+
 def test_other_header():
     h = parse_header("my_protein some free text  ")
     assert (h["id"], h["description"], h["db"], h["n"]) == ("my_protein", "some free text", None, -1)
@@ -131,6 +192,41 @@ def test_truncated_gzip(tmp_path):
 def test_plain_and_gz_agree(tmp_path):
     text = ">a\nMKV\n>b\nAAA\n"
     assert read_all(write(tmp_path, text))[0] == read_all(write(tmp_path, text, "x.fa.gz", gz=True))[0]
+
+
+def test_block_boundaries_shards_and_line_numbers(tmp_path, monkeypatch):
+    """Small read blocks: records cut anywhere, wrapped lines, every policy path, shards, error lines."""
+    monkeypatch.setattr(fasta, "_READ_SIZE", 1000)
+    rng = random.Random(1)
+    text, expected = "\n", []
+    for k in range(400):
+        seq = "".join(rng.choice(AMINO_ACIDS) for _ in range(rng.randint(1, 300)))
+        shown = seq
+        if k % 7 == 0:
+            shown = seq.lower()
+        if k % 11 == 0:
+            shown, seq = shown[:1] + "X" + shown[1:], seq[:1] + "X" + seq[1:]
+        if k % 13 == 0:
+            shown += "*"
+        lines = [shown[i:i + 60] for i in range(0, len(shown), 60)]
+        text += f">sp|P{k}|N_{k} protein {k} OS=Org OX={k} PE=1 SV=1\n" + "\n".join(lines) + "\n"
+        expected.append((f"P{k}", seq.upper()))
+    path = write(tmp_path, text, gz=True, name="many.fa.gz")
+    recs, stats = read_all(path, val_fraction=0.3)
+    assert [(r["id"], r["sequence"]) for r in recs] == expected
+    assert [r["ox"] for r in recs] == list(range(400)) and stats.records == stats.kept == 400
+    assert (stats.lowercase, stats.terminal_stop, stats.nonstandard) == (58, 31, 37)
+    assert [r["split"] for r in recs] == [split_of(i, 0.3) for i, _ in expected]
+    # shards: each record read by exactly one of 3, and counted only there
+    parts = [read_all(path, shard=(i, 3)) for i in range(3)]
+    assert sorted(r["id"] for p, _ in parts for r in p) == sorted(i for i, _ in expected)
+    assert sum(st.records for _, st in parts) == 400 and [r["id"] for r in parts[1][0]][:2] == ["P1", "P4"]
+    # an error deep in the file names its line
+    lines = text.split("\n")
+    bad = next(i for i, line in enumerate(lines) if line.startswith(">sp|P350|")) + 2
+    lines[bad - 1] = lines[bad - 1][:5] + "1" + lines[bad - 1][6:]
+    with pytest.raises(FastaFormatError, match=rf"many2\.fa:{bad}: record 'P350': illegal character '1'"):
+        read_all(write(tmp_path, "\n".join(lines), name="many2.fa"))
 
 
 # --- residue policy and filters ----------------------------------------------------------------------
@@ -268,6 +364,11 @@ def test_tokenize_dataset(tmp_path):
         row = tok[i]
         assert row["input_ids"] == encode_residues(row["sequence"]).tolist()
     assert tokenize_dataset(ds).cache_files == tok.cache_files
+    # a dataset without the column (not from build_fasta_dataset) is mapped on Arrow batches, cached
+    bare = ds.remove_columns("input_ids").select(range(5, 2005))  # a slice: offsets do not start at 0
+    mapped = tokenize_dataset(bare, batch_size=333)
+    assert mapped["input_ids"] == tok.select(range(5, 2005))["input_ids"]
+    assert tokenize_dataset(bare, batch_size=333).cache_files == mapped.cache_files
 
 
 # --- streaming -----------------------------------------------------------------------------------------

@@ -1075,7 +1075,9 @@ def build_crystal_dataset(source: Any, *, graph: GraphSpec | None = None, target
         jobs = [(records[bounds[k]:bounds[k + 1]], graph, features, str(root / shards[k]), on_invalid)
                 for k in range(n_shards)]
         if n_shards > 1:
-            with multiprocessing.get_context("fork").Pool(n_shards) as pool:
+            # spawn, not fork: forking a process that runs threads (TensorBoard's writer, tqdm's monitor,
+            # the gzip reader) can leave a child waiting forever on a lock held at the fork
+            with multiprocessing.get_context("spawn").Pool(n_shards) as pool:
                 shard_skips = pool.map(_write_graph_shard_star, jobs)
         else:
             shard_skips = [_write_graph_shard(*jobs[0])]

@@ -1,8 +1,9 @@
 """Protein datasets from FASTA files: cached Arrow builds, a sharded stream, tokenization.
 
-`build_fasta_dataset` parses once per (file content, settings) into a fingerprinted Arrow cache
-(written in record batches with `datasets`' ArrowWriter, loaded memory-mapped); the reader's `FastaStats` are stored as a JSON sidecar per file
-so that a cached load reports the same counts. `stream_fasta` reads with bounded memory and gives
+`build_fasta_dataset` parses and tokenizes once per (file content, settings) into a fingerprinted
+Arrow cache (the reader's Arrow tables written with `datasets`' ArrowWriter, loaded memory-mapped);
+the reader's `FastaStats` are stored as a JSON sidecar per file so that a cached load reports the
+same counts. `stream_fasta` reads with bounded memory and gives
 each record to exactly one (rank, dataloader worker). Ranks are passed in: nothing here touches
 `torch.distributed`.
 """
@@ -18,23 +19,21 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import datasets
 import numpy as np
+import pyarrow as pa
 from datasets.arrow_writer import ArrowWriter
 from torch.utils.data import IterableDataset, get_worker_info
 
-from trainer.data.fasta import FASTA_COLUMNS, INT_COLUMNS, STRING_COLUMNS, FastaStats, iter_fasta
+from trainer.data.fasta import FASTA_COLUMNS, FASTA_SCHEMA, FastaStats, iter_fasta, iter_fasta_tables
 from trainer.data.protein_tokenizer import _TABLE, encode_residues
 
-FORMAT_VERSION = "fasta-v1"
+FORMAT_VERSION = "fasta-v3"
 """Bump when the reader's output changes, so that old caches are not reused."""
 TOKENIZE_VERSION = "protein-tok-v1"
 
-FASTA_FEATURES = datasets.Features({
-    "id": datasets.Value("string"), "sequence": datasets.Value("string"), "length": datasets.Value("int32"),
-    "split": datasets.Value("string"),
-    **{k: datasets.Value("string") for k in STRING_COLUMNS[1:]},
-    **{k: datasets.Value("int64") for k in INT_COLUMNS},
-})
+FASTA_FEATURES = datasets.Features.from_arrow_schema(FASTA_SCHEMA)
 assert list(FASTA_FEATURES) == list(FASTA_COLUMNS)
+CACHE_FEATURES = datasets.Features({**FASTA_FEATURES, "input_ids": datasets.List(datasets.Value("int8"))})
+"""The cached dataset: the reader's columns plus `input_ids`, tokenized in the same pass."""
 
 SAMPLE_FASTA = "uniprot_sample_3k.fasta.gz"
 
@@ -70,25 +69,14 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-ARROW_BATCH = 8192
-"""Records per Arrow record batch: columnar encoding amortises the per-record cost; memory stays bounded."""
-
-
 def _write_shard(entry: dict[str, Any], settings: dict[str, Any], out_path: str, stats_dir: str) -> None:
     """Parse one (file, shard) into an Arrow cache file (temp name + rename) and its stats sidecar."""
     reader_kwargs = {k: settings[k] for k in ("min_length", "max_length", "nonstandard", "val_fraction", "salt")}
     stats = FastaStats()
     tmp = f"{out_path}.{os.getpid()}.tmp"
-    with ArrowWriter(features=FASTA_FEATURES, path=tmp) as writer:
-        columns: dict[str, list] = {name: [] for name in FASTA_COLUMNS}
-        for record in iter_fasta(entry["path"], stats=stats, shard=tuple(entry["shard"]), **reader_kwargs):
-            for name in FASTA_COLUMNS:
-                columns[name].append(record[name])
-            if len(columns["id"]) == ARROW_BATCH:
-                writer.write_batch(columns)
-                columns = {name: [] for name in FASTA_COLUMNS}
-        if columns["id"]:
-            writer.write_batch(columns)
+    with ArrowWriter(features=CACHE_FEATURES, path=tmp) as writer:
+        for table in iter_fasta_tables(entry["path"], stats=stats, shard=tuple(entry["shard"]), **reader_kwargs):
+            writer.write_table(_encode_batch(table))
         writer.finalize()
     os.replace(tmp, out_path)
     _write_json_atomic(Path(stats_dir) / f"{entry['stats_key']}.json", {"file": entry, "stats": stats.to_dict()})
@@ -135,7 +123,9 @@ def build_fasta_dataset(paths: str | Path | Iterable[str | Path], *, cache_dir: 
     outputs = [str(arrow_dir / f"{fingerprint}-{i:05d}.arrow") for i in range(len(shards))]
     todo = [(entry, settings, out, str(stats_dir)) for entry, out in zip(shards, outputs) if not Path(out).exists()]
     if len(todo) > 1 and n_shards > 1:
-        with multiprocessing.get_context("fork").Pool(min(n_shards, len(todo))) as pool:
+        # spawn, not fork: forking a process that runs threads (TensorBoard's writer, tqdm's monitor,
+        # the gzip reader) can leave a child waiting forever on a lock held at the fork
+        with multiprocessing.get_context("spawn").Pool(min(n_shards, len(todo))) as pool:
             pool.map(_write_shard_star, todo)
     else:
         for job in todo:
@@ -163,21 +153,36 @@ def build_fasta_dataset(paths: str | Path | Iterable[str | Path], *, cache_dir: 
     return ds, stats
 
 
-def _encode_batch(sequences: list[str]) -> dict[str, list[np.ndarray]]:
-    """input_ids of a batch: one table lookup for the whole batch, then views per sequence."""
-    joined = "".join(sequences).encode("ascii", errors="replace")
-    values = _TABLE[np.frombuffer(joined, dtype=np.uint8)]
-    ends = np.cumsum([len(s) for s in sequences])
-    return {"input_ids": np.split(values, ends[:-1])}
+_TOKEN_TABLE = _TABLE.tobytes()
 
 
-def tokenize_dataset(ds: datasets.Dataset, num_proc: int | None = None, batch_size: int = 1000) -> datasets.Dataset:
-    """Add an int8 `input_ids` column (ids of `encode_residues`), cached by the dataset fingerprint."""
+def _encode_batch(batch: pa.Table) -> pa.Table:
+    """`batch` plus input_ids: one `bytes.translate` over the residue buffer, the sequences' offsets reused."""
+    sequence = batch.column("sequence").combine_chunks()
+    if sequence.offset or sequence.null_count:  # a sliced or null-holding array: take the general path
+        sequence = pa.array(sequence.to_pylist(), pa.string())
+    _, offsets_buf, values_buf = sequence.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=np.int32, count=len(sequence) + 1)
+    residues = memoryview(values_buf)[offsets[0]:offsets[-1]] if len(sequence) else b""
+    values = np.frombuffer(bytes(residues).translate(_TOKEN_TABLE), dtype=np.int8)
+    ids = pa.ListArray.from_arrays(pa.array(offsets - offsets[0]), pa.array(values))
+    return batch.append_column("input_ids", ids)
+
+
+def tokenize_dataset(ds: datasets.Dataset, num_proc: int | None = None, batch_size: int = 8192) -> datasets.Dataset:
+    """`ds` with an int8 `input_ids` column (ids of `encode_residues`).
+
+    `build_fasta_dataset` already writes it while parsing, so its datasets come back unchanged;
+    any other dataset with a `sequence` column is mapped on Arrow batches (no per-sequence Python
+    objects), cached by its fingerprint.
+    """
+    if "input_ids" in ds.column_names:
+        return ds
     features = ds.features.copy()
     features["input_ids"] = datasets.List(datasets.Value("int8"))
-    return ds.map(_encode_batch, input_columns="sequence", batched=True, batch_size=batch_size,
-                  features=features, num_proc=num_proc,
-                  new_fingerprint=_digest([ds._fingerprint, TOKENIZE_VERSION]))
+    out = ds.with_format("arrow").map(_encode_batch, batched=True, batch_size=batch_size, features=features,
+                                      num_proc=num_proc, new_fingerprint=_digest([ds._fingerprint, TOKENIZE_VERSION]))
+    return out.with_format(ds.format["type"], **ds.format["format_kwargs"])
 
 
 class FastaStream(IterableDataset):

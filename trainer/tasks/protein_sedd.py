@@ -128,7 +128,7 @@ class PackedBlocks(Dataset):
     def __init__(self, tokenized, max_length: int, seed: int):
         column = tokenized.with_format(None).data.column("input_ids").combine_chunks()
         if tokenized._indices is not None:
-            column = column.take(tokenized._indices.column(0))
+            column = column.take(tokenized._indices.column(0).combine_chunks())
         offsets = column.offsets.to_numpy()
         values = residue_states(column.values.to_numpy())
         lengths = np.diff(offsets)
@@ -226,7 +226,8 @@ class ProteinSEDDTask(Task):
             return np.full(len(dataset), dataset.max_length)
         if not isinstance(dataset, ProteinCrops):
             return None
-        return np.minimum(np.asarray(dataset.ids.data.column("length")), dataset.max_length)
+        lengths = dataset.ids.with_format("numpy", columns=["length"])["length"]  # honours a split's indices
+        return np.minimum(np.asarray(lengths), dataset.max_length)
 
     def batch_weight(self, batch: dict[str, Any]) -> int:
         return batch["num_tokens"]
