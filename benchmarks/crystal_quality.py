@@ -54,7 +54,8 @@ def run_one(name: str, overrides: list[str], args: argparse.Namespace, work: Pat
     wall = time.perf_counter() - start
     test = json.loads((out / "test" / "metrics.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
-    rates = [r["structures_per_s"] for r in records if "structures_per_s" in r][1:]  # first window: warm-up
+    rates = [r["structures_per_s"] for r in records if "structures_per_s" in r]
+    rates = rates[1:] or rates  # the first window includes warm-up
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()

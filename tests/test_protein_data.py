@@ -181,12 +181,22 @@ def test_windows_line_endings_and_blank_lines(tmp_path):
     assert stats.records == stats.kept == 2
 
 
-def test_truncated_gzip(tmp_path):
+def test_truncated_gzip(tmp_path, monkeypatch):
     data = SAMPLE.read_bytes()
     path = tmp_path / "cut.fasta.gz"
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(FastaFormatError, match=r"cut\.fasta\.gz: truncated or corrupt gzip .*last good line \d+"):
+    with pytest.raises(FastaFormatError, match=r"cut\.fasta\.gz: truncated or corrupt gzip stream"):
         read_all(path)
+    # the named record is a whole header, also when the cut falls inside a header line
+    monkeypatch.setattr(fasta, "_READ_SIZE", 4096)
+    monkeypatch.setattr(fasta, "DECOMPRESS_IN_THREAD", False)  # the thread reads ahead of the parser
+    rng = random.Random(0)
+    text = "".join(f">rec{k} protein\n{''.join(rng.choices(AMINO_ACIDS, k=50))}\n" for k in range(3000))
+    cut = text.index(">rec2000 protein") + 4  # inside '>rec2000'
+    path.write_bytes(gzip.compress(text.encode())[:len(gzip.compress(text[:cut].encode()))])
+    with pytest.raises(FastaFormatError, match=r"after line \d+ \(last good line \d+, in record 'rec\d+'") as err:
+        read_all(path)
+    assert "'rec'" not in str(err.value)
 
 
 def test_plain_and_gz_agree(tmp_path):
@@ -261,6 +271,8 @@ def test_residue_policies(tmp_path, policy, expected, counts):
 def test_bad_policy_rejected(tmp_path):
     with pytest.raises(ValueError, match="nonstandard"):
         read_all(write(tmp_path, ">a\nM\n"), nonstandard="ignore")
+    with pytest.raises(ValueError, match="val_fraction"):
+        read_all(write(tmp_path, ">a\nM\n"), val_fraction=float("nan"))
 
 
 def test_length_filters(tmp_path):

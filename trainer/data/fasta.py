@@ -341,6 +341,8 @@ class _Reader:
     shard_count: int
     ordinal: int = -1
     """Ordinal of the last header seen (counting every header of the file, all shards)."""
+    last_header: bytes | None = None
+    """The last whole header line seen (for the truncated-gzip error)."""
 
     def block(self, data: bytes, first_line: int) -> pa.Table | None:
         """Table of the records in `data`: whole records, '>' first, '\\n' last, at line `first_line`."""
@@ -351,6 +353,8 @@ class _Reader:
         line_starts[1:] = newlines[:-1] + 1
         header_lines = np.flatnonzero(buf[line_starts] == 62)
         body_end = np.append(line_starts[header_lines[1:]], len(buf))  # the next record's '>'
+        if len(header_lines):
+            self.last_header = data[line_starts[header_lines[-1]] + 1:newlines[header_lines[-1]]]
         first_ordinal = self.ordinal + 1
         self.ordinal += len(header_lines)
         if self.shard_count > 1:  # other shards' records are not looked at
@@ -489,6 +493,8 @@ def iter_fasta_tables(path: str | Path, *, min_length: int = 0, max_length: int 
     global PARSE_CALLS
     if nonstandard not in NONSTANDARD_POLICIES:
         raise ValueError(f"nonstandard must be one of {NONSTANDARD_POLICIES}, got {nonstandard!r}")
+    if not 0.0 <= val_fraction <= 1.0:  # NaN included
+        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction!r}")
     shard_index, shard_count = shard
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"bad shard {shard}")
@@ -506,10 +512,14 @@ def iter_fasta_tables(path: str | Path, *, min_length: int = 0, max_length: int 
             try:
                 block = f.read(_READ_SIZE)
             except _GZIP_ERRORS as e:
-                last = None
-                if pending[:1] == b">":
-                    last = pending[1:].split(b"\n", 1)[0].rstrip().decode("utf-8", "replace").split(" ", 1)[0]
+                last = reader.last_header
+                if pending[:1] == b">" and b"\n" in pending:  # the pending record's header line is whole
+                    last = pending[1:].split(b"\n", 1)[0]
+                last = last.rstrip().decode("utf-8", "replace").split(" ", 1)[0] if last is not None else None
                 good = lineno - 1 + pending.count(b"\n")
+                if not good:
+                    raise FastaFormatError(f"{path}: truncated or corrupt gzip stream (nothing before the error "
+                                           f"could be read): {e}") from e
                 raise FastaFormatError(f"{path}: truncated or corrupt gzip stream after line {good} "
                                        f"(last good line {good}, in record {last!r}): {e}") from e
             data = pending + block if pending else block

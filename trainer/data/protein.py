@@ -191,7 +191,8 @@ class FastaStream(IterableDataset):
     Record k of a file (counting every header) goes to shard k mod (world_size x num_workers), where
     shard = rank x num_workers + worker id: every record reaches exactly one (rank, worker). Each
     worker still scans the whole file, but only decodes and validates its own records. `stats`
-    counts what this iterator (in this process) read.
+    counts what this iterator (in this process) read, a block (~2 MiB of the file) at a time: a
+    stream stopped early has counted the whole block its last record came from.
     """
 
     def __init__(self, paths: Sequence[Path], *, rank: int, world_size: int, split: str | None,
