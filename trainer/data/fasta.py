@@ -60,7 +60,7 @@ from isal.igzip import open as _gzip_open  # ISA-L: gzip at about 4x zlib's spee
 from isal.igzip_threaded import open as _gzip_open_threaded
 from isal.isal_zlib import error as _IsalError
 
-from trainer.data.fasta_headers import parse_header_block
+from trainer.data.fasta_headers import gather_ranges, parse_header_block
 
 _GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error, _IsalError)
 
@@ -132,30 +132,27 @@ class FastaStats:
 
 
 def splits_of(record_ids: list[str], val_fraction: float, salt: str = "") -> np.ndarray:
-    """`split_of` for many ids at once: a boolean array, True for "validation"."""
+    """Per id, whether it is in "validation" (True) or "train", from a keyed hash of the id alone.
+
+    blake2b (not `hash`, which is salted per process) makes the split the same in every run,
+    process, rank and file order: an id is in validation when its 64-bit hash is below
+    val_fraction x 2**64.
+    """
     if val_fraction <= 0.0:
         return np.zeros(len(record_ids), dtype=bool)
-    key = salt.encode("utf-8")[:64]
-    blake2b = hashlib.blake2b
-    digests = b"".join([blake2b(i.encode("utf-8"), digest_size=8, key=key).digest() for i in record_ids])
-    hashes = np.frombuffer(digests, dtype=">u8").astype(np.uint64)
-    # split_of compares the integer hash with the float threshold exactly: h < x <=> h < ceil(x)
+    # the exact comparison of an integer hash h with the float x: h < x <=> h < ceil(x)
     threshold = math.ceil(val_fraction * 2.0**64)
     if threshold >= 2**64:
         return np.ones(len(record_ids), dtype=bool)
-    return hashes < np.uint64(threshold)
+    key = salt.encode("utf-8")[:64]
+    blake2b = hashlib.blake2b
+    digests = b"".join([blake2b(i.encode("utf-8"), digest_size=8, key=key).digest() for i in record_ids])
+    return np.frombuffer(digests, dtype=">u8") < threshold
 
 
 def split_of(record_id: str, val_fraction: float, salt: str = "") -> str:
-    """"train" or "validation" from a keyed hash of the id alone.
-
-    blake2b (not `hash`, which is salted per process) makes the split the same in every run,
-    process, rank and file order.
-    """
-    if val_fraction <= 0.0:
-        return "train"
-    digest = hashlib.blake2b(record_id.encode("utf-8"), digest_size=8, key=salt.encode("utf-8")[:64]).digest()
-    return "validation" if int.from_bytes(digest, "big") < val_fraction * 2.0**64 else "train"
+    """"train" or "validation" for one id (see `splits_of`)."""
+    return "validation" if splits_of([record_id], val_fraction, salt)[0] else "train"
 
 
 # A tag starts at whitespace followed by KEY=; descriptions rarely hold " Word=" so this is safe for
@@ -291,10 +288,6 @@ _CLASS = np.full(256, 2, dtype=np.uint8)
 _CLASS[np.frombuffer(CANONICAL, dtype=np.uint8)] = 0
 _CLASS[np.frombuffer(NONSTANDARD, dtype=np.uint8)] = 1
 _CLASS_TABLE = _CLASS.tobytes()  # bytes.translate tables: several times faster than numpy indexing
-_IS_J = np.zeros(256, dtype=bool)
-_IS_J[ord("J")] = True
-_IS_MAPPED = np.zeros(256, dtype=bool)
-_IS_MAPPED[np.frombuffer(b"BZJUO", dtype=np.uint8)] = True
 _KEEP_TABLE = bytes(range(256)).translate(_J_TO_X)
 _MAP_TABLE = bytes(range(256)).translate(_MAP_TO_X)
 
@@ -305,6 +298,7 @@ def _nonzero(values: np.ndarray) -> np.ndarray:
     words = np.flatnonzero(values[:whole].view(np.uint64))
     candidates = np.concatenate([(words[:, None] * 8 + np.arange(8)).ravel(), np.arange(whole, len(values))])
     return candidates[values[candidates] != 0]
+
 
 FASTA_SCHEMA = pa.schema([("id", pa.string()), ("sequence", pa.string()), ("length", pa.int32()),
                           ("split", pa.string())]
@@ -318,12 +312,6 @@ def _records_with(positions: np.ndarray, starts: np.ndarray, n: int) -> np.ndarr
     if len(positions):
         mask[np.searchsorted(starts, positions, side="right") - 1] = True
     return mask
-
-
-def _gather(source: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The ranges source[starts[i] : starts[i] + lengths[i]], concatenated."""
-    ends = np.cumsum(lengths)
-    return source[np.repeat(starts - (ends - lengths), lengths) + np.arange(ends[-1] if len(ends) else 0)]
 
 
 @dataclass
@@ -383,9 +371,10 @@ class _Reader:
         stats.nonstandard += int(np.count_nonzero(has_nonstd))
         lut = None
         if len(nonstd_pos) and self.nonstandard != "drop":
-            mapped, lut, counter = ((_IS_J, _KEEP_TABLE, "j_to_x") if self.nonstandard == "keep"
-                                    else (_IS_MAPPED, _MAP_TABLE, "nonstandard_mapped"))
-            changed = nonstd_pos[mapped[residues[nonstd_pos]]]
+            lut, counter = ((_KEEP_TABLE, "j_to_x") if self.nonstandard == "keep"
+                            else (_MAP_TABLE, "nonstandard_mapped"))
+            found = residues[nonstd_pos]
+            changed = nonstd_pos[np.frombuffer(lut, dtype=np.uint8)[found] != found]
             changed_records = _records_with(changed, res_start[:-1], n) & ~needs_clean
             setattr(stats, counter, getattr(stats, counter) + int(np.count_nonzero(changed_records)))
             lut = lut if len(changed) else None
@@ -449,9 +438,7 @@ class _Reader:
                 where = np.array([k for k, _ in fixed], dtype=np.int64)
                 starts[where] = len(source) + np.cumsum(kept_lengths[where]) - kept_lengths[where]
                 source = np.concatenate([source, np.frombuffer(b"".join(seq for _, seq in fixed), dtype=np.uint8)])
-            values = _gather(source, starts, kept_lengths)
-            offsets = np.zeros(len(kept) + 1, dtype=np.int64)
-            np.cumsum(kept_lengths, out=offsets[1:])
+            values, offsets = gather_ranges(source, starts, kept_lengths)
 
         take = pa.array(kept)
         ids = pc.take(cols["id"], take)
@@ -462,8 +449,8 @@ class _Reader:
         stats.validation += n_val
         stats.train += len(kept) - n_val
         sequence = pa.StringArray.from_buffers(len(kept), pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(values))
-        split = pa.DictionaryArray.from_arrays(pa.array(validation.astype(np.int8)), pa.array(["train", "validation"]))
-        arrays = [ids, sequence, pa.array(kept_lengths.astype(np.int32)), split.cast(pa.string())]
+        split = pc.if_else(pa.array(validation), "validation", "train")
+        arrays = [ids, sequence, pa.array(kept_lengths.astype(np.int32)), split]
         arrays += [pc.take(cols[name], take) for name in FASTA_COLUMNS[4:]]
         return pa.Table.from_arrays(arrays, schema=FASTA_SCHEMA)
 
@@ -481,7 +468,7 @@ class _Reader:
 def iter_fasta_tables(path: str | Path, *, min_length: int = 0, max_length: int = 0, nonstandard: str = "keep",
                       val_fraction: float = 0.0, salt: str = "", stats: FastaStats | None = None,
                       shard: tuple[int, int] = (0, 1)) -> Iterator[pa.Table]:
-    """Records of one FASTA file as Arrow tables (`FASTA_SCHEMA`), one per block of about 1 MiB.
+    """Records of one FASTA file as Arrow tables (`FASTA_SCHEMA`), one per block of about 2 MiB.
 
     `shard=(index, count)` keeps only records whose ordinal (counting every header, kept or not)
     is `index` modulo `count`; records of other shards are neither decoded nor validated, and are

@@ -62,8 +62,8 @@ def _starts_with(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, prefix: 
     return (ends - starts >= width) & (head == np.frombuffer(prefix, dtype=np.uint8)).all(axis=1)
 
 
-def _gather_ranges(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes of the ranges concatenated, int32 offsets)."""
+def gather_ranges(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(buf[starts[i] : starts[i] + lengths[i]] concatenated, int64 offsets of each range in it)."""
     offsets = np.zeros(len(starts) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     index = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
@@ -74,7 +74,7 @@ def strings(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, valid: np.nda
     """Arrow strings buf[starts:ends] per row, null where not `valid` (or the range is empty)."""
     valid = valid & (ends > starts)
     lengths = np.where(valid, ends - starts, 0)
-    values, offsets = _gather_ranges(buf, starts, lengths)
+    values, offsets = gather_ranges(buf, starts, lengths)
     bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
     return pa.StringArray.from_buffers(len(starts), pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(values),
                                        bitmap, null_count=int(len(valid) - np.count_nonzero(valid)))
@@ -86,7 +86,7 @@ def _integers(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray,
     lengths = np.where(present, ends - starts, 0)
     bad = present & ((lengths < 1) | (lengths > _INT_DIGITS))
     lengths = np.where(bad, 0, lengths)
-    digits, offsets = _gather_ranges(buf, starts, lengths)
+    digits, offsets = gather_ranges(buf, starts, lengths)
     d = digits.astype(np.int64) - 48
     row = np.repeat(np.arange(len(starts)), lengths)
     not_digit = (d < 0) | (d > 9)
@@ -108,7 +108,7 @@ def parse_header_block(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray,
     """
     n = len(starts)
     # Work on the headers alone (each followed by its newline): every scan below is over these bytes.
-    buf, offsets = _gather_ranges(buf, starts, ends - starts + 1)
+    buf, offsets = gather_ranges(buf, starts, ends - starts + 1)
     starts, ends = offsets[:-1], offsets[1:] - 1
     for _ in range(4):  # trailing spaces (UniProt's files often end headers with one)
         trailing = (ends > starts) & (buf[np.maximum(ends - 1, 0)] == _SP)
@@ -169,7 +169,7 @@ def parse_header_block(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray,
     bad_eq = (before < 0) | (key_start < rest_start[eq_row]) | (key_start >= eqs)
     key_len = eqs - key_start
     # keys: identifier characters, a letter first; packed for comparison when short enough
-    key_bytes, key_off = _gather_ranges(buf, key_start, np.maximum(key_len, 0) * ~bad_eq)
+    key_bytes, key_off = gather_ranges(buf, key_start, np.maximum(key_len, 0) * ~bad_eq)
     not_ident = ~_IDENT[key_bytes]
     if not_ident.any():
         bad_eq[np.unique(np.repeat(np.arange(len(eqs)), np.diff(key_off))[not_ident])] = True

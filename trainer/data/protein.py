@@ -3,9 +3,8 @@
 `build_fasta_dataset` parses and tokenizes once per (file content, settings) into a fingerprinted
 Arrow cache (the reader's Arrow tables written with `datasets`' ArrowWriter, loaded memory-mapped);
 the reader's `FastaStats` are stored as a JSON sidecar per file so that a cached load reports the
-same counts. `stream_fasta` reads with bounded memory and gives
-each record to exactly one (rank, dataloader worker). Ranks are passed in: nothing here touches
-`torch.distributed`.
+same counts. `stream_fasta` reads with bounded memory and gives each record to exactly one (rank,
+dataloader worker). Ranks are passed in: nothing here touches `torch.distributed`.
 """
 
 from __future__ import annotations
@@ -141,7 +140,7 @@ def build_fasta_dataset(paths: str | Path | Iterable[str | Path], *, cache_dir: 
         else:
             # The Arrow cache outlived its sidecar: recount rather than report wrong numbers.
             file_stats = FastaStats()
-            for _ in iter_fasta(entry["path"], stats=file_stats, shard=tuple(entry["shard"]), **{
+            for _ in iter_fasta_tables(entry["path"], stats=file_stats, shard=tuple(entry["shard"]), **{
                     k: settings[k] for k in ("min_length", "max_length", "nonstandard", "val_fraction", "salt")}):
                 pass
             _write_json_atomic(sidecar, {"file": entry, "stats": file_stats.to_dict()})

@@ -83,7 +83,7 @@ Deviations and additions (all documented in ``docs/comformer.md``):
   silently used an all-zero feature row.
 
 BatchNorm layers normalise over the edges/atoms of the whole batch in training mode, so per-graph
-results depend on the batch composition unless the model is in ``eval()`` mode.
+results depend on the batch composition unless the model is in evaluation mode (``train(False)``).
 """
 
 from __future__ import annotations
