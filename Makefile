@@ -9,7 +9,7 @@ PY         := $(VENV)/bin/python
 # On a GPU node use e.g. `make train TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 NPROC      ?= 2
-CONFIG     ?= configs/protein_sedd_tiny.yaml
+CONFIG     ?= configs/protein_sedd/sedd_tiny.yaml
 SAMPLES    ?= 64
 RUN_DIR    ?= runs/main
 PYTEST_ARGS ?=
@@ -31,7 +31,7 @@ train: setup
 		scripts/train.py $(CONFIG) run.output_dir=$(RUN_DIR) run.resume=none
 	$(VENV)/bin/trainer export $(RUN_DIR)
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes $(NPROC) \
-		-m trainer sample $(RUN_DIR) --num-samples $(SAMPLES) --out $(RUN_DIR)/samples.fasta
+		-m trainer sample $(RUN_DIR) num_samples=$(SAMPLES) out=$(RUN_DIR)/samples.fasta
 	$(VENV)/bin/trainer plot $(RUN_DIR)
 
 test: setup

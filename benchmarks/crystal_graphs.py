@@ -33,7 +33,7 @@ import datasets
 import numpy as np
 
 from bench_report import command_line, cpu_model, utc_now
-from trainer.data import crystals as C
+from trainer.families.crystals import data as C
 
 DATA = Path("/work/shared/data/crystals")
 

@@ -3,7 +3,7 @@ per-element linear baseline, and atoms/s of training.
 
 Datasets (from ../shared/data/crystals): mlearn Si and Mo (energy per atom, the given training.json /
 test.json files) and jarvis_bandgap_50 (OptB88vdW band gap, 80/10/10 split by id hash). Each runs
-`trainer train configs/crystal_comformer_tiny.yaml` in-process with the dataset's overrides, one
+`trainer train configs/crystals/comformer_tiny.yaml` in-process with the dataset's overrides, one
 process; the test MAE is what the run writes to RUN_DIR/test/metrics.json. Throughput is atoms/s
 over the logged training steps (structures/s x mean atoms per training structure).
 
@@ -40,10 +40,10 @@ def run_one(name: str, overrides: list[str], args: argparse.Namespace, work: Pat
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     from trainer.config import load_config
-    from trainer.trainer import Trainer
+    from trainer.core.trainer import Trainer
 
     out = work / name.split(" (")[0].replace(" ", "_")
-    cfg = load_config(str(ROOT / "configs" / "crystal_comformer_tiny.yaml"), [
+    cfg = load_config(str(ROOT / "configs" / "crystals" / "comformer_tiny.yaml"), [
         f"run.output_dir={out}", "run.resume=none", "log.progress_bar=false", "log.tensorboard=false",
         f"task.cache_dir={work / 'cache'}", f"task.model_preset={args.preset}", f"train.epochs={args.epochs}",
         f"eval.every_epochs={max(1, args.epochs // 10)}", *overrides])

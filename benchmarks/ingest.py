@@ -40,10 +40,10 @@ import datasets
 import numpy as np
 
 from bench_report import command_line, cpu_model, utc_now
-from trainer.data import fasta
-from trainer.data.fasta import iter_fasta_tables
-from trainer.data.protein import build_fasta_dataset, tokenize_dataset
-from trainer.data.protein_tokenizer import UNK_ID, VOCAB
+from trainer.families.protein_sedd import fasta
+from trainer.families.protein_sedd.fasta import iter_fasta_tables
+from trainer.families.protein_sedd.dataset import build_fasta_dataset, tokenize_dataset
+from trainer.families.protein_sedd.tokenizer import UNK_ID, VOCAB
 
 DEFAULT_FILE = "/work/shared/data/proteins/uniprot_random_16k.fasta.gz"
 CONCAT = 8
@@ -99,7 +99,7 @@ METHODS = {"a": run_baseline, "b": run_ours, "b2": run_ours_one_thread, "b1": ru
 # RSS after imports is what shows whether streaming memory stays flat.
 _STREAM_CHILD = """
 import os, resource, sys
-from trainer.data.protein import stream_fasta
+from trainer.families.protein_sedd.dataset import stream_fasta
 page = os.sysconf("SC_PAGE_SIZE") // 1024
 def rss():
     with open("/proc/self/statm") as f:

@@ -7,7 +7,7 @@ clipping at 1.0:
 
   (a) plain  a hand-written loop: DataLoader, forward, MSE, backward, clip_grad_norm_,
              optimizer.step(), scheduler.step(), zero_grad(set_to_none=True); no host sync.
-  (b) ours   `trainer.trainer.Trainer(cfg).fit()` (log.every_steps=50, no eval/checkpoint during
+  (b) ours   `trainer.core.trainer.Trainer(cfg).fit()` (log.every_steps=50, no eval/checkpoint during
              the run). We time `fit()` itself, not a copy of its loop, so every per-step cost of
              the real loop counts (data, train_step, window bookkeeping, progress bar, preemption
              check, logging at every 50th step). `evaluate` and `save` are replaced by no-ops so the
@@ -52,8 +52,8 @@ from transformers.trainer_callback import PrinterCallback
 
 from bench_report import command_line, cpu_model, utc_now
 from trainer.config import load_config
-from trainer.tasks.regression import RegressionConfig, SyntheticRegression, build_mlp
-from trainer.trainer import Trainer
+from trainer.families.regression.task import RegressionConfig, SyntheticRegression, build_mlp
+from trainer.core.trainer import Trainer
 
 SEED = 0
 LR, CLIP, LOG_EVERY = 1e-3, 1.0, 50

@@ -1,7 +1,7 @@
 """Slot utilisation of `trainer run-experiments`: how much of the slots' time runs hold them.
 
 N equal jobs (`python -c "time.sleep(S)"`, default 8 x 2 s) on K CPU slots (default 2), run by
-`trainer.experiments.run_experiments` exactly as the CLI does (own process group, log file, memory
+`trainer.sweep.run_experiments` exactly as the CLI does (own process group, log file, memory
 sampling, results.json rewritten after every start and end).
 
   utilisation = sum of the runs' run times / (slots x makespan)
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench_report import command_line, cpu_model, utc_now
-from trainer.experiments import parse_experiments, run_experiments
+from trainer.sweep import parse_experiments, run_experiments
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "runner_utilisation.md"
 

@@ -1,6 +1,6 @@
 """Training throughput (tokens/s) and model FLOP utilisation of `protein_sedd` DDiT presets.
 
-One process. For each preset, `Trainer(load_config("configs/protein_sedd_tiny.yaml", overrides)).fit()`
+One process. For each preset, `Trainer(load_config("configs/protein_sedd/sedd_tiny.yaml", overrides)).fit()`
 runs `warmup + steps + 1` optimizer steps on the bundled 3,000-sequence UniProt sample (parsed into
 a fresh temp cache, outside the timed window). As in benchmarks/overhead.py we time `fit()` itself:
 `evaluate` and `save` are no-ops and `train_step` is wrapped to read the clock as step warmup+1 and
@@ -63,12 +63,12 @@ def run(preset: str, device: str, workdir: str, threads: int) -> dict[str, float
     import torch
 
     from trainer.config import load_config
-    from trainer.models.ddit import DDIT_PRESETS, count_flops_per_token
-    from trainer.trainer import Trainer
+    from trainer.families.protein_sedd.ddit import DDIT_PRESETS, count_flops_per_token
+    from trainer.core.trainer import Trainer
 
     max_length, batch, warmup, steps = SETTINGS[(device, preset)]
     torch.set_num_threads(threads)
-    cfg = load_config("configs/protein_sedd_tiny.yaml", [
+    cfg = load_config("configs/protein_sedd/sedd_tiny.yaml", [
         f"task.model_preset={preset}", f"task.max_length={max_length}", f"task.cache_dir={workdir}/cache",
         f"train.per_device_batch_size={batch}", f"train.max_steps={warmup + steps + 1}", "train.grad_accum_steps=1",
         "eval.every_steps=0", "ckpt.every_steps=0",

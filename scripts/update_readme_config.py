@@ -4,7 +4,7 @@ import dataclasses
 from pathlib import Path
 
 from trainer.config import describe_config, field_docs
-from trainer.tasks import get_task
+from trainer.registry import get_task
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TRAIN = str(ROOT / "scripts" / "train.py")
-TINY = str(ROOT / "configs" / "regression_tiny.yaml")
+TINY = str(ROOT / "configs" / "regression" / "tiny.yaml")
 
 
 def free_port() -> int:

@@ -1,4 +1,9 @@
-"""`trainer` console script: train, export, plot, tasks, config-help."""
+"""`trainer` console script: train, export, sample, plot, tasks, config-help, run-experiments (sweep).
+
+Torch-heavy modules are imported inside the commands that need them, so `trainer tasks` and
+`trainer config-help` answer quickly. Errors in the user's input (config, data, checkpoints) print
+one line; `--debug` shows the traceback.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,21 @@ import argparse
 import json
 import logging
 import sys
+import warnings
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError, TrainerError
+
+# The sampling options the `sample` command took as flags before they became the task's SampleConfig.
+# They keep working (with a deprecation warning) for one release.
+LEGACY_SAMPLE_FLAGS = {"--num-samples": "num_samples", "--out": "out", "--steps": "steps", "--sampler": "sampler",
+                       "--length": "length", "--seed": "seed", "--batch-size": "batch_size",
+                       "--checkpoint": "checkpoint", "--weights": "weights"}
 
 
 def _train(args: argparse.Namespace) -> int:
     from trainer.config import load_config
-    from trainer.distributed import PREEMPTED_EXIT_CODE
-    from trainer.trainer import Trainer
+    from trainer.core.distributed import PREEMPTED_EXIT_CODE
+    from trainer.core.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     status = Trainer(cfg, deepspeed_config=args.deepspeed).fit()
@@ -21,27 +33,61 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from trainer.export import export_run
+    from trainer.core.export import export_run
 
     out = export_run(args.run_dir, out=args.out, checkpoint=args.checkpoint, weights=args.weights)
     print(out)
     return 0
 
 
-def _sample(args: argparse.Namespace) -> int:
-    from trainer.generate import sample_run
+def legacy_sample_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
+    """Turn old `--num-samples 8`-style flags into `num_samples=8` overrides; return (overrides, rest)."""
+    overrides, rest, i = [], [], 0
+    while i < len(extra):
+        flag, _, inline = extra[i].partition("=")
+        if flag in LEGACY_SAMPLE_FLAGS:
+            if inline:
+                value, i = inline, i + 1
+            elif i + 1 < len(extra):
+                value, i = extra[i + 1], i + 2
+            else:
+                raise ConfigError(f"{flag} needs a value")
+            warnings.warn(f"`trainer sample {flag} V` is deprecated; write {LEGACY_SAMPLE_FLAGS[flag]}=V",
+                          FutureWarning, stacklevel=2)
+            overrides.append(f"{LEGACY_SAMPLE_FLAGS[flag]}={value}")
+        else:
+            rest.append(extra[i])
+            i += 1
+    return overrides, rest
 
-    stats = sample_run(args.run_dir, args.num_samples, args.out, checkpoint=args.checkpoint, weights=args.weights,
-                       seed=args.seed, batch_size=args.batch_size, steps=args.steps, sampler=args.sampler,
-                       length=args.length)
+
+def _sample(args: argparse.Namespace) -> int:
+    from trainer.core.sampling import run_task, sample_options
+
+    if args.help:
+        if args.run_dir is None:
+            print("usage: trainer sample RUN_DIR [key=value ...]\n\nThe options are the task's; "
+                  "`trainer sample RUN_DIR --help` or `trainer config-help --sample --task NAME` lists them.")
+            return 0
+        from trainer.config import describe_fields
+
+        task = run_task(args.run_dir)
+        sample_options(task)  # a task that cannot generate is an error here too
+        print(f"trainer sample {args.run_dir} [key=value ...]  (task {task.name})\n")
+        print(describe_fields({"": task.sample_config_cls()}))
+        return 0
+    if args.run_dir is None:
+        raise ConfigError("trainer sample needs RUN_DIR")
+    from trainer.core.sampling import sample_run
+
+    stats = sample_run(args.run_dir, args.overrides)
     if stats is not None:
-        print(json.dumps({k: v for k, v in stats.items() if k in ("num_samples", "world_size", "lengths",
-                                                                   "kl_samples_to_training")}))
+        print(json.dumps({k: v for k, v in stats.items() if k in ("num_samples", "world_size", "stats_path")}))
     return 0
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from trainer.plot import plot_run
+    from trainer.core.plot import plot_run
 
     for path in plot_run(args.run_dir, out_dir=args.out):
         print(path)
@@ -49,36 +95,51 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _tasks(args: argparse.Namespace) -> int:  # noqa: ARG001
-    from trainer.tasks import available_tasks, get_task
+    from trainer.registry import available_tasks, get_task
+    from trainer.task import GenerativeTask
 
     for name in available_tasks():
         cls = get_task(name)
-        print(f"{name}\tunit={cls.unit}\tpresets={','.join(sorted(cls.presets))}")
+        generates = " generates" if issubclass(cls, GenerativeTask) else ""
+        print(f"{name}\tunit={cls.unit}\tpresets={','.join(sorted(cls.presets))}{generates}")
     return 0
 
 
 def _config_help(args: argparse.Namespace) -> int:
-    from trainer.config import describe_config
+    from trainer.config import describe_config, describe_fields
 
+    if args.sample:
+        from trainer.registry import get_task
+        from trainer.task import GenerativeTask
+
+        if not args.task:
+            raise ConfigError("config-help --sample needs --task NAME")
+        cls = get_task(args.task)
+        if not issubclass(cls, GenerativeTask):
+            raise ConfigError(f"task '{args.task}' cannot generate samples")
+        print(describe_fields({"": cls.sample_config_cls()}))
+        return 0
     print(describe_config(args.task))
     return 0
 
 
 def _run_experiments(args: argparse.Namespace) -> int:
-    from trainer.experiments.cli import main as run_experiments_main
+    from trainer.sweep.cli import main as run_experiments_main
 
     return run_experiments_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainer", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of config, data and checkpoint errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train from a YAML config with dotted key=value overrides")
-    train.add_argument("config", help="experiment YAML (configs/*.yaml)")
-    train.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=100")
+    train.add_argument("config", help="experiment YAML (configs/<family>/*.yaml)")
+    train.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=100 (anywhere on the line)")
     train.add_argument("--deepspeed", default=None, help="DeepSpeed json (ds_configs/*.json); 'auto' values are filled")
     train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     train.set_defaults(func=_train)
 
     export = sub.add_parser("export", help="consolidated fp32 (or EMA) safetensors + config from a run")
@@ -89,17 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: EMA weights when the run kept an EMA")
     export.set_defaults(func=_export)
 
-    sample = sub.add_parser("sample", help="draw samples from a run (any number of processes, same samples)")
-    sample.add_argument("run_dir")
-    sample.add_argument("--num-samples", type=int, required=True)
-    sample.add_argument("--out", required=True, help="output file (FASTA for proteins); statistics go to OUT.json")
-    sample.add_argument("--steps", type=int, default=None, help="sampler steps (default: the sequence length)")
-    sample.add_argument("--sampler", choices=["euler", "analytic"], default="analytic")
-    sample.add_argument("--length", type=int, default=None, help="fixed length (default: drawn from the training data)")
-    sample.add_argument("--seed", type=int, default=0, help="sample k uses a generator seeded by (seed, k)")
-    sample.add_argument("--batch-size", type=int, default=16)
-    sample.add_argument("--checkpoint", default="latest", help="latest, best, or a checkpoint directory")
-    sample.add_argument("--weights", choices=["auto", "ema", "model"], default="auto")
+    sample = sub.add_parser("sample", add_help=False,
+                            help="draw samples from a run: trainer sample RUN_DIR key=value ... (--help lists the task's keys)")
+    sample.add_argument("run_dir", nargs="?")
+    sample.add_argument("overrides", nargs="*", help="the task's sample options, e.g. num_samples=64 out=x.fasta")
+    sample.add_argument("-h", "--help", action="store_true", help="list the task's sample options")
+    sample.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sample.set_defaults(func=_sample)
 
     plot = sub.add_parser("plot", help="PNG curves of loss, lr and eval metrics from metrics.jsonl")
@@ -112,25 +168,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     chelp = sub.add_parser("config-help", help="every config key with its default and meaning")
     chelp.add_argument("--task", default=None)
+    chelp.add_argument("--sample", action="store_true", help="the task's `trainer sample` options instead")
     chelp.set_defaults(func=_config_help)
 
-    from trainer.experiments.cli import add_arguments as add_run_experiments_arguments
+    from trainer.sweep.cli import add_arguments as add_run_experiments_arguments
 
-    runexp = sub.add_parser("run-experiments", help="run a grid of experiments over GPU/CPU slots or as a SLURM array")
+    runexp = sub.add_parser("run-experiments", aliases=["sweep"],
+                            help="run a grid of experiments over GPU/CPU slots or as a SLURM array")
     add_run_experiments_arguments(runexp)
     runexp.set_defaults(func=_run_experiments)
     return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; `key=value` overrides may sit anywhere, also after launcher-added flags
+    such as `--deepspeed ds.json` (argparse alone stops at the first optional)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "sample":
+        legacy, extra = legacy_sample_overrides(extra)
+        args.overrides = [*args.overrides, *legacy]
+    if hasattr(args, "overrides"):
+        overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+        args.overrides = [*args.overrides, *overrides]
+        extra = [a for a in extra if a not in overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("accelerate", "deepspeed", "DeepSpeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as err:
-        print(f"trainer: config error: {err}", file=sys.stderr)
+    except TrainerError as err:
+        if args.debug:
+            raise
+        kind = "config error" if isinstance(err, ConfigError) else "error"
+        print(f"trainer: {kind}: {err}", file=sys.stderr)
         return 2
 
 

@@ -21,9 +21,13 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from trainer.errors import ConfigError
+from trainer.registry import get_task
+from trainer.task import TaskConfig
 
-class ConfigError(ValueError):
-    """A configuration problem the user must fix (unknown key, wrong type, bad choice)."""
+__all__ = ["Config", "ConfigError", "TaskConfig", "load_config"]
+
+
 
 
 @dataclass
@@ -52,14 +56,6 @@ class DataConfig:
     """Unit budget per rank and micro-batch for batching=budget (e.g. tokens or atoms)."""
     bucket_size: int = 0
     """batching=budget: samples sorted by size together (default 64 global batches' worth, estimated)."""
-
-
-@dataclass
-class TaskConfig:
-    name: str = "regression"
-    """Registered task name (`trainer tasks` lists them)."""
-    preset: str = ""
-    """Named preset of the task (e.g. `tiny`) applied under the YAML and CLI values."""
 
 
 @dataclass
@@ -297,8 +293,6 @@ def _validate(cfg: Config) -> None:
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Resolve a Config from defaults, the task's preset, a YAML file and CLI overrides."""
-    from trainer.tasks import get_task
-
     file_layer = load_yaml(path) if path else {}
     cli_layer = parse_overrides(overrides)
     task_name = (cli_layer.get("task", {}).get("name") or file_layer.get("task", {}).get("name")
@@ -329,25 +323,35 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 def config_from_dict(data: dict) -> Config:
     """Rebuild a Config from a saved resolved config (e.g. a run directory's config.yaml)."""
-    from trainer.tasks import get_task
-
     task_cls = get_task(data.get("task", {}).get("name", TaskConfig.name))
     schema = OmegaConf.structured(Config(task=task_cls.config_cls()))
     OmegaConf.set_struct(schema, True)
     return OmegaConf.to_object(_merge(schema, data, "saved config"))
 
 
-def describe_config(task_name: str | None = None) -> str:
-    """Markdown table of every config key with its default and docstring."""
-    from trainer.tasks import get_task
-
-    sections = {f.name: f.default_factory() for f in dataclasses.fields(Config)}
-    if task_name:
-        sections["task"] = get_task(task_name).config_cls()
+def describe_fields(sections: dict[str, Any]) -> str:
+    """Markdown table of the fields of dataclass instances (`{prefix: instance}`; prefix '' for none)."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
     for name, obj in sections.items():
         docs = field_docs(type(obj))
         for f in dataclasses.fields(obj):
-            default = getattr(obj, f.name)
-            lines.append(f"| `{name}.{f.name}` | `{default!r}` | {docs.get(f.name, '')} |")
+            key = f"{name}.{f.name}" if name else f.name
+            lines.append(f"| `{key}` | `{getattr(obj, f.name)!r}` | {docs.get(f.name, '')} |")
     return "\n".join(lines)
+
+
+def describe_config(task_name: str | None = None) -> str:
+    """Markdown table of every config key with its default and docstring."""
+    sections = {f.name: f.default_factory() for f in dataclasses.fields(Config)}
+    if task_name:
+        sections["task"] = get_task(task_name).config_cls()
+    return describe_fields(sections)
+
+
+def parse_options(cls: type, overrides: Sequence[str], source: str = "command line") -> Any:
+    """An options dataclass (e.g. a task's SampleConfig) from `key=value` strings, with the training
+    config's machinery: defaults, YAML-typed values checked against the fields, and "did you mean"
+    errors for unknown keys."""
+    schema = OmegaConf.structured(cls())
+    OmegaConf.set_struct(schema, True)
+    return OmegaConf.to_object(_merge(schema, parse_overrides(overrides), source))

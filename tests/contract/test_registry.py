@@ -1,0 +1,60 @@
+"""The registry: lazy lookup by name, helpful misses, and a family installed from another package."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, child_env, run_cmd
+from trainer.errors import ConfigError
+from trainer.registry import available_tasks, get_task
+
+FAMILY = Path(__file__).resolve().parent / "third_party_family"
+
+
+def test_miss_lists_available_names():
+    with pytest.raises(ConfigError) as err:
+        get_task("crystal_propery")
+    message = str(err.value)
+    assert "crystal_property" in message and "regression" in message and "Did you mean 'crystal_property'" in message
+
+
+def test_lookup_imports_only_the_family_asked_for():
+    code = ("import sys; from trainer.registry import get_task; get_task('regression'); "
+            "print(sorted(m for m in sys.modules if m.startswith('trainer.families.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert "trainer.families.regression" in out and "protein_sedd" not in out and "crystals" not in out
+
+
+def test_core_imports_no_family():
+    """Nothing outside trainer/families (but the registry and the trainer.crystals alias) names a family."""
+    offenders = []
+    for path in (ROOT / "trainer").rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("trainer/families/") or rel in ("trainer/registry.py", "trainer/crystals.py"):
+            continue
+        if "trainer.families." in path.read_text():
+            offenders.append(rel)
+    assert not offenders
+
+
+def test_builtin_tasks_are_registered():
+    assert {"regression", "protein_sedd", "crystal_property"} <= set(available_tasks())
+
+
+@pytest.mark.slow
+def test_third_party_family_through_entry_point(tmp_path):
+    """A package installed elsewhere adds a task through the `trainer.tasks` entry points and trains."""
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(FAMILY)], check=True, capture_output=True, text=True, timeout=300)
+    env = child_env()
+    env["PYTHONPATH"] = str(site)
+    tasks = run_cmd([sys.executable, "-m", "trainer", "tasks"], env=env).stdout
+    assert "tiny_mean" in tasks
+    out, config = tmp_path / "run", tmp_path / "tiny_mean.yaml"
+    config.write_text("task:\n  name: tiny_mean\n  preset: tiny\n")
+    run_cmd([sys.executable, "-m", "trainer", "train", str(config), f"run.output_dir={out}",
+             "log.progress_bar=false", "log.tensorboard=false"], env=env)
+    assert (out / "checkpoints" / "latest").is_file()

@@ -1,0 +1,66 @@
+"""End-to-end CLI run of the tiny config against stored reference numbers, then export and plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import BIN, ROOT, TINY, read_jsonl, run_cmd
+from trainer.core.export import load_exported
+
+REFERENCE = Path(__file__).parent / "reference" / "regression_tiny.json"
+
+
+def test_train_export_plot_against_reference(tmp_path):
+    out = tmp_path / "run"
+    run_cmd([str(BIN / "trainer"), "train", TINY, f"run.output_dir={out}", "log.progress_bar=false",
+             "run.resume=none"])
+    records = read_jsonl(out)
+    final_eval = [r for r in records if "eval/loss" in r][-1]
+    first_loss = next(r["loss"] for r in records if "loss" in r)
+    reference = json.loads(REFERENCE.read_text())
+    assert final_eval["step"] == reference["step"]
+    assert final_eval["eval/loss"] == pytest.approx(reference["eval/loss"], rel=1e-4)
+    assert final_eval["eval/mae"] == pytest.approx(reference["eval/mae"], rel=1e-4)
+    assert final_eval["eval/loss"] < 0.5 * first_loss  # it learned
+    for key in ("step", "loss", "lr", "grad_norm", "samples_per_s", "step_time_s", "peak_memory_mb"):
+        assert key in records[1], key
+    assert (out / "config.yaml").is_file() and list((out / "tb").rglob("events.out.tfevents*"))
+
+    run_cmd([str(BIN / "trainer"), "export", str(out)])
+    model, cfg = load_exported(out / "export" / "model.safetensors")
+    assert cfg.train.max_steps == reference["step"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    run_cmd([str(BIN / "trainer"), "plot", str(out)])
+    for name in ("train.png", "eval.png"):
+        assert (out / "plots" / name).stat().st_size > 10_000
+
+
+def test_cli_reports_config_errors_clearly(tmp_path):
+    proc = run_cmd([str(BIN / "trainer"), "train", TINY, "train.max_stepz=3", f"run.output_dir={tmp_path}"],
+                   expect=2)
+    assert "unknown config key 'train.max_stepz'" in proc.stderr and "train.max_steps" in proc.stderr
+    proc = run_cmd([str(BIN / "python"), "-m", "trainer", "train", TINY, "task.name=protein"], expect=2)
+    assert "available tasks: crystal_property, protein_sedd, regression" in proc.stderr
+
+
+def test_tasks_and_config_help():
+    assert "regression" in run_cmd([str(BIN / "trainer"), "tasks"]).stdout
+    help_text = run_cmd([str(BIN / "trainer"), "config-help", "--task", "regression"]).stdout
+    assert "`train.grad_accum_steps`" in help_text and "`task.num_train`" in help_text
+
+
+def test_readme_documents_every_config_key():
+    from trainer.config import describe_config
+
+    readme = (ROOT / "README.md").read_text()
+    from trainer.registry import get_task
+
+    lines = describe_config("regression").splitlines()[2:]
+    lines += [f"| `task.{name}` |" for name in vars(get_task("protein_sedd").config_cls())]
+    for line in lines:
+        key = line.split("|")[1].strip()
+        assert key in readme, f"README lacks {key}: run `make readme-config`"

@@ -1,0 +1,77 @@
+import dataclasses
+
+import pytest
+import yaml
+
+from trainer.config import ConfigError, describe_config, field_docs, load_config, save_config, config_from_dict
+from trainer.config import Config
+from trainer.registry import get_task
+
+
+def write(tmp_path, data):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_precedence_cli_over_yaml_over_preset_over_defaults(tmp_path):
+    path = write(tmp_path, {"task": {"name": "regression", "preset": "tiny", "hidden": 48},
+                            "train": {"max_steps": 7}})
+    cfg = load_config(path, ["train.max_steps=9", "optim.lr=0.5"])
+    assert cfg.train.max_steps == 9          # CLI beats YAML
+    assert cfg.task.hidden == 48             # YAML beats preset (tiny sets 32)
+    assert cfg.task.num_train == 256         # preset beats default (512)
+    assert cfg.train.per_device_batch_size == 8  # preset
+    assert cfg.optim.lr == 0.5
+    assert cfg.eval.mode == "min"            # default
+
+
+def test_unknown_key_names_close_matches(tmp_path):
+    path = write(tmp_path, {"train": {"max_step": 3}})
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.max_step'.*train.max_steps"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"'optim.lrr'.*command line.*optim.lr"):
+        load_config(None, ["optim.lrr=1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'trian.max_steps'"):
+        load_config(None, ["trian.max_steps=1"])
+
+
+def test_wrong_type_and_bad_choice(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.max_steps.*command line"):
+        load_config(None, ["train.max_steps=many"])
+    with pytest.raises(ConfigError, match=r"mixed_precision.*\['no', 'bf16', 'fp16'\]"):
+        load_config(None, ["train.mixed_precision=fp8"])
+    with pytest.raises(ConfigError, match=r"scale_lr"):
+        load_config(None, ["optim.scale_lr=cubic"])
+    with pytest.raises(ConfigError, match="must look like"):
+        load_config(None, ["train.max_steps"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_unknown_task_lists_available():
+    with pytest.raises(ConfigError, match=r"unknown task 'regresion'.*available tasks: .*regression"):
+        load_config(None, ["task.name=regresion"])
+    with pytest.raises(ConfigError, match="no preset 'huge'"):
+        load_config(None, ["task.preset=huge"])
+
+
+def test_resolved_config_roundtrip(tmp_path):
+    cfg = load_config(None, ["task.preset=tiny", "optim.betas=[0.8,0.9]"])
+    save_config(cfg, tmp_path / "config.yaml")
+    again = config_from_dict(yaml.safe_load((tmp_path / "config.yaml").read_text()))
+    assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+
+
+def test_every_field_is_documented():
+    table = describe_config("regression")
+    for section in dataclasses.fields(Config):
+        obj = section.default_factory()
+        if section.name == "task":
+            obj = get_task("regression").config_cls()
+        docs = field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            assert docs.get(f.name), f"{section.name}.{f.name} has no docstring"
+            assert f"`{section.name}.{f.name}`" in table

@@ -1,0 +1,142 @@
+"""Exact resume: SIGKILL after a checkpoint (one process, bit-identical), explicit resume with
+2 processes under DDP and ZeRO-2 (loss sequence within 1e-6), SIGTERM checkpoint and exit code."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import BIN, ROOT, TINY, TRAIN, accelerate_cmd, child_env, run_cmd, train_losses
+from trainer.core.checkpoint import latest_checkpoint
+from trainer.core.distributed import PREEMPTED_EXIT_CODE
+from trainer.core.export import load_model_weights
+
+pytestmark = [pytest.mark.slow]
+
+BASE = ["task.preset=tiny", "task.num_train=96", "train.grad_accum_steps=2", "train.ema_decay=0.9",
+        "log.every_steps=1", "log.progress_bar=false", "log.tensorboard=false", "eval.every_steps=4",
+        "ckpt.keep_last=20", "optim.lr=0.01"]
+
+
+def python_cmd(out: Path, *extra: str) -> list[str]:
+    return [str(BIN / "python"), TRAIN, TINY, *BASE, "train.per_device_batch_size=16", f"run.output_dir={out}", *extra]
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended early with {proc.returncode}: {proc.stdout.read()[-3000:]}")
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def final_state(run_dir: Path) -> tuple[dict, dict]:
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    return load_model_weights(ckpt), load_file(ckpt / "ema.safetensors")
+
+
+def test_sigkill_and_resume_is_bit_identical(tmp_path):
+    # Dropout draws from the RNG and 2 loader workers run: both must be restored/reseeded exactly.
+    steps = ["train.max_steps=16", "ckpt.every_steps=4", "task.dropout=0.2", "data.num_workers=2"]
+    run_cmd(python_cmd(tmp_path / "ref", *steps, "run.resume=none"))
+
+    out = tmp_path / "killed"
+    slow = python_cmd(out, *steps, "run.resume=auto", "task.delay_s=0.05")
+    proc = subprocess.Popen(slow, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pointer = out / "checkpoints" / "latest"
+    wait_for(lambda: pointer.is_file() and pointer.read_text().strip() == "step_00000008", proc)
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up, possibly mid-way through a step
+    proc.wait()
+    losses_before = train_losses(out)
+    assert max(losses_before) < 16
+    run_cmd(python_cmd(out, *steps, "run.resume=auto"))  # resume=auto picks up step 8
+
+    ref_model, ref_ema = final_state(tmp_path / "ref")
+    got_model, got_ema = final_state(out)
+    for key in ref_model:
+        assert torch.equal(ref_model[key], got_model[key]), key
+        assert torch.equal(ref_ema[key], got_ema[key]), key
+    ref_losses, got_losses = train_losses(tmp_path / "ref"), train_losses(out)
+    assert sorted(got_losses) == list(range(1, 17))  # metrics.jsonl has each step once after the replay
+    assert got_losses == ref_losses
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("config", ["ddp.yaml", "zero2.yaml"])
+def test_two_process_resume_matches_uninterrupted(tmp_path, config):
+    common = [*BASE, "train.per_device_batch_size=8", "train.max_steps=8", "ckpt.every_steps=4"]
+    ref = tmp_path / "ref"
+    run_cmd(accelerate_cmd(config, TINY, *common, f"run.output_dir={ref}", "run.resume=none"))
+    resumed = tmp_path / "resumed"
+    start = ref / "checkpoints" / "step_00000004"
+    run_cmd(accelerate_cmd(config, TINY, *common, f"run.output_dir={resumed}", f"run.resume={start}"))
+    ref_losses, got_losses = train_losses(ref), train_losses(resumed)
+    assert sorted(got_losses) == [5, 6, 7, 8]
+    for step, loss in got_losses.items():
+        assert abs(loss - ref_losses[step]) <= 1e-6, (step, loss, ref_losses[step])
+    ref_model, _ = final_state(ref)
+    got_model, _ = final_state(resumed)
+    for key in ref_model:
+        torch.testing.assert_close(got_model[key], ref_model[key], rtol=0, atol=1e-6)
+
+
+def test_sigterm_checkpoints_and_exits_with_documented_code(tmp_path):
+    out = tmp_path / "run"
+    cmd = python_cmd(out, "train.max_steps=400", "ckpt.every_steps=1000", "task.delay_s=0.02", "run.resume=auto")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    wait_for(lambda: metrics.is_file() and metrics.read_text().count('"loss"') >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == PREEMPTED_EXIT_CODE
+    marker = json.loads((out / "preempted.json").read_text())
+    assert marker["signal"] == "SIGTERM"
+    latest = latest_checkpoint(out / "checkpoints")
+    assert latest.name == f"step_{marker['step']:08d}" and 3 <= marker["step"] < 400
+    # The requeued job continues from there and finishes; the marker is cleared.
+    run_cmd(python_cmd(out, "train.max_steps=" + str(marker["step"] + 2), "run.resume=auto"))
+    assert not (out / "preempted.json").exists()
+    assert max(train_losses(out)) == marker["step"] + 2
+
+
+@pytest.mark.distributed
+def test_sigterm_through_accelerate_launch(tmp_path):
+    """SLURM signals the launcher; torchrun's agent forwards SIGTERM to the ranks, which agree on a step."""
+    out = tmp_path / "run"
+    cmd = accelerate_cmd("ddp.yaml", TINY, *BASE, "train.per_device_batch_size=8", "train.max_steps=400",
+                         "task.delay_s=0.02", "ckpt.every_steps=1000", f"run.output_dir={out}")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    wait_for(lambda: metrics.is_file() and metrics.read_text().count('"loss"') >= 3, proc, timeout=200)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    marker = json.loads((out / "preempted.json").read_text())
+    assert latest_checkpoint(out / "checkpoints").name == f"step_{marker['step']:08d}"
+
+
+@pytest.mark.distributed
+def test_streaming_uneven_shards_resume_exactly(tmp_path):
+    """A stream of 95 samples over 2 ranks: 6 batches of 8 per epoch on rank 0, 5 on rank 1. Training is
+    step-based, so nobody waits for the other's epoch end; each rank resumes from its own position."""
+    common = [*BASE, "train.per_device_batch_size=8", "train.max_steps=12", "ckpt.every_steps=4",
+              "task.streaming=true", "task.num_train=95"]
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    run_cmd(accelerate_cmd("ddp.yaml", TINY, *common, f"run.output_dir={ref}", "run.resume=none"))
+    state = json.loads((ref / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())
+    # 16 micro-batches per rank: rank 0 (6 a epoch) is at epoch 2 batch 4, rank 1 (5 a epoch) at epoch 3 batch 1
+    assert state["data_positions"] == [[2, 4], [3, 1]]
+    run_cmd(accelerate_cmd("ddp.yaml", TINY, *common, f"run.output_dir={resumed}",
+                           f"run.resume={ref / 'checkpoints' / 'step_00000004'}"))
+    ref_losses, got_losses = train_losses(ref), train_losses(resumed)
+    assert sorted(got_losses) == list(range(5, 13))
+    for step, loss in got_losses.items():
+        assert abs(loss - ref_losses[step]) <= 1e-6, (step, loss, ref_losses[step])

@@ -1,0 +1,207 @@
+"""The protein_sedd task: training lowers the validation NELBO, crops are reproducible, eval is
+exact-once and batch-size invariant, and the task runs under 2-process DDP."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import BIN, ROOT, accelerate_cmd, free_port, read_jsonl, run_cmd
+from trainer.config import load_config
+from trainer.core.samplers import EpochIndexed
+from trainer.families.protein_sedd.task import PAD_STATE, NUM_RESIDUES, collate_crops
+from trainer.core.trainer import Trainer
+
+CONFIG = str(ROOT / "configs" / "protein_sedd" / "sedd_tiny.yaml")
+
+
+def make(tmp_path, *overrides):
+    cfg = load_config(CONFIG, [f"run.output_dir={tmp_path}", "log.progress_bar=false", "log.tensorboard=false",
+                               f"task.cache_dir={tmp_path / 'cache'}", *overrides])
+    return Trainer(cfg)
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_tiny_training_lowers_validation_nelbo(tmp_path):
+    trainer = make(tmp_path, "train.max_steps=120", "eval.every_steps=0", "ckpt.every_steps=0", "train.ema_decay=0")
+    before = trainer.evaluate()
+    trainer.fit()
+    after = trainer.last_eval
+    assert after["nelbo_per_token"] < before["nelbo_per_token"] - 0.3
+    assert after["num_sequences"] == after["num_unique"] == len(trainer.eval_loader.dataset)
+    # The unigram baseline is reported next to the bound (entropy of the residue frequencies).
+    assert 15 < after["unigram_perplexity"] < 21
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_eval_nelbo_does_not_depend_on_batch_size(tmp_path):
+    a = make(tmp_path / "a", "eval.batch_size=32").evaluate()
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    b = make(tmp_path / "b", "eval.batch_size=7").evaluate()
+    assert a["nelbo_per_token"] == pytest.approx(b["nelbo_per_token"], rel=1e-5)
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_crops_are_reproducible_per_epoch_and_valid(tmp_path):
+    trainer = make(tmp_path)
+    train = trainer.train_loader.dataset
+    assert isinstance(train, EpochIndexed)
+    crops = train.dataset
+    long_ones = [i for i in range(len(crops)) if len(crops.ids[i]["input_ids"]) > 3 * crops.max_length][:5]
+    for i in long_ones:
+        first, again = crops.get_item(i, epoch=3)["states"], crops.get_item(i, epoch=3)["states"]
+        assert np.array_equal(first, again) and len(first) == crops.max_length
+    assert any(not np.array_equal(crops.get_item(i, 0)["states"], crops.get_item(i, 1)["states"]) for i in long_ones)
+    batch = collate_crops([crops.get_item(i) for i in range(8)])
+    real = batch["states"][batch["mask"]]
+    assert real.min() >= 0 and real.max() < NUM_RESIDUES
+    assert (batch["states"][~batch["mask"]] == PAD_STATE).all()
+    assert batch["num_tokens"] == int(batch["mask"].sum())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_process_ddp_run(tmp_path):
+    out = tmp_path / "run"
+    run_cmd(accelerate_cmd("ddp.yaml", CONFIG, f"run.output_dir={out}", "train.max_steps=20", "eval.every_steps=10",
+                           "log.every_steps=5", "log.progress_bar=false", f"task.cache_dir={tmp_path / 'cache'}"))
+    records = read_jsonl(out)
+    evals = [r for r in records if "eval/nelbo_per_token" in r]
+    assert [r["step"] for r in evals] == [10, 20]
+    assert all(r["eval/num_sequences"] == r["eval/num_unique"] for r in evals)
+    assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+    assert next(r for r in records if r.get("event") == "start")["world_size"] == 2
+    assert "tokens_per_s" in records[-2] or any("tokens_per_s" in r for r in records)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sampling_same_sequences_with_one_and_two_processes(tmp_path):
+    run = tmp_path / "run"
+    run_cmd([str(BIN / "trainer"), "train", CONFIG, f"run.output_dir={run}", "train.max_steps=10",
+             "eval.every_steps=0", "log.progress_bar=false", f"task.cache_dir={tmp_path / 'cache'}"])
+    one, two = tmp_path / "one.fasta", tmp_path / "two.fasta"
+    run_cmd([str(BIN / "trainer"), "sample", str(run), f"out={one}", "num_samples=7", "steps=12"])
+    # The flags of earlier releases still work as aliases of the task's sample options.
+    run_cmd([str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
+             "--main_process_port", str(free_port()), "-m", "trainer", "sample", str(run), "--out", str(two),
+             "--batch-size", "2", "--num-samples", "7", "--steps", "12"])
+    assert one.read_text() == two.read_text()
+    records = one.read_text().split(">")[1:]
+    assert len(records) == 7
+    lengths = []
+    for record in records:
+        header, *lines = record.strip().splitlines()
+        seq = "".join(lines)
+        assert set(seq) <= set("ACDEFGHIKLMNPQRSTVWYXBZUO")  # residues only, never mask or padding
+        assert header.endswith(f"length={len(seq)}")
+        lengths.append(len(seq))
+    stats = json.loads(one.with_name("one.fasta.stats.json").read_text())  # beside the samples, not over them
+    assert stats["num_samples"] == 7 and sum(stats["lengths"]["histogram"].values()) == 7
+    assert stats["kl_samples_to_training"] >= 0
+    # The tokenizer travels with every checkpoint and export.
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(run / "checkpoints" / "step_00000010" / "tokenizer"))
+    assert tokenizer("MKV")["input_ids"] == [16, 14, 23]
+    run_cmd([str(BIN / "trainer"), "export", str(run)])
+    assert (run / "export" / "tokenizer" / "tokenizer.json").is_file()
+    assert "length_histogram" in json.loads((run / "export" / "task_stats.json").read_text())
+    fixed = tmp_path / "fixed.fasta"
+    run_cmd([str(BIN / "trainer"), "sample", str(run), f"out={fixed}", "num_samples=3", "length=17", "steps=8",
+             "sampler=euler"])
+    assert all(len("".join(r.strip().splitlines()[1:])) == 17 for r in fixed.read_text().split(">")[1:])
+
+
+@pytest.mark.slow
+def test_resume_reproduces_crops_and_noise_exactly(tmp_path):
+    """Resuming from a mid-run checkpoint ends bit-identical: random crops (seed, epoch, index), the
+    diffusion times and corruption (rank RNG) and dropout all replay exactly."""
+    from safetensors.torch import load_file
+
+    common = [CONFIG, "train.max_steps=12", "ckpt.every_steps=6", "ckpt.keep_last=5", "eval.every_steps=0",
+              "log.every_steps=1", "log.progress_bar=false", "task.dropout=0.1", "task.max_length=24",
+              "data.num_workers=2", f"task.cache_dir={tmp_path / 'cache'}"]
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    run_cmd([str(BIN / "trainer"), "train", *common, f"run.output_dir={ref}"])
+    run_cmd([str(BIN / "trainer"), "train", *common, f"run.output_dir={resumed}",
+             f"run.resume={ref / 'checkpoints' / 'step_00000006'}"])
+    a = load_file(ref / "checkpoints" / "step_00000012" / "model.safetensors")
+    b = load_file(resumed / "checkpoints" / "step_00000012" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    losses = {r["step"]: r["loss"] for r in read_jsonl(ref) if "loss" in r}
+    assert {r["step"]: r["loss"] for r in read_jsonl(resumed) if "loss" in r} == {s: losses[s] for s in range(7, 13)}
+
+
+def test_all_protein_configs_load():
+    for name in ("protein_sedd/sedd_tiny.yaml", "protein_sedd/sedd_small.yaml", "protein_sedd/sedd_uniref50.yaml"):
+        cfg = load_config(str(ROOT / "configs" / name))
+        assert cfg.task.name == "protein_sedd"
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_streaming_mode_trains_with_workers(tmp_path):
+    trainer = make(tmp_path, "task.streaming=true", "data.num_workers=2", "train.max_steps=6", "eval.every_steps=0",
+                   "ckpt.every_steps=3", "log.every_steps=3")
+    assert trainer.streaming
+    trainer.fit()
+    assert np.isfinite(trainer.last_eval["nelbo_per_token"])
+    state = (tmp_path / "checkpoints" / "step_00000003" / "trainer_state.json").read_text()
+    assert json.loads(state)["data_positions"] == [[0, 3]]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_token_budget_batching_two_processes_resumes_exactly_across_epochs(tmp_path):
+    """Length-bucketed token-budget batches under 2-process DDP: a run resumed after the first epoch
+    boundary (budget plans differ in length per epoch) ends bit-identical to the uninterrupted one."""
+    from safetensors.torch import load_file
+
+    common = [CONFIG, "train.max_steps=22", "ckpt.every_steps=20", "ckpt.keep_last=5", "eval.every_steps=0",
+              "log.every_steps=1", "log.progress_bar=false", "task.max_length=24", "data.batching=budget",
+              "data.max_units_per_batch=2048", "train.ema_decay=0", f"task.cache_dir={tmp_path / 'cache'}"]
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    run_cmd(accelerate_cmd("ddp.yaml", *common, f"run.output_dir={ref}"))
+    records = read_jsonl(ref)
+    assert max(r["epoch"] for r in records if "loss" in r) > 1.0  # the run crossed an epoch boundary
+    run_cmd(accelerate_cmd("ddp.yaml", *common, f"run.output_dir={resumed}",
+                           f"run.resume={ref / 'checkpoints' / 'step_00000020'}"))
+    a = load_file(ref / "checkpoints" / "step_00000022" / "model.safetensors")
+    b = load_file(resumed / "checkpoints" / "step_00000022" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert {r["step"]: r["loss"] for r in read_jsonl(resumed) if "loss" in r} == {21: losses[21], 22: losses[22]}
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_packing_joins_every_training_sequence_once_with_separators(tmp_path):
+    from trainer.families.protein_sedd.task import SEP_STATE, PackedBlocks, residue_states
+
+    trainer = make(tmp_path, "task.packing=true", "train.max_steps=3", "eval.every_steps=0", "log.every_steps=1",
+                   "train.ema_decay=0")
+    blocks = trainer.train_loader.dataset
+    assert isinstance(blocks, PackedBlocks) and trainer.task.graph.dim == NUM_RESIDUES + 3  # pad, sep, mask
+    stream = np.concatenate([blocks[i]["states"] for i in range(len(blocks))])
+    assert not np.any(stream == PAD_STATE)  # packing leaves no padding
+    from collections import Counter
+
+    from trainer.families.protein_sedd.dataset import build_fasta_dataset, tokenize_dataset
+
+    train, _ = build_fasta_dataset(str(ROOT / "trainer/families/protein_sedd/samples/uniprot_sample_3k.fasta.gz"), split="train",
+                                   cache_dir=str(tmp_path / "cache"), val_fraction=0.05)
+    want = Counter(tuple(residue_states(np.asarray(x)).tolist()) for x in tokenize_dataset(train)["input_ids"])
+    seps = np.flatnonzero(stream == SEP_STATE)
+    pieces = np.split(stream, seps)  # the first piece, then pieces that each start with a separator
+    complete = Counter([tuple(pieces[0].tolist())] + [tuple(p[1:].tolist()) for p in pieces[1:-1]])
+    missing = want - complete
+    assert not (complete - want)  # every complete piece is a training sequence, none twice
+    assert sum(missing.values()) <= 1  # only the one cut by the last block boundary
+    tail = tuple(stream[seps[-1] + 1:].tolist())
+    assert all(seq[:len(tail)] == tail for seq in missing)
+    assert trainer.fit() == "completed"
+    assert all(np.isfinite(r["loss"]) for r in read_jsonl(tmp_path) if "loss" in r)

@@ -1,0 +1,54 @@
+"""Atomic file writes: readers see the old file or the new one, never half of one.
+
+Write to a temp file in the same folder, flush and fsync it, `os.replace` it over the target, fsync
+the folder. Used for checkpoint pointers and manifests, cache sidecars, results files and markers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_path(path: str | Path) -> Path:
+    """A temp name beside `path`, unique per process (several ranks may write the same cache)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def atomic_write_bytes(path: str | Path, data: bytes, durable: bool = True) -> None:
+    """Replace `path` by `data` atomically; `durable` also fsyncs the file and its folder."""
+    path = Path(path)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str, durable: bool = True) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), durable)
+
+
+def atomic_write_json(path: str | Path, obj: Any, durable: bool = True, **dumps: Any) -> None:
+    dumps.setdefault("indent", 1)
+    atomic_write_text(path, json.dumps(obj, **dumps), durable)

@@ -1,0 +1,64 @@
+"""One id-hash split rule for every family.
+
+A record goes to a split by a keyed blake2b hash of its id alone: u = hash / 2**64 is uniform in
+[0, 1), and the split is the one whose cumulative-fraction interval holds u (in the order given).
+So membership does not depend on file order, on the other records, on the world size or on the
+process (Python's `hash` is salted per process, blake2b is not), and a stream can decide record by
+record. Split sizes are binomial around fraction x n rather than exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+
+
+def id_hashes(record_ids: Sequence[str], key: str | int = "") -> np.ndarray:
+    """64-bit keyed blake2b hashes of the ids (uint64)."""
+    key_bytes = str(key).encode("utf-8")[:64]
+    blake2b = hashlib.blake2b
+    digests = b"".join([blake2b(str(i).encode("utf-8"), digest_size=8, key=key_bytes).digest() for i in record_ids])
+    return np.frombuffer(digests, dtype=">u8").astype(np.uint64)
+
+
+def _check(fractions: Sequence[float]) -> list[float]:
+    values = [float(f) for f in fractions]
+    if any(not math.isfinite(f) or f < 0 for f in values) or abs(sum(values) - 1.0) > 1e-6:
+        raise ValueError(f"split fractions must be finite, >= 0 and sum to 1, got {values}")
+    return values
+
+
+def assign_splits(record_ids: Sequence[str], fractions: Sequence[float], key: str | int = "") -> np.ndarray:
+    """Per id, the index of its split (0..len(fractions)-1) under the id-hash rule."""
+    values = _check(fractions)
+    hashes = id_hashes(record_ids, key)
+    out = np.full(len(hashes), len(values) - 1, dtype=np.int64)
+    assigned = np.zeros(len(hashes), dtype=bool)
+    upper = 0.0
+    for k, fraction in enumerate(values[:-1]):
+        upper += fraction
+        # the exact comparison of an integer hash h with the float x: h < x <=> h < ceil(x)
+        threshold = math.ceil(upper * 2.0**64)
+        inside = ~assigned & ((hashes < np.uint64(threshold)) if threshold < 2**64 else True)
+        out[inside] = k
+        assigned |= inside
+    return out
+
+
+def split_indices(record_ids: Sequence[str], fractions: Mapping[str, float], key: str | int = "") -> dict[str, np.ndarray]:
+    """{split name: ascending row indices} of the ids under the id-hash rule (names in the given order)."""
+    names = list(fractions)
+    which = assign_splits(record_ids, [fractions[n] for n in names], key)
+    return {name: np.flatnonzero(which == k) for k, name in enumerate(names)}
+
+
+def in_holdout(record_ids: Sequence[str], fraction: float, key: str | int = "") -> np.ndarray:
+    """Whether each id falls in a held-out share `fraction` (the first split of [fraction, 1 - fraction])."""
+    if fraction <= 0.0:
+        return np.zeros(len(record_ids), dtype=bool)
+    if fraction >= 1.0:
+        return np.ones(len(record_ids), dtype=bool)
+    return assign_splits(record_ids, [fraction, 1.0 - fraction], key) == 0

@@ -1,0 +1,23 @@
+"""Errors a user can act on. A leaf module: it imports nothing of ours, so everything may import it.
+
+The command line prints these as one line (file, record, key and reason are in the message) and
+shows the traceback only under `--debug`.
+"""
+
+from __future__ import annotations
+
+
+class TrainerError(Exception):
+    """Base of the errors below: a problem in the user's input, not a bug of ours."""
+
+
+class ConfigError(TrainerError, ValueError):
+    """A configuration problem the user must fix (unknown key, wrong type, bad choice)."""
+
+
+class DataError(TrainerError, ValueError):
+    """Input data that cannot be used: the message names the file, the record, the field and why."""
+
+
+class CheckpointError(TrainerError, RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupt or unsafe to load."""

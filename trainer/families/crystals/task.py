@@ -1,0 +1,311 @@
+"""`crystal_property`: crystal property regression with ComFormer (Yan et al., ICLR 2024).
+
+Data: any source `trainer.families.crystals.data` reads (extxyz, a POSCAR/CIF folder with `id_prop.csv`,
+mlearn JSON, or structures saved by `trainer.crystals.train_from_list`), turned into periodic
+k-NN (or radius) graphs cached in Arrow. The bundled default is mlearn Si (train + test files).
+
+Targets are standardised with the training mean and standard deviation, kept as buffers of the
+model so a checkpoint or export predicts in physical units. The loss is L1 (the paper) or MSE in
+standardised units; metrics are MAE and RMSE in physical units next to a per-element linear
+baseline (least squares on element counts or fractions), so a number is never read without its
+reference. The test split is evaluated at the end of a run, with a parity plot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from trainer.families.crystals.data import (CrystalRows, GraphSpec, atom_counts, build_crystal_dataset, bundled_crystal_path,
+                                   collate_graphs, edge_counts, split_by_id)
+from trainer.families.crystals.comformer import build_comformer, comformer_config
+from trainer.registry import register_task
+from trainer.task import LossOutput, Task, TaskConfig, TaskData
+
+logger = logging.getLogger(__name__)
+
+NUM_ELEMENTS = 119
+
+
+@dataclass
+class CrystalPropertyConfig(TaskConfig):
+    name: str = "crystal_property"
+    """Registered task name."""
+    data_path: str = ""
+    """Training structures: .extxyz/.xyz(.gz), a folder with id_prop.csv, or mlearn .json(.gz); empty: bundled mlearn Si."""
+    test_path: str = ""
+    """Held-out test structures (same formats); empty: the bundled mlearn Si test file when data_path is empty,
+    else `test_fraction` of data_path."""
+    val_fraction: float = 0.1
+    """Share of the training structures used for validation, chosen by hashing their ids."""
+    test_fraction: float = 0.0
+    """Share of data_path held out as the test set when test_path is empty (by id hash)."""
+    target: str = "energy"
+    """Target key: extxyz info/array key or mlearn output (`energy`); ignored for id_prop folders (CSV value)."""
+    per_atom: bool = True
+    """Divide the target by the number of atoms (total energy -> energy per atom). The model pools by the mean,
+    so targets must be intensive: per-atom energies, band gaps, formation energies per atom."""
+    on_invalid: str = "error"
+    """Bad records (NaN target, singular cell, overlapping atoms, ...): `error` or `skip` (counted and reported)."""
+    cache_dir: str = ""
+    """Arrow cache of the parsed graphs (empty: the `datasets` default cache)."""
+    num_proc: int = 0
+    """Worker processes for graph building (0: one)."""
+    graph: str = "knn"
+    """Graph kind: `knn` (ComFormer's k nearest neighbours, ties included) or `radius` (all within cutoff)."""
+    cutoff: float = 4.0
+    """Radius graph cutoff in Å (knn: only where the neighbour search starts)."""
+    max_neighbors: int = 25
+    """k of the knn graph (the published ComFormer runs use 25)."""
+    use_lattice: bool = True
+    """Add the lattice self-loop edges and give iComFormer its lattice-aware edge layer."""
+    variant: str = "icomformer"
+    """Model: `icomformer` (invariant, default) or `ecomformer` (equivariant, e3nn)."""
+    model_preset: str = "tiny"
+    """ComFormer size: `tiny` (seconds on CPU) or `paper` (the official hyperparameters)."""
+    loss: str = "l1"
+    """`l1` (the paper) or `mse`, on standardised targets."""
+    standardize: bool = True
+    """Scale targets by the training mean and standard deviation (stored as model buffers)."""
+    batch_unit: str = "atoms"
+    """What data.batching=balanced|budget balances: `atoms` or `edges`."""
+
+
+class StandardizedModel(nn.Module):
+    """A property model with the target statistics as buffers.
+
+    `forward` gives standardised predictions (what the loss sees; it must be the call that goes
+    through a DDP/DeepSpeed wrapper), `predict` physical units (what a user of an export wants).
+    """
+
+    def __init__(self, model: nn.Module, num_targets: int):
+        super().__init__()
+        self.model = model
+        self.register_buffer("target_mean", torch.zeros(num_targets))
+        self.register_buffer("target_std", torch.ones(num_targets))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(batch)
+
+    def to_physical(self, standardized: torch.Tensor) -> torch.Tensor:
+        return standardized * self.target_std + self.target_mean
+
+    @torch.no_grad()
+    def predict(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.to_physical(self.model(batch))
+
+
+def element_fractions(numbers: list[np.ndarray]) -> np.ndarray:
+    """Element fractions of each structure, [n, 119] (the features of the per-element baseline)."""
+    out = np.zeros((len(numbers), NUM_ELEMENTS))
+    for row, z in enumerate(numbers):
+        np.add.at(out[row], np.asarray(z, dtype=np.int64), 1.0 / max(1, len(z)))
+    return out
+
+
+def fit_element_baseline(numbers: list[np.ndarray], targets: np.ndarray) -> np.ndarray:
+    """Per-element linear baseline for intensive targets: y ~ sum_e fraction_e * c_e, least squares.
+
+    Returns the coefficients [119, T] (zero for elements absent from training). With one element
+    (mlearn Si) it is the training mean; with several it is the composition-only model that any
+    structure-aware model must beat."""
+    x = element_fractions(numbers)
+    used = x.any(axis=0)
+    coef = np.zeros((NUM_ELEMENTS, targets.shape[1]))
+    if used.any():
+        coef[used] = np.linalg.lstsq(x[:, used], targets, rcond=None)[0]
+    return coef
+
+
+def _column(ds, name: str) -> list[np.ndarray]:
+    rows = CrystalRows(ds, columns=[name])
+    return [rows[i][name] for i in range(len(rows))]
+
+
+@register_task("crystal_property")
+class CrystalPropertyTask(Task):
+    config_cls = CrystalPropertyConfig
+    unit = "structures"
+    metrics = ("mae", "rmse", "baseline_mae", "num_structures")
+    presets = {
+        "tiny": {"task": {"model_preset": "tiny", "max_neighbors": 12},
+                 "train": {"per_device_batch_size": 16, "epochs": 30, "ema_decay": 0.0},
+                 "optim": {"lr": 2e-3, "scheduler": "cosine", "warmup_steps": 10},
+                 "eval": {"every_epochs": 5, "metric": "mae"}},
+        "paper": {"task": {"model_preset": "paper", "max_neighbors": 25},
+                  "train": {"per_device_batch_size": 64, "epochs": 500},
+                  "optim": {"lr": 1e-3, "weight_decay": 1e-5, "scheduler": "cosine"},
+                  "eval": {"every_epochs": 1, "metric": "mae"}},
+    }
+
+    def __init__(self, cfg: CrystalPropertyConfig, seed: int = 0):
+        super().__init__(cfg, seed)
+        for key, choices in (("graph", ("knn", "radius")), ("variant", ("icomformer", "ecomformer")),
+                             ("loss", ("l1", "mse")), ("batch_unit", ("atoms", "edges")),
+                             ("on_invalid", ("error", "skip")), ("model_preset", ("tiny", "paper"))):
+            if getattr(cfg, key) not in choices:
+                raise ValueError(f"task.{key} must be one of {list(choices)}, got {getattr(cfg, key)!r}")
+        self.report: dict[str, Any] = {}
+        self.attach_stats({"num_targets": 1, "target_mean": [0.0], "target_std": [1.0],
+                           "baseline_coef": np.zeros((NUM_ELEMENTS, 1)).tolist()})
+
+    def attach_stats(self, stats: dict[str, Any]) -> None:
+        super().attach_stats(stats)
+        self.target_mean = torch.tensor(stats["target_mean"], dtype=torch.float32)
+        self.target_std = torch.tensor(stats["target_std"], dtype=torch.float32)
+        self.baseline = torch.tensor(stats["baseline_coef"], dtype=torch.float32)
+
+    # ------------------------------------------------------------------ data
+    def _build(self, source: Any) -> Any:
+        c = self.cfg
+        spec = GraphSpec(kind=c.graph, cutoff=c.cutoff, k=c.max_neighbors, use_lattice=c.use_lattice)
+        ds = build_crystal_dataset(source, graph=spec, target=c.target, per_atom=c.per_atom, on_invalid=c.on_invalid,
+                                   num_proc=c.num_proc or None, cache_dir=c.cache_dir or None)
+        report = getattr(ds, "crystal_report", None)
+        if report is not None:
+            logger.info("%s: %s", source, report.summary())
+            self.report[str(source)] = {"kept": report.kept, "records": report.records, "skipped": report.skipped}
+        return ds
+
+    def _sources(self) -> tuple[Any, Any]:
+        c = self.cfg
+        if c.data_path:
+            return c.data_path, c.test_path or None
+        return bundled_crystal_path("mlearn_Si_training"), c.test_path or bundled_crystal_path("mlearn_Si_test")
+
+    def build_data(self) -> TaskData:
+        c = self.cfg
+        train_source, test_source = self._sources()
+        full = self._build(train_source)
+        ids = full.data.table.column("id").to_pylist()
+        hold_test = 0.0 if test_source is not None else c.test_fraction
+        train_idx, val_idx, test_idx = split_by_id(ids, [1.0 - c.val_fraction - hold_test, c.val_fraction, hold_test],
+                                                   seed=self.seed)
+        if len(train_idx) == 0:
+            raise ValueError(f"{train_source}: no training structures left after the validation/test split")
+        train = full.select(train_idx)
+        test = (self._build(test_source) if test_source is not None
+                else full.select(test_idx) if len(test_idx) else None)
+        return TaskData(train=CrystalRows(train), eval=CrystalRows(full.select(val_idx)) if len(val_idx) else None,
+                        test=CrystalRows(test) if test is not None else None, stats=self._statistics(train))
+
+    def _statistics(self, train) -> dict[str, Any]:
+        """Target mean/std (standardisation) and the per-element baseline, fit on the training split."""
+        targets = np.asarray(train.data.table.column("target").to_pylist(), dtype=np.float64)
+        targets = targets.reshape(train.data.table.num_rows, -1)
+        if train._indices is not None:
+            targets = targets[train._indices.column(0).to_numpy()]
+        numbers = _column(train, "atomic_numbers")
+        std = targets.std(axis=0)
+        standardize = self.cfg.standardize
+        return {"num_targets": int(targets.shape[1]),
+                "target_mean": targets.mean(axis=0).tolist() if standardize else [0.0] * targets.shape[1],
+                "target_std": np.where(std > 0, std, 1.0).tolist() if standardize else [1.0] * targets.shape[1],
+                "baseline_coef": fit_element_baseline(numbers, targets).tolist()}
+
+    def unit_sizes(self, dataset: Dataset) -> np.ndarray:
+        return atom_counts(dataset) if self.cfg.batch_unit == "atoms" else edge_counts(dataset)
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = collate_graphs(samples)
+        # The data layer already chose ComFormer's three lattice vectors (the same ones its self-loop
+        # edges use): hand them to the model instead of recomputing them on the host every step.
+        batch["lattice_coeffs"] = batch.pop("lattice_shifts").round().long()
+        if batch["target"].ndim == 1:
+            batch["target"] = batch["target"][:, None]
+        return batch
+
+    def batch_size(self, batch: dict[str, Any]) -> int:
+        return int(batch["num_atoms"].shape[0])
+
+    def batch_weight(self, batch: dict[str, Any]) -> float:
+        return float(batch["num_atoms"].shape[0])  # the loss is a mean over structures
+
+    # ------------------------------------------------------------------ model
+    def build_model(self, stats: dict[str, Any]) -> nn.Module:
+        c = self.cfg
+        num_targets = int(stats["num_targets"])
+        model_cfg = comformer_config(c.model_preset, variant=c.variant, output_features=num_targets)
+        model = StandardizedModel(build_comformer(model_cfg), num_targets)
+        model.target_mean.copy_(torch.tensor(stats["target_mean"]))
+        model.target_std.copy_(torch.tensor(stats["target_std"]))
+        return model
+
+    def _to_physical(self, standardized: torch.Tensor) -> torch.Tensor:
+        return standardized * self.target_std.to(standardized.device) + self.target_mean.to(standardized.device)
+
+    def loss(self, model: nn.Module, batch: dict[str, Any]) -> LossOutput:
+        device = batch["target"].device
+        target = (batch["target"] - self.target_mean.to(device)) / self.target_std.to(device)
+        err = model(batch) - target
+        per = err.abs() if self.cfg.loss == "l1" else err.square()
+        return LossOutput(loss=per.mean(dim=1).mean(), logs={"mae_std_units": err.detach().abs().mean()})
+
+    def eval_step(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        pred = self._to_physical(model(batch))
+        target = batch["target"]
+        base = self._baseline_predictions(batch)
+        out = {"num_atoms": batch["num_atoms"].float()}
+        for t in range(target.shape[1]):
+            suffix = "" if target.shape[1] == 1 else f"_{t}"
+            out[f"pred{suffix}"] = pred[:, t]
+            out[f"target{suffix}"] = target[:, t]
+            out[f"baseline{suffix}"] = base[:, t]
+        return out
+
+    def _baseline_predictions(self, batch: dict[str, Any]) -> torch.Tensor:
+        coef = self.baseline.to(batch["positions"].device)
+        per_atom = coef[batch["atomic_numbers"]]
+        sums = torch.zeros(batch["num_atoms"].shape[0], coef.shape[1], device=coef.device).index_add_(
+            0, batch["batch"], per_atom)
+        return sums / batch["num_atoms"][:, None].to(sums.dtype)
+
+    def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        metrics: dict[str, float] = {"num_structures": float(values["num_atoms"].numel())}
+        for key in [k for k in values if k.startswith("pred")]:
+            suffix = key[len("pred"):]
+            target = values[f"target{suffix}"].double()
+            err = values[key].double() - target
+            base = values[f"baseline{suffix}"].double() - target
+            metrics[f"mae{suffix}"] = float(err.abs().mean())
+            metrics[f"rmse{suffix}"] = float(err.square().mean().sqrt())
+            metrics[f"baseline_mae{suffix}"] = float(base.abs().mean())
+        return metrics
+
+    def write_report(self, values: dict[str, torch.Tensor], metrics: dict[str, float], directory: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        directory.mkdir(parents=True, exist_ok=True)
+        unit = f"{self.cfg.target}{' per atom' if self.cfg.per_atom else ''}"
+        for key in [k for k in values if k.startswith("pred")]:
+            suffix = key[len("pred"):]
+            pred, target = values[key].numpy(), values[f"target{suffix}"].numpy()
+            fig, ax = plt.subplots(figsize=(4.5, 4.5))
+            lo, hi = float(min(pred.min(), target.min())), float(max(pred.max(), target.max()))
+            ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
+            ax.scatter(target, pred, s=12, alpha=0.7)
+            ax.set_xlabel(f"true {unit}")
+            ax.set_ylabel(f"predicted {unit}")
+            ax.set_title(f"test: MAE {metrics[f'mae{suffix}']:.4g} (per-element baseline "
+                         f"{metrics[f'baseline_mae{suffix}']:.4g})", fontsize=9)
+            fig.tight_layout()
+            fig.savefig(directory / f"parity{suffix}.png", dpi=120)
+            plt.close(fig)
+        (directory / "metrics.json").write_text(json.dumps({**metrics, "data": self.report}, indent=1))
+        rows = ["pred,target,baseline,num_atoms"] + [
+            f"{p:.8g},{t:.8g},{b:.8g},{int(n)}" for p, t, b, n in zip(
+                values[[k for k in values if k.startswith("pred")][0]].tolist(),
+                values[[k for k in values if k.startswith("target")][0]].tolist(),
+                values[[k for k in values if k.startswith("baseline")][0]].tolist(), values["num_atoms"].tolist())]
+        (directory / "predictions.csv").write_text("\n".join(rows) + "\n")

@@ -1,0 +1,558 @@
+"""FASTA reader for protein sequences (`.fasta/.fa/.faa`, optionally `.gz`), as released by UniProt.
+
+`iter_fasta_tables` yields Arrow tables (`FASTA_SCHEMA`, one per block of the file) and `iter_fasta`
+one dict per record, with a fixed column schema (`FASTA_COLUMNS`; missing string fields are None,
+missing integer fields -1) so that Arrow types are stable across files and header styles.
+
+Speed: gzip is decompressed by ISA-L in a thread of its own; each block of whole records is parsed
+with numpy and `bytes` operations at once (record and line boundaries, residue classes, lengths,
+and headers by `fasta_headers.parse_header_block`), so the per-record Python work is limited to the
+rare records off the usual shape, which take the exact reference path (`parse_header`, `_clean`).
+
+Header styles:
+
+* UniRef (`>UniRef50_A0A5A9P0L4 Peptidylprolyl isomerase n=1 Tax=Triplophysa tibetana
+  TaxID=1572043 RepID=A0A5A9P0L4_9TELE`): id = `UniRef50_A0A5A9P0L4`, db = `UniRef50`,
+  description = cluster name, n, tax, taxid, rep_id.
+* UniProtKB (`>sp|P12345|NAME_HUMAN Desc OS=Homo sapiens OX=9606 GN=ABC PE=1 SV=2`): db = sp/tr,
+  accession (also the id), entry_name, description, os, ox, gn, pe, sv.
+* anything else: id = first word, description = the rest.
+
+`KEY=value` tags the style does not know (e.g. `Split=0`), and integer tags whose value is not an
+int64, are kept verbatim in `extra`.
+
+Residue policy (every change or skip is counted in `FastaStats`, nothing is dropped silently):
+
+* trailing whitespace and `\\r` (Windows line endings) are stripped from every line; blank lines
+  are ignored;
+* lowercase residues are upper-cased (`stats.lowercase` records);
+* one terminal `*` (stop) is removed (`stats.terminal_stop`); an internal `*` is an error;
+* gap characters `-` and `.` are removed (`stats.gaps` records);
+* any other character that is not a letter A-Z is an error;
+* the non-standard residues B, Z, J, U, O, X (`stats.nonstandard` records contain one) follow
+  `nonstandard`: "keep" keeps them, except J which becomes X because the tokenizer has no J
+  (`stats.j_to_x`); "map" maps B/Z/J/U/O to X (`stats.nonstandard_mapped`); "drop" skips the record
+  (`stats.dropped_nonstandard`);
+* `min_length` / `max_length` (0 = no limit) apply to the cleaned sequence and skip records
+  (`stats.dropped_short`, `stats.dropped_long`).
+
+Errors (`FastaFormatError`, naming the file, line and record): a sequence line before the first
+header, a record with an empty sequence, an illegal character, a truncated or corrupt gzip stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import math
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from isal.igzip import open as _gzip_open  # ISA-L: gzip at about 4x zlib's speed
+from isal.igzip_threaded import open as _gzip_open_threaded
+from isal.isal_zlib import error as _IsalError
+
+from trainer.errors import DataError
+from trainer.families.protein_sedd.fasta_headers import gather_ranges, parse_header_block
+
+_GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error, _IsalError)
+
+NONSTANDARD_POLICIES = ("keep", "map", "drop")
+CANONICAL = b"ACDEFGHIKLMNPQRSTVWY"
+NONSTANDARD = b"BZJUOX"
+_LETTERS = bytes(range(ord("A"), ord("Z") + 1))
+_LOWER = bytes(range(ord("a"), ord("z") + 1))
+_GAPS = b"-."
+_J_TO_X = bytes.maketrans(b"J", b"X")
+_MAP_TO_X = bytes.maketrans(b"BZJUO", b"XXXXX")
+_READ_SIZE = 1 << 21
+
+STRING_COLUMNS = ("id", "description", "db", "accession", "entry_name", "tax", "rep_id", "os", "gn",
+                  "extra")
+INT_COLUMNS = ("n", "taxid", "ox", "pe", "sv")
+FASTA_COLUMNS = ("id", "sequence", "length", "split") + STRING_COLUMNS[1:] + INT_COLUMNS
+"""Column order of every record; `split` is "train" or "validation" (see `split_of`)."""
+
+DECOMPRESS_IN_THREAD = True
+"""Decompress gzip in a second thread while the calling thread parses (False: in the calling thread)."""
+
+PARSE_CALLS = 0
+"""Number of times a FASTA file was opened for parsing (tests use it to prove cache hits)."""
+
+
+class FastaFormatError(DataError):
+    """A FASTA file that cannot be read under the documented policy."""
+
+
+@dataclass
+class FastaStats:
+    """Counters of what the reader did; `records` = `kept` + the `dropped_*` counters."""
+
+    files: int = 0
+    records: int = 0
+    """Headers read."""
+    kept: int = 0
+    residues: int = 0
+    """Residues in kept records."""
+    train: int = 0
+    validation: int = 0
+    lowercase: int = 0
+    terminal_stop: int = 0
+    gaps: int = 0
+    nonstandard: int = 0
+    """Records containing B, Z, J, U, O or X (whatever the policy)."""
+    j_to_x: int = 0
+    nonstandard_mapped: int = 0
+    dropped_nonstandard: int = 0
+    dropped_short: int = 0
+    dropped_long: int = 0
+
+    def __iadd__(self, other: FastaStats) -> FastaStats:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, int]) -> FastaStats:
+        return cls(**{k: int(v) for k, v in d.items() if k in {f.name for f in dataclasses.fields(cls)}})
+
+    def summary(self) -> str:
+        """One line listing the non-zero counters, for logs."""
+        return ", ".join(f"{k}={v}" for k, v in self.to_dict().items() if v)
+
+
+def splits_of(record_ids: list[str], val_fraction: float, salt: str = "") -> np.ndarray:
+    """Per id, whether it is in "validation" (True) or "train", from a keyed hash of the id alone.
+
+    blake2b (not `hash`, which is salted per process) makes the split the same in every run,
+    process, rank and file order: an id is in validation when its 64-bit hash is below
+    val_fraction x 2**64.
+    """
+    if val_fraction <= 0.0:
+        return np.zeros(len(record_ids), dtype=bool)
+    # the exact comparison of an integer hash h with the float x: h < x <=> h < ceil(x)
+    threshold = math.ceil(val_fraction * 2.0**64)
+    if threshold >= 2**64:
+        return np.ones(len(record_ids), dtype=bool)
+    key = salt.encode("utf-8")[:64]
+    blake2b = hashlib.blake2b
+    digests = b"".join([blake2b(i.encode("utf-8"), digest_size=8, key=key).digest() for i in record_ids])
+    return np.frombuffer(digests, dtype=">u8") < threshold
+
+
+def split_of(record_id: str, val_fraction: float, salt: str = "") -> str:
+    """"train" or "validation" for one id (see `splits_of`)."""
+    return "validation" if splits_of([record_id], val_fraction, salt)[0] else "train"
+
+
+# A tag starts at whitespace followed by KEY=; descriptions rarely hold " Word=" so this is safe for
+# UniProt's own files, and anything unexpected ends up in `extra` rather than being lost.
+_TAG = re.compile(r"\s+([A-Za-z][A-Za-z0-9_]*)=")
+_UNIREF_TAGS = {"n": "n", "Tax": "tax", "TaxID": "taxid", "RepID": "rep_id"}
+_UNIPROT_TAGS = {"OS": "os", "OX": "ox", "GN": "gn", "PE": "pe", "SV": "sv"}
+_INT_FIELDS = set(INT_COLUMNS)
+
+
+def _empty_fields() -> dict[str, Any]:
+    d: dict[str, Any] = {k: None for k in STRING_COLUMNS}
+    d.update({k: -1 for k in INT_COLUMNS})
+    return d
+
+
+def parse_header(header: str) -> dict[str, Any]:
+    """Header fields (without the leading '>') in the fixed schema of `FASTA_COLUMNS`."""
+    fields = _empty_fields()
+    first, _, rest = header.strip().partition(" ")
+    rest = rest.strip()
+    known: dict[str, str] = {}
+    if first.startswith("UniRef") and "_" in first:
+        fields["db"] = first.split("_", 1)[0]
+        known = _UNIREF_TAGS
+    elif first.count("|") == 2 and first.split("|", 1)[0] in ("sp", "tr"):
+        db, accession, entry_name = first.split("|")
+        fields.update(db=db, accession=accession, entry_name=entry_name or None)
+        first = accession
+        known = _UNIPROT_TAGS
+    fields["id"] = first
+    if not known:
+        fields["description"] = rest or None
+        return fields
+    # The description ends at the first known tag; tags before it are part of the free text.
+    matches = [m for m in _TAG.finditer(" " + rest)]
+    start = next((i for i, m in enumerate(matches) if m.group(1) in known), None)
+    if start is None:
+        fields["description"] = rest or None
+        return fields
+    text = " " + rest
+    fields["description"] = text[: matches[start].start()].strip() or None
+    extra = []
+    tags = matches[start:]
+    for i, m in enumerate(tags):
+        end = tags[i + 1].start() if i + 1 < len(tags) else len(text)
+        key, value = m.group(1), text[m.end(): end].strip()
+        column = known.get(key)
+        if column is None or fields[column] not in (None, -1):
+            extra.append(f"{key}={value}")
+        elif column in _INT_FIELDS:
+            try:
+                number = int(value)
+            except ValueError:
+                number = None
+            if number is None or not -2**63 <= number < 2**63:  # Arrow's int64 column
+                extra.append(f"{key}={value}")
+            else:
+                fields[column] = number
+        else:
+            fields[column] = value or None
+    fields["extra"] = " ".join(extra) or None
+    return fields
+
+
+def open_fasta(path: str | Path) -> BinaryIO:
+    """Binary handle on a FASTA file, decompressing `.gz` (detected by magic bytes, not name).
+
+    gzip is read with ISA-L (`isal.igzip`, about 4x zlib's speed), in a thread of its own unless
+    `DECOMPRESS_IN_THREAD` is False.
+    """
+    path = Path(path)
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic == b"\x1f\x8b":
+        if DECOMPRESS_IN_THREAD:  # ISA-L releases the GIL: decompression overlaps parsing
+            return _gzip_open_threaded(path, "rb", threads=1)  # type: ignore[return-value]
+        return _gzip_open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")
+
+
+def _bad_line(path: Path, lines: list[bytes], first_line: int, record_id: str, bad: bytes,
+              what: str = "illegal character") -> FastaFormatError:
+    """Error naming the first sequence line that holds one of `bad` (only runs on the error path)."""
+    for i, line in enumerate(lines):
+        hit = next((chr(c) for c in line.rstrip() if c in bad), None)
+        if hit is not None:
+            return FastaFormatError(f"{path}:{first_line + i}: record {record_id!r}: {what} {hit!r} in sequence")
+    return FastaFormatError(f"{path}:{first_line}: record {record_id!r}: illegal characters {bad!r}")
+
+
+def _clean(seq: bytes, path: Path, lines: list[bytes], first_line: int, record_id: str, nonstandard: str,
+           stats: FastaStats) -> bytes | None:
+    """Apply the residue policy; None means the record is skipped by policy (already counted)."""
+    if not seq.translate(None, CANONICAL):
+        return seq  # the common case: canonical uppercase residues only
+    if seq.translate(None, _LOWER) != seq:
+        seq = seq.upper()
+        stats.lowercase += 1
+    if seq.endswith(b"*"):
+        seq = seq[:-1]
+        stats.terminal_stop += 1
+    if b"-" in seq or b"." in seq:
+        seq = seq.translate(None, _GAPS)
+        stats.gaps += 1
+    bad = seq.translate(None, _LETTERS)
+    if bad:
+        if b"*" in bad:
+            raise _bad_line(path, lines, first_line, record_id, b"*", what="internal stop")
+        raise _bad_line(path, lines, first_line, record_id, bytes(sorted(set(bad))))
+    if not seq:
+        raise FastaFormatError(f"{path}:{first_line}: record {record_id!r}: empty sequence after removing "
+                               f"gaps/stop")
+    if seq.translate(None, CANONICAL):
+        stats.nonstandard += 1
+        if nonstandard == "drop":
+            stats.dropped_nonstandard += 1
+            return None
+        if nonstandard == "map":
+            mapped = seq.translate(_MAP_TO_X)
+            if mapped != seq:
+                stats.nonstandard_mapped += 1
+            seq = mapped
+        elif b"J" in seq:
+            seq = seq.translate(_J_TO_X)
+            stats.j_to_x += 1
+    return seq
+
+
+# Residue classes for the vectorised path: 0 canonical, 1 non-standard letter (counted, maybe
+# mapped or dropped), 2 anything that needs `_clean` (lowercase, '*', gaps, '\r', illegal bytes).
+_CLASS = np.full(256, 2, dtype=np.uint8)
+_CLASS[np.frombuffer(CANONICAL, dtype=np.uint8)] = 0
+_CLASS[np.frombuffer(NONSTANDARD, dtype=np.uint8)] = 1
+_CLASS_TABLE = _CLASS.tobytes()  # bytes.translate tables: several times faster than numpy indexing
+_KEEP_TABLE = bytes(range(256)).translate(_J_TO_X)
+_MAP_TABLE = bytes(range(256)).translate(_MAP_TO_X)
+
+
+def _nonzero(values: np.ndarray) -> np.ndarray:
+    """np.flatnonzero of a uint8 array whose non-zero bytes are rare, 8 bytes per comparison."""
+    whole = len(values) // 8 * 8
+    words = np.flatnonzero(values[:whole].view(np.uint64))
+    candidates = np.concatenate([(words[:, None] * 8 + np.arange(8)).ravel(), np.arange(whole, len(values))])
+    return candidates[values[candidates] != 0]
+
+
+FASTA_SCHEMA = pa.schema([("id", pa.string()), ("sequence", pa.string()), ("length", pa.int32()),
+                          ("split", pa.string())]
+                         + [(c, pa.string()) for c in STRING_COLUMNS[1:]] + [(c, pa.int64()) for c in INT_COLUMNS])
+"""Arrow schema of the reader's tables (`FASTA_COLUMNS` in order)."""
+
+
+def _records_with(positions: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
+    """Boolean mask over n records: which records hold one of the residue `positions`."""
+    mask = np.zeros(n, dtype=bool)
+    if len(positions):
+        mask[np.searchsorted(starts, positions, side="right") - 1] = True
+    return mask
+
+
+@dataclass
+class _Reader:
+    """Settings and running counters of one `iter_fasta_tables` call."""
+
+    path: Path
+    min_length: int
+    max_length: int
+    nonstandard: str
+    val_fraction: float
+    salt: str
+    stats: FastaStats
+    shard_index: int
+    shard_count: int
+    ordinal: int = -1
+    """Ordinal of the last header seen (counting every header of the file, all shards)."""
+    last_header: bytes | None = None
+    """The last whole header line seen (for the truncated-gzip error)."""
+
+    def block(self, data: bytes, first_line: int) -> pa.Table | None:
+        """Table of the records in `data`: whole records, '>' first, '\\n' last, at line `first_line`."""
+        buf = np.frombuffer(data, dtype=np.uint8)
+        newlines = _nonzero((buf == 10).view(np.uint8))
+        line_starts = np.empty_like(newlines)
+        line_starts[0] = 0
+        line_starts[1:] = newlines[:-1] + 1
+        header_lines = np.flatnonzero(buf[line_starts] == 62)
+        body_end = np.append(line_starts[header_lines[1:]], len(buf))  # the next record's '>'
+        if len(header_lines):
+            self.last_header = data[line_starts[header_lines[-1]] + 1:newlines[header_lines[-1]]]
+        first_ordinal = self.ordinal + 1
+        self.ordinal += len(header_lines)
+        if self.shard_count > 1:  # other shards' records are not looked at
+            mine = np.arange(first_ordinal, first_ordinal + len(header_lines)) % self.shard_count == self.shard_index
+            header_lines, body_end = header_lines[mine], body_end[mine]
+        n = len(header_lines)
+        stats = self.stats
+        stats.records += n
+        if not n:
+            return None
+        rec_start, header_end = line_starts[header_lines], newlines[header_lines]
+        body_start = header_end + 1
+
+        # Residues of the records in file order: their sequence lines joined, newlines removed.
+        residue_bytes = b"".join([data[a:b] for a, b in zip(body_start.tolist(), body_end.tolist())]).translate(
+            None, b"\n")
+        residues = np.frombuffer(residue_bytes, dtype=np.uint8)
+        counts = (body_end - body_start) - (np.searchsorted(newlines, body_end) - np.searchsorted(newlines, body_start))
+        res_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=res_start[1:])
+        odd = _nonzero(np.frombuffer(residue_bytes.translate(_CLASS_TABLE), dtype=np.uint8))  # non-canonical: few
+        odd_class = _CLASS[residues[odd]]
+        needs_clean = _records_with(odd[odd_class == 2], res_start[:-1], n) | (counts == 0)
+        nonstd_pos = odd[odd_class == 1]
+        has_nonstd = _records_with(nonstd_pos, res_start[:-1], n) & ~needs_clean
+        stats.nonstandard += int(np.count_nonzero(has_nonstd))
+        lut = None
+        if len(nonstd_pos) and self.nonstandard != "drop":
+            lut, counter = ((_KEEP_TABLE, "j_to_x") if self.nonstandard == "keep"
+                            else (_MAP_TABLE, "nonstandard_mapped"))
+            found = residues[nonstd_pos]
+            changed = nonstd_pos[np.frombuffer(lut, dtype=np.uint8)[found] != found]
+            changed_records = _records_with(changed, res_start[:-1], n) & ~needs_clean
+            setattr(stats, counter, getattr(stats, counter) + int(np.count_nonzero(changed_records)))
+            lut = lut if len(changed) else None
+
+        header_start = rec_start + 1
+        cols, slow_header = parse_header_block(buf, header_start, header_end, STRING_COLUMNS, INT_COLUMNS)
+        lengths = counts.copy()
+        dropped = has_nonstd if self.nonstandard == "drop" else np.zeros(n, dtype=bool)
+        stats.dropped_nonstandard += int(np.count_nonzero(dropped))
+
+        # The few records that need Python, in file order so that the first error is the one raised:
+        # headers off the usual shape, and sequences with anything but upper-case residue letters.
+        slow_fields: dict[int, dict[str, Any]] = {}
+        cleaned: dict[int, bytes] = {}
+        for j in np.flatnonzero(slow_header | needs_clean).tolist():
+            header_line = first_line + int(header_lines[j])
+            if slow_header[j]:
+                fields = parse_header(data[header_start[j]:header_end[j]].decode("utf-8", errors="replace"))
+                if not fields["id"]:
+                    raise FastaFormatError(f"{self.path}:{header_line}: header without an id")
+                slow_fields[j] = fields
+                record_id = fields["id"]
+            else:
+                record_id = cols["id"][j].as_py()
+            if needs_clean[j]:
+                seq = self._clean_record(data[body_start[j]:body_end[j]], header_line, record_id)
+                if seq is None:
+                    dropped[j] = True
+                else:
+                    cleaned[j] = seq
+                    lengths[j] = len(seq)
+        keep = ~dropped
+        if self.min_length:
+            short = keep & (lengths < self.min_length)
+            stats.dropped_short += int(np.count_nonzero(short))
+            keep &= ~short
+        if self.max_length:
+            long = keep & (lengths > self.max_length)
+            stats.dropped_long += int(np.count_nonzero(long))
+            keep &= ~long
+        if slow_fields:
+            mask = np.zeros(n, dtype=bool)
+            where = np.fromiter(slow_fields, dtype=np.int64, count=len(slow_fields))
+            mask[where] = True
+            for name in (*STRING_COLUMNS, *INT_COLUMNS):
+                cols[name] = pc.replace_with_mask(cols[name], pa.array(mask), pa.array(
+                    [slow_fields[j][name] for j in where.tolist()], cols[name].type))
+        kept = np.flatnonzero(keep)
+        if not len(kept):
+            return None
+
+        # Sequences of the kept records: straight from `residues` when nothing was cleaned or dropped.
+        source = np.frombuffer(residue_bytes.translate(lut), dtype=np.uint8) if lut is not None else residues
+        kept_lengths = lengths[kept]
+        if not cleaned and len(kept) == n:
+            values, offsets = source, res_start
+        else:
+            starts = res_start[kept]
+            fixed = [(k, cleaned[j]) for k, j in enumerate(kept.tolist()) if j in cleaned]
+            if fixed:  # cleaned sequences are appended to the source and read from there
+                where = np.array([k for k, _ in fixed], dtype=np.int64)
+                starts[where] = len(source) + np.cumsum(kept_lengths[where]) - kept_lengths[where]
+                source = np.concatenate([source, np.frombuffer(b"".join(seq for _, seq in fixed), dtype=np.uint8)])
+            values, offsets = gather_ranges(source, starts, kept_lengths)
+
+        take = pa.array(kept)
+        ids = pc.take(cols["id"], take)
+        validation = splits_of(ids.to_pylist(), self.val_fraction, self.salt)
+        n_val = int(np.count_nonzero(validation))
+        stats.kept += len(kept)
+        stats.residues += int(offsets[-1])
+        stats.validation += n_val
+        stats.train += len(kept) - n_val
+        sequence = pa.StringArray.from_buffers(len(kept), pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(values))
+        split = pc.if_else(pa.array(validation), "validation", "train")
+        arrays = [ids, sequence, pa.array(kept_lengths.astype(np.int32)), split]
+        arrays += [pc.take(cols[name], take) for name in FASTA_COLUMNS[4:]]
+        return pa.Table.from_arrays(arrays, schema=FASTA_SCHEMA)
+
+    def _clean_record(self, body: bytes, header_line: int, record_id: str) -> bytes | None:
+        """Sequence of a record from its lines by the exact per-line path (rare: anything but plain residues)."""
+        lines = [raw.rstrip() for raw in body.split(b"\n")]
+        if lines and not lines[-1]:
+            lines.pop()
+        seq = b"".join(lines)
+        if not seq:
+            raise FastaFormatError(f"{self.path}:{header_line}: record {record_id!r}: empty sequence")
+        return _clean(seq, self.path, lines, header_line + 1, record_id, self.nonstandard, self.stats)
+
+
+def iter_fasta_tables(path: str | Path, *, min_length: int = 0, max_length: int = 0, nonstandard: str = "keep",
+                      val_fraction: float = 0.0, salt: str = "", stats: FastaStats | None = None,
+                      shard: tuple[int, int] = (0, 1)) -> Iterator[pa.Table]:
+    """Records of one FASTA file as Arrow tables (`FASTA_SCHEMA`), one per block of about 2 MiB.
+
+    `shard=(index, count)` keeps only records whose ordinal (counting every header, kept or not)
+    is `index` modulo `count`; records of other shards are neither decoded nor validated, and are
+    not counted in `stats`. A block is parsed as a whole with numpy (line and record boundaries,
+    residue classes, lengths) and only headers are looked at one by one; records with anything but
+    upper-case residue letters take the exact per-line path (`_clean`). An error is raised before
+    any record of the block that holds it is yielded.
+    """
+    global PARSE_CALLS
+    if nonstandard not in NONSTANDARD_POLICIES:
+        raise ValueError(f"nonstandard must be one of {NONSTANDARD_POLICIES}, got {nonstandard!r}")
+    if not 0.0 <= val_fraction <= 1.0:  # NaN included
+        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction!r}")
+    shard_index, shard_count = shard
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"bad shard {shard}")
+    path = Path(path)
+    stats = stats if stats is not None else FastaStats()
+    PARSE_CALLS += 1
+    stats.files += 1
+    reader = _Reader(path, min_length, max_length, nonstandard, val_fraction, salt, stats, shard_index, shard_count)
+
+    lineno = 1  # line number of the first line of `pending`
+    pending = b""
+    started = False
+    with open_fasta(path) as f:
+        while True:
+            try:
+                block = f.read(_READ_SIZE)
+            except _GZIP_ERRORS as e:
+                last = reader.last_header
+                if pending[:1] == b">" and b"\n" in pending:  # the pending record's header line is whole
+                    last = pending[1:].split(b"\n", 1)[0]
+                last = last.rstrip().decode("utf-8", "replace").split(" ", 1)[0] if last is not None else None
+                good = lineno - 1 + pending.count(b"\n")
+                if not good:
+                    raise FastaFormatError(f"{path}: truncated or corrupt gzip stream (nothing before the error "
+                                           f"could be read): {e}") from e
+                raise FastaFormatError(f"{path}: truncated or corrupt gzip stream after line {good} "
+                                       f"(last good line {good}, in record {last!r}): {e}") from e
+            data = pending + block if pending else block
+            if not started:
+                if data[:1] == b">":
+                    started = True
+                else:  # blank lines may precede the first header; anything else is an error
+                    cut = data.find(b"\n>")
+                    prefix = data if cut < 0 else data[:cut + 1]
+                    for k, line in enumerate(prefix.split(b"\n")):
+                        if line.strip():
+                            raise FastaFormatError(f"{path}:{lineno + k}: sequence line before the first header '>'")
+                    if cut < 0:
+                        if not block:
+                            return
+                        pending = data
+                        continue
+                    lineno += prefix.count(b"\n")
+                    data, started = data[cut + 1:], True
+            if not block:
+                if data:
+                    table = reader.block(_unix(data if data.endswith(b"\n") else data + b"\n"), lineno)
+                    if table is not None:
+                        yield table
+                return
+            cut = data.rfind(b"\n>")
+            if cut < 0:
+                pending = data
+                continue
+            chunk, pending = data[:cut + 1], data[cut + 1:]
+            table = reader.block(_unix(chunk), lineno)
+            lineno += chunk.count(b"\n")
+            if table is not None:
+                yield table
+
+
+def _unix(data: bytes) -> bytes:
+    """Windows line endings as Unix ones (line numbers are unchanged)."""
+    return data.replace(b"\r\n", b"\n") if b"\r" in data else data
+
+
+def iter_fasta(path: str | Path, *, min_length: int = 0, max_length: int = 0, nonstandard: str = "keep",
+               val_fraction: float = 0.0, salt: str = "", stats: FastaStats | None = None,
+               shard: tuple[int, int] = (0, 1)) -> Iterator[dict[str, Any]]:
+    """Records of one FASTA file as dicts in `FASTA_COLUMNS` order (see `iter_fasta_tables`)."""
+    for table in iter_fasta_tables(path, min_length=min_length, max_length=max_length, nonstandard=nonstandard,
+                                   val_fraction=val_fraction, salt=salt, stats=stats, shard=shard):
+        yield from table.to_pylist()

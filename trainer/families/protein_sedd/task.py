@@ -1,0 +1,345 @@
+"""`protein_sedd`: Score Entropy Discrete Diffusion (Lou, Meng, Ermon 2024) on protein sequences.
+
+Diffusion state space: the 25 residue letters of the tokenizer (20 canonical + X B Z U O), one
+padding state (never counted in the loss, never attended to), and for the absorbing graph the mask
+state last. Training crops a random window of `max_length` residues, drawn from (seed, epoch,
+sample index) so that a resumed run crops exactly as the original; eval uses the first
+`max_length` residues and draws its diffusion times from a generator per sample, so the eval
+NELBO is the same whatever the world size or batch size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
+
+from trainer.families.protein_sedd.dataset import build_fasta_dataset, default_protein_fasta, stream_fasta, tokenize_dataset
+from trainer.families.protein_sedd.tokenizer import FIRST_RESIDUE_ID, RESIDUES, VOCAB_SIZE, build_protein_tokenizer
+from trainer.families.protein_sedd.ddit import DDIT_PRESETS, DDiT
+from trainer.families.protein_sedd.sedd import build_graph, build_noise, score_entropy_loss
+from trainer.registry import register_task
+from trainer.task import LossOutput, SampleConfig, Task, TaskConfig, TaskData
+
+NUM_RESIDUES = len(RESIDUES)
+PAD_STATE = NUM_RESIDUES  # the state after the residues; the mask (absorbing graph) comes last
+SEP_STATE = NUM_RESIDUES + 1  # with task.packing: the separator between packed sequences
+
+
+@dataclass
+class ProteinSEDDConfig(TaskConfig):
+    name: str = "protein_sedd"
+    """Registered task name."""
+    data_path: str = ""
+    """FASTA or FASTA.gz file (UniProtKB or UniRef50 headers); empty: the bundled 3,000-sequence sample."""
+    cache_dir: str = ""
+    """Arrow cache of the parsed and tokenized data (empty: the `datasets` default cache)."""
+    val_fraction: float = 0.05
+    """Share of sequences in validation, chosen by hashing the sequence id (stable across runs)."""
+    min_length: int = 0
+    """Drop (and count) sequences shorter than this (0: no limit)."""
+    nonstandard: str = "keep"
+    """Non-standard residues B Z J U O X: keep (J becomes X), map (to X) or drop (the record); counted."""
+    max_length: int = 128
+    """Residues per training crop (random window) and eval crop (first residues)."""
+    model_preset: str = "tiny"
+    """DDiT size: tiny, small (paper's 12 x 768) or medium (24 x 1024)."""
+    dropout: float = 0.1
+    """Dropout inside the DDiT blocks."""
+    graph: str = "absorb"
+    """Forward process: absorb (masking) or uniform."""
+    noise: str = "loglinear"
+    """Noise schedule: loglinear or geometric."""
+    sampling_eps: float = 1e-3
+    """Smallest diffusion time drawn for the loss."""
+    eval_seed: int = 1234
+    """Seed of the per-sample eval generators (diffusion times and corruption)."""
+    packing: bool = False
+    """SEDD-style packing: training sequences (in a seeded order) joined by a separator state and cut into
+    blocks of max_length, so no position is padding; eval stays one crop per sequence."""
+    streaming: bool = False
+    """Read the training split as a stream (bounded memory, for the full UniRef50 file); validation stays Arrow."""
+
+
+@dataclass
+class ProteinSampleConfig(SampleConfig):
+    steps: int = 0
+    """Sampler steps (0: the sequence length)."""
+    sampler: str = "analytic"
+    """`analytic` (Tweedie tau-leaping) or `euler`."""
+    length: int = 0
+    """Fixed sequence length (0: drawn from the training crops' length histogram, a run artifact)."""
+
+
+def residue_states(token_ids: np.ndarray) -> np.ndarray:
+    """Tokenizer ids of residues -> diffusion states 0..24."""
+    return token_ids.astype(np.int64) - FIRST_RESIDUE_ID
+
+
+class ProteinStream(IterableDataset):
+    """Training crops from a FASTA stream; the window is drawn from (seed, epoch, sequence id)."""
+
+    def __init__(self, stream, max_length: int, seed: int):
+        self.stream, self.max_length, self.seed, self.epoch = stream, max_length, seed, 0
+
+    def set_shard(self, rank: int, world_size: int) -> None:
+        self.stream.rank, self.stream.world_size = rank, world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        for record in self.stream:
+            seq = record["input_ids"]
+            start = 0
+            if len(seq) > self.max_length:
+                key = int.from_bytes(hashlib.blake2b(record["id"].encode(), digest_size=8).digest(), "little")
+                rng = np.random.default_rng([self.seed, self.epoch, key])
+                start = int(rng.integers(0, len(seq) - self.max_length + 1))
+            yield {"states": residue_states(seq[start:start + self.max_length]), "index": -1}
+
+
+class ProteinCrops(Dataset):
+    """Tokenized sequences as fixed-size crops; `get_item(i, epoch)` draws the training window."""
+
+    def __init__(self, tokenized, max_length: int, seed: int, random_crop: bool):
+        self.ids = tokenized.with_format("numpy", columns=["input_ids"])
+        self.max_length = max_length
+        self.seed = seed
+        self.random_crop = random_crop
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def get_item(self, index: int, epoch: int = 0) -> dict[str, Any]:
+        seq = self.ids[index]["input_ids"]
+        start = 0
+        if self.random_crop and len(seq) > self.max_length:
+            rng = np.random.default_rng([self.seed, epoch, index])
+            start = int(rng.integers(0, len(seq) - self.max_length + 1))
+        return {"states": residue_states(seq[start:start + self.max_length]), "index": index}
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.get_item(index)
+
+
+class PackedBlocks(Dataset):
+    """Training sequences in a seeded order, each followed by SEP_STATE, concatenated and cut into blocks
+    of `max_length` states (the tail shorter than a block is dropped and logged)."""
+
+    def __init__(self, tokenized, max_length: int, seed: int):
+        column = tokenized.with_format(None).data.column("input_ids").combine_chunks()
+        if tokenized._indices is not None:
+            column = column.take(tokenized._indices.column(0).combine_chunks())
+        offsets = column.offsets.to_numpy()
+        values = residue_states(column.values.to_numpy())
+        lengths = np.diff(offsets)
+        order = np.random.default_rng([seed, 77]).permutation(len(lengths))
+        stream = np.full(int(lengths.sum()) + len(lengths), SEP_STATE, dtype=np.int8)
+        starts = np.concatenate([[0], np.cumsum(lengths[order] + 1)[:-1]])
+        for start, k in zip(starts, order):  # one slice copy per sequence
+            stream[start:start + lengths[k]] = values[offsets[k]:offsets[k + 1]]
+        self.num_blocks = len(stream) // max_length
+        self.blocks = stream[: self.num_blocks * max_length].reshape(self.num_blocks, max_length)
+        self.max_length = max_length
+        self.dropped_tokens = len(stream) - self.blocks.size
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"states": self.blocks[index].astype(np.int64), "index": index}
+
+
+def collate_crops(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pad to the longest crop of the batch; `num_tokens` is a host int (no device sync to read it)."""
+    longest = max(len(s["states"]) for s in samples)
+    states = torch.full((len(samples), longest), PAD_STATE, dtype=torch.long)
+    mask = torch.zeros((len(samples), longest), dtype=torch.bool)
+    for row, s in enumerate(samples):
+        states[row, : len(s["states"])] = torch.from_numpy(s["states"])
+        mask[row, : len(s["states"])] = True
+    return {"states": states, "mask": mask, "index": torch.tensor([s["index"] for s in samples]),
+            "num_tokens": int(mask.sum())}
+
+
+@register_task("protein_sedd")
+class ProteinSEDDTask(Task):
+    config_cls = ProteinSEDDConfig
+    presets = {
+        "tiny": {"task": {"model_preset": "tiny", "max_length": 64, "dropout": 0.0},
+                 "train": {"max_steps": 200, "per_device_batch_size": 16, "ema_decay": 0.99},
+                 "optim": {"lr": 1e-3, "warmup_steps": 20, "scheduler": "constant_with_warmup"}},
+        "small": {"task": {"model_preset": "small", "max_length": 512},
+                  "train": {"per_device_batch_size": 32, "ema_decay": 0.9999},
+                  "optim": {"lr": 3e-4, "warmup_steps": 2500}},
+    }
+    unit = "tokens"
+    metrics = ("loss", "nelbo_per_token", "perplexity_bound", "num_sequences", "num_unique", "unigram_perplexity")
+    sample_config_cls = ProteinSampleConfig
+
+    def __init__(self, cfg: ProteinSEDDConfig, seed: int = 0):
+        super().__init__(cfg, seed)
+        if cfg.packing and cfg.streaming:
+            raise ValueError("task.packing works on the cached (non-streaming) training split; drop one of the two")
+        states = NUM_RESIDUES + 1 + (1 if cfg.packing else 0)  # residues, pad, separator
+        self.graph = build_graph(cfg.graph, states + (1 if cfg.graph == "absorb" else 0))
+        self.noise = build_noise(cfg.noise)
+
+    def build_model(self, stats: dict[str, Any]) -> nn.Module:
+        if self.cfg.model_preset not in DDIT_PRESETS:
+            raise ValueError(f"unknown task.model_preset '{self.cfg.model_preset}'; choose from {sorted(DDIT_PRESETS)}")
+        return DDiT(vocab_size=self.graph.dim, dropout=self.cfg.dropout, absorbing=self.cfg.graph == "absorb",
+                    scale_by_sigma=self.cfg.graph == "absorb", **DDIT_PRESETS[self.cfg.model_preset])
+
+    def build_data(self) -> TaskData:
+        c = self.cfg
+        path = c.data_path or str(default_protein_fasta())
+        common = dict(cache_dir=c.cache_dir or None, val_fraction=c.val_fraction, min_length=c.min_length,
+                      nonstandard=c.nonstandard)
+        val, self.data_stats = build_fasta_dataset(path, split="validation", **common)
+        val = tokenize_dataset(val)
+        eval_set = ProteinCrops(val, c.max_length, self.seed, random_crop=False)
+        if c.streaming:
+            # Reference statistics (unigram baseline, sampling lengths) from the validation split: a
+            # hash-chosen subset of the same distribution, without materialising the training split.
+            reference = val
+            train_set = ProteinStream(stream_fasta(path, split="train", columns=["id", "input_ids"],
+                                                   with_input_ids=True, **common_stream(common)),
+                                      c.max_length, self.seed)
+        else:
+            train, _ = build_fasta_dataset(path, split="train", **common)
+            reference = train = tokenize_dataset(train)
+            train_set = (PackedBlocks(train, c.max_length, self.seed) if c.packing
+                         else ProteinCrops(train, c.max_length, self.seed, random_crop=True))
+        counts = residue_counts(reference)
+        lengths, length_counts = np.unique(np.minimum(np.asarray(reference["length"]), c.max_length),
+                                           return_counts=True)
+        # What eval and the sampler need, saved as the run artifact task_stats.json: sampling never
+        # re-reads the training data.
+        stats = {"unigram_perplexity": perplexity_of(counts),
+                 "train_composition": (counts / counts.sum()).tolist(),
+                 "length_histogram": {str(int(n)): int(k) for n, k in zip(lengths, length_counts)}}
+        return TaskData(train=train_set, eval=eval_set, stats=stats)
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        return collate_crops(samples)
+
+    def unit_sizes(self, dataset: Dataset) -> np.ndarray | None:
+        """Tokens of each training crop (data.batching=budget: length-bucketed token-budget batches)."""
+        if isinstance(dataset, PackedBlocks):
+            return np.full(len(dataset), dataset.max_length)
+        if not isinstance(dataset, ProteinCrops):
+            return None
+        lengths = dataset.ids.with_format("numpy", columns=["length"])["length"]  # honours a split's indices
+        return np.minimum(np.asarray(lengths), dataset.max_length)
+
+    def batch_weight(self, batch: dict[str, Any]) -> int:
+        return batch["num_tokens"]
+
+    def loss(self, model: nn.Module, batch: dict[str, Any]) -> LossOutput:
+        per_seq, tokens = score_entropy_loss(model, self.graph, self.noise, batch["states"],
+                                             loss_mask=batch["mask"], attention_mask=batch["mask"],
+                                             sampling_eps=self.cfg.sampling_eps)
+        return LossOutput(loss=per_seq.sum() / tokens.sum())
+
+    def eval_step(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        generators = [torch.Generator(batch["states"].device).manual_seed(self.cfg.eval_seed * 1_000_003 + int(i))
+                      for i in batch["index"].tolist()]
+        per_seq, tokens = score_entropy_loss(model, self.graph, self.noise, batch["states"],
+                                             loss_mask=batch["mask"], attention_mask=batch["mask"],
+                                             sampling_eps=self.cfg.sampling_eps, generator=generators)
+        return {"nelbo_sum": per_seq.float(), "tokens": tokens.float(), "index": batch["index"]}
+
+    def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        nelbo = float(values["nelbo_sum"].double().sum() / values["tokens"].double().sum())
+        metrics = {"loss": nelbo, "nelbo_per_token": nelbo, "perplexity_bound": math.exp(min(nelbo, 50.0)),
+                   "num_sequences": float(len(values["index"])), "num_unique": float(values["index"].unique().numel())}
+        if "unigram_perplexity" in self.stats:
+            metrics["unigram_perplexity"] = self.stats["unigram_perplexity"]
+        return metrics
+
+    def save_artifacts(self, directory: Path) -> list[str]:
+        build_protein_tokenizer().save_pretrained(str(directory / "tokenizer"))
+        return ["tokenizer"]
+
+    def generate(self, model: nn.Module, generators: list[torch.Generator],
+                 options: ProteinSampleConfig) -> list[str]:
+        """One sequence per generator. Its length is `options.length`, or drawn from the training crops'
+        length histogram with the same generator; all randomness of sample k comes from generators[k]."""
+        from trainer.families.protein_sedd.sedd import sample_one_per_generator
+
+        if options.sampler not in ("analytic", "euler"):
+            raise ValueError(f"sampler must be 'analytic' or 'euler', got {options.sampler!r}")
+        device = next(model.parameters()).device
+        if options.length <= 0:
+            histogram = self.stats.get("length_histogram")
+            if not histogram:
+                raise ValueError("the run has no training length histogram (task_stats.json): pass length=N")
+            train_lengths = np.repeat([int(n) for n in histogram], list(histogram.values()))
+            picks = [int(torch.randint(len(train_lengths), (1,), generator=g, device=g.device)) for g in generators]
+            lengths = [int(train_lengths[i]) for i in picks]
+        else:
+            lengths = [options.length] * len(generators)
+        steps, sampler = options.steps, options.sampler
+        allowed = torch.zeros(self.graph.dim, dtype=torch.bool, device=device)
+        allowed[:NUM_RESIDUES] = True
+        out: list[str | None] = [None] * len(generators)
+        for size in sorted(set(lengths)):  # one batch per length, each row still driven by its own generator
+            rows = [i for i, n in enumerate(lengths) if n == size]
+            states = sample_one_per_generator(model, self.graph, self.noise, [generators[i] for i in rows], size,
+                                              steps or size, predictor=sampler, allowed_states=allowed, device=device)
+            for row, seq in zip(rows, states.tolist()):
+                out[row] = "".join(RESIDUES[s] for s in seq)
+        return out  # type: ignore[return-value]
+
+    def write_samples(self, sequences: list[str], options: ProteinSampleConfig, out: Path) -> dict[str, Any]:
+        """FASTA of the samples plus statistics: lengths, residue composition and its KL to the training data."""
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w") as f:
+            for k, seq in enumerate(sequences):
+                f.write(f">sample_{k} length={len(seq)}\n")
+                for start in range(0, len(seq), 60):
+                    f.write(seq[start:start + 60] + "\n")
+        counts = np.array([sum(seq.count(r) for seq in sequences) for r in RESIDUES], dtype=np.float64)
+        composition = counts / max(counts.sum(), 1)
+        stats: dict[str, Any] = {
+            "lengths": {"min": min(map(len, sequences)), "max": max(map(len, sequences)),
+                        "mean": float(np.mean([len(s) for s in sequences])),
+                        "histogram": {int(n): int(c) for n, c in zip(*np.unique([len(s) for s in sequences],
+                                                                                 return_counts=True))}},
+            "composition": dict(zip(RESIDUES, composition.round(5).tolist())),
+        }
+        if "train_composition" in self.stats:
+            p, q = composition, np.asarray(self.stats["train_composition"])
+            support = p > 0
+            stats["training_composition"] = dict(zip(RESIDUES, q.round(5).tolist()))
+            stats["kl_samples_to_training"] = float((p[support] * np.log(p[support] / np.maximum(q[support], 1e-12))).sum())
+        return stats
+
+
+def common_stream(common: dict[str, Any]) -> dict[str, Any]:
+    """The reader settings shared by the Arrow build and the stream."""
+    return {k: v for k, v in common.items() if k != "cache_dir"}
+
+
+def residue_counts(tokenized) -> np.ndarray:
+    """How often each of the 25 residues occurs in a tokenized dataset."""
+    counts = np.zeros(VOCAB_SIZE, dtype=np.int64)
+    for batch in tokenized.with_format("numpy", columns=["input_ids"]).iter(batch_size=1000):
+        for ids in batch["input_ids"]:
+            counts += np.bincount(ids.astype(np.int64), minlength=VOCAB_SIZE)
+    return counts[FIRST_RESIDUE_ID:FIRST_RESIDUE_ID + NUM_RESIDUES].astype(np.float64)
+
+
+def perplexity_of(counts: np.ndarray) -> float:
+    """exp(entropy) of a frequency table: the no-context (unigram) baseline perplexity."""
+    p = counts[counts > 0] / counts.sum()
+    return float(np.exp(-(p * np.log(p)).sum()))

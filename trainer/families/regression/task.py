@@ -1,0 +1,133 @@
+"""`regression`: a synthetic linear-plus-noise problem for testing the trainer core."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from trainer.registry import register_task
+from trainer.task import LossOutput, Task, TaskConfig, TaskData
+
+
+@dataclass
+class RegressionConfig(TaskConfig):
+    name: str = "regression"
+    """Registered task name."""
+    num_train: int = 512
+    """Training samples."""
+    num_eval: int = 100
+    """Eval samples (deliberately not a multiple of common batch sizes)."""
+    in_dim: int = 16
+    """Input features."""
+    out_dim: int = 4
+    """Targets per sample."""
+    hidden: int = 64
+    """Hidden width of the MLP."""
+    depth: int = 2
+    """Hidden layers."""
+    dropout: float = 0.0
+    """Dropout after each hidden layer (draws from the rank's RNG: exercises RNG restore on resume)."""
+    noise: float = 0.1
+    """Standard deviation of the target noise."""
+    data_seed: int = 1234
+    """Seed of the synthetic data (independent of run.seed)."""
+    delay_s: float = 0.0
+    """Artificial delay per training micro-batch (seconds), so kill/preemption tests can hit a step."""
+    nan_sample: int = -1
+    """Training sample whose batch gets a NaN loss (tests the non-finite guard); -1 for none."""
+    streaming: bool = False
+    """Serve the training set as a stream (IterableDataset) sharded over ranks and workers."""
+
+
+class SyntheticRegression(Dataset):
+    """y = tanh(x A) B + noise, fixed by `data_seed`; `offset` separates train and eval draws."""
+
+    def __init__(self, cfg: RegressionConfig, n: int, offset: int):
+        g = torch.Generator().manual_seed(cfg.data_seed)
+        a = torch.randn(cfg.in_dim, cfg.in_dim, generator=g) / cfg.in_dim ** 0.5
+        b = torch.randn(cfg.in_dim, cfg.out_dim, generator=g) / cfg.in_dim ** 0.5
+        g.manual_seed(cfg.data_seed + 1 + offset)
+        self.x = torch.randn(n, cfg.in_dim, generator=g)
+        self.y = torch.tanh(self.x @ a) @ b + cfg.noise * torch.randn(n, cfg.out_dim, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i], "index": torch.tensor(i)}
+
+
+def build_mlp(in_dim: int, hidden: int, out_dim: int, depth: int, dropout: float = 0.0) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    width = in_dim
+    for _ in range(depth):
+        layers += [nn.Linear(width, hidden), nn.GELU()] + ([nn.Dropout(dropout)] if dropout else [])
+        width = hidden
+    layers.append(nn.Linear(width, out_dim))
+    return nn.Sequential(*layers)
+
+
+class StreamedRegression(IterableDataset):
+    """The training set as a stream: a fresh order each epoch, record k to shard k mod (ranks x workers).
+    Shards may differ in length by one sample, as real streams do."""
+
+    def __init__(self, data: SyntheticRegression, seed: int):
+        self.data, self.seed = data, seed
+        self.rank, self.world_size, self.epoch = 0, 1, 0
+
+    def set_shard(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        shard, shards = self.rank * workers + worker, self.world_size * workers
+        order = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        for k in order[shard::shards].tolist():
+            yield self.data[k]
+
+
+@register_task("regression")
+class RegressionTask(Task):
+    config_cls = RegressionConfig
+    presets = {
+        "tiny": {"task": {"num_train": 256, "num_eval": 50, "hidden": 32},
+                 "train": {"max_steps": 20, "per_device_batch_size": 8}},
+    }
+    unit = "samples"
+    metrics = ("loss", "mae", "num_samples", "num_unique")
+
+    def build_model(self, stats: dict) -> nn.Module:
+        c = self.cfg
+        return build_mlp(c.in_dim, c.hidden, c.out_dim, c.depth, c.dropout)
+
+    def build_data(self) -> TaskData:
+        c = self.cfg
+        train = SyntheticRegression(c, c.num_train, 0)
+        return TaskData(train=StreamedRegression(train, self.seed) if c.streaming else train,
+                        eval=SyntheticRegression(c, c.num_eval, 1))
+
+    def loss(self, model: nn.Module, batch: dict) -> LossOutput:
+        if self.cfg.delay_s:
+            time.sleep(self.cfg.delay_s)
+        x = batch["x"]
+        if self.cfg.nan_sample >= 0:  # a corrupt input row: NaN loss and NaN gradients, as in real life
+            x = torch.where((batch["index"] == self.cfg.nan_sample)[:, None], float("nan"), x)
+        err = model(x).float() - batch["y"]
+        return LossOutput(loss=err.pow(2).mean())
+
+    def eval_step(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+        err = model(batch["x"]).float() - batch["y"]
+        return {"loss": err.pow(2).mean(dim=1), "mae": err.abs().mean(dim=1), "index": batch["index"]}
+
+    def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {"loss": float(values["loss"].double().mean()), "mae": float(values["mae"].double().mean()),
+                "num_samples": float(len(values["loss"])),
+                "num_unique": float(values["index"].unique().numel())}

@@ -1,1 +1,0 @@
-"""Model definitions (single-device; no distributed code)."""

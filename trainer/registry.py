@@ -1,0 +1,81 @@
+"""Task registry: tasks are looked up by name; a miss lists the available names.
+
+Families register their tasks with `@register_task(name)` when their package is imported. The
+registry imports a family only when one of its task names is asked for, found through the entry-point
+group `trainer.tasks` (`task name = package`; ours are declared in setup.cfg, and a third-party
+package adds a family the same way, with no edit here). Without package metadata (a source tree on
+`sys.path`) the packages under `trainer/families/` are imported as a fallback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata
+import pkgutil
+from typing import TYPE_CHECKING, Callable
+
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.task import Task
+
+ENTRY_POINT_GROUP = "trainer.tasks"
+
+_REGISTRY: dict[str, type[Task]] = {}
+
+
+def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
+    """Class decorator registering a Task subclass under `name` (it must define a `tiny` preset)."""
+
+    def wrap(cls: type[Task]) -> type[Task]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"task '{name}' is already registered by {_REGISTRY[name].__module__}")
+        if "tiny" not in cls.presets:
+            raise ValueError(f"task '{name}' must define a 'tiny' preset")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _import_builtin_families() -> None:
+    import trainer.families as families
+
+    for info in pkgutil.iter_modules(families.__path__, families.__name__ + "."):
+        if info.ispkg:
+            importlib.import_module(info.name)
+
+
+def _load(name: str) -> None:
+    """Import whatever registers `name`: its entry point, else every built-in family."""
+    ep = _entry_points().get(name)
+    if ep is not None:
+        ep.load()
+    if name not in _REGISTRY:
+        _import_builtin_families()
+
+
+def available_tasks() -> list[str]:
+    """Every task name this installation knows (imports the families to read their specs)."""
+    for ep in _entry_points().values():
+        ep.load()
+    _import_builtin_families()
+    return sorted(_REGISTRY)
+
+
+def get_task(name: str) -> type[Task]:
+    """The Task class registered as `name`; a miss is a ConfigError listing the available names."""
+    if name not in _REGISTRY:
+        _load(name)
+    if name not in _REGISTRY:
+        names = available_tasks()
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"unknown task '{name}'; available tasks: {', '.join(names)}.{hint}")
+    return _REGISTRY[name]

@@ -1,0 +1,197 @@
+"""The task contract: what a model family gives the Trainer.
+
+A task is a small spec registered by name (`trainer.registry`). It builds its data (`build_data`)
+and then a single-device model from the statistics of that data (`build_model(stats)`), collates
+samples, computes the loss of a micro-batch and per-sample eval values, and names a `tiny` preset.
+Nothing here knows about processes, devices or sharding: the core does that, and it hands every
+hook the unwrapped model (a task never walks `.module`).
+
+Order of calls the core guarantees: `build_data()` first; then `attach_stats(data.stats)`; then
+`build_model(data.stats)`. Sampling and export skip `build_data`: they read the statistics back from
+the run artifact `task_stats.json` and call `attach_stats` and `build_model` with them. So nothing a
+later call needs is left behind as a side effect of another call.
+
+Optional capabilities are `typing.Protocol`s checked with `isinstance`, never `hasattr`:
+`GenerativeTask` (has a `SampleConfig` and `generate`/`write_samples`), `EpochAwareDataset`
+(a map-style dataset whose item depends on the epoch), `ShardedStream` (an IterableDataset that
+shards itself over ranks) and `EpochAwareStream`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # torch is imported where it is used: `trainer tasks` and config-help stay fast
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+
+
+@dataclass
+class TaskConfig:
+    name: str = "regression"
+    """Registered task name (`trainer tasks` lists them)."""
+    preset: str = ""
+    """Named preset of the task (e.g. `tiny`) applied under the YAML and CLI values."""
+
+
+@dataclass
+class SampleConfig:
+    """Options of `trainer sample RUN_DIR key=value ...` shared by every generative task.
+
+    A generative task subclasses this with its own options; the same override machinery as training
+    parses them (defaults, types, "did you mean" errors).
+    """
+
+    num_samples: int = 16
+    """Samples to draw, split over the ranks with exact counts."""
+    out: str = ""
+    """Output file or folder (empty: a default under RUN_DIR/samples)."""
+    seed: int = 0
+    """Sample k draws all its randomness from a generator seeded by (seed, k): same samples at any world size."""
+    batch_size: int = 16
+    """Samples generated together per rank."""
+    checkpoint: str = "latest"
+    """`latest`, `best` or a checkpoint directory."""
+    weights: str = "auto"
+    """`auto` (EMA weights when the run kept an EMA), `ema` or `model`."""
+
+
+@dataclass
+class LossOutput:
+    """Loss of one micro-batch: the mean over its units (samples, tokens, atoms), plus scalar logs.
+
+    The units themselves come from `Task.batch_weight`, which the Trainer calls before the forward
+    pass: the normalisation over all micro-batches and ranks must be known before backward (DeepSpeed
+    steps inside it).
+    """
+
+    loss: torch.Tensor
+    logs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class TaskData:
+    """What `Task.build_data` returns."""
+
+    train: Dataset
+    """Training set: map-style (the core shards and shuffles it) or a `ShardedStream`."""
+    eval: Dataset | None = None
+    """Validation set (map-style), evaluated every eval.every_steps and at the end."""
+    test: Dataset | None = None
+    """Held-out test set (map-style), evaluated once at the end of a completed run."""
+    stats: dict[str, Any] = field(default_factory=dict)
+    """JSON-able statistics of the training data that `build_model`, eval or a sampler needs (target
+    mean and std, length histogram, ...); saved as the run artifact `task_stats.json`."""
+
+
+class Task:
+    """Base class of task specs. Subclasses set `config_cls`, `presets` and implement the hooks."""
+
+    name: ClassVar[str] = ""
+    config_cls: ClassVar[type[TaskConfig]] = TaskConfig
+    presets: ClassVar[dict[str, dict]] = {"tiny": {}}
+    unit: ClassVar[str] = "samples"
+    """Name of the unit `batch_weight` counts (samples, tokens, atoms, graphs) for throughput logs."""
+    metrics: ClassVar[tuple[str, ...]] = ("loss",)
+    """Names of the metrics `reduce_metrics` returns (eval.metric must be one of them)."""
+    sample_config_cls: ClassVar[type[SampleConfig]] = SampleConfig
+    """Options of `trainer sample` for a `GenerativeTask` (a subclass of SampleConfig)."""
+
+    def __init__(self, cfg: TaskConfig, seed: int = 0):
+        self.cfg = cfg
+        self.seed = seed
+        self.stats: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ data and model
+    def build_data(self) -> TaskData:
+        """Datasets and the statistics of the training data."""
+        raise NotImplementedError
+
+    def attach_stats(self, stats: Mapping[str, Any]) -> None:
+        """Called by the core with the statistics of `build_data` (or of the run artifact) before any
+        other hook that may need them (eval, sampling)."""
+        self.stats = dict(stats)
+
+    def build_model(self, stats: Mapping[str, Any]) -> nn.Module:
+        """A single-device model; `stats` are those of `build_data` (e.g. target mean and std)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ batches
+    def collate(self, samples: list[Any]) -> Any:
+        from torch.utils.data import default_collate
+
+        return default_collate(samples)
+
+    def batch_size(self, batch: Any) -> int:
+        """Number of samples in a collated batch (for samples/s)."""
+        first = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values()))
+        return int(first.shape[0])
+
+    def unit_sizes(self, dataset: Dataset) -> Any:
+        """Units (`unit`) of each training sample, for data.batching=balanced|budget; None: not supported."""
+        return None
+
+    def batch_weight(self, batch: Any) -> torch.Tensor | float:
+        """Units in a micro-batch; the loss of an optimizer step is their weighted mean."""
+        return float(self.batch_size(batch))
+
+    # ------------------------------------------------------------------ loss and metrics
+    def loss(self, model: nn.Module, batch: Any) -> LossOutput:
+        raise NotImplementedError
+
+    def eval_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        """Per-sample values (each shaped [batch]) that `reduce_metrics` turns into metrics."""
+        raise NotImplementedError
+
+    def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Metrics over the whole eval set; `values` holds each sample exactly once."""
+        return {k: float(v.double().mean()) for k, v in values.items()}
+
+    def write_report(self, values: dict[str, torch.Tensor], metrics: dict[str, float], directory: Path) -> None:
+        """Main process, after the test evaluation: every per-sample value once (e.g. for a parity plot)."""
+
+    # ------------------------------------------------------------------ artifacts
+    def save_artifacts(self, directory: Path) -> list[str]:
+        """Write what a checkpoint or export needs besides weights, config and `task_stats.json` (e.g. a
+        tokenizer); return the names written (files or folders in `directory`). The core lists them in
+        the checkpoint manifest and export copies exactly those."""
+        return []
+
+
+@runtime_checkable
+class GenerativeTask(Protocol):
+    """A task that can draw samples (`trainer sample`); its options are its `sample_config_cls`."""
+
+    def generate(self, model: nn.Module, generators: list[torch.Generator], options: Any) -> list[Any]:
+        """One sample per generator; all randomness of sample k comes from generators[k]."""
+
+    def write_samples(self, samples: list[Any], options: Any, out: Path) -> dict[str, Any]:
+        """Main process: write all samples (in order) under `out`; return their statistics."""
+
+
+@runtime_checkable
+class EpochAwareDataset(Protocol):
+    """A map-style dataset whose item depends on the epoch (e.g. a random crop drawn from (seed, epoch, index))."""
+
+    def __len__(self) -> int: ...
+
+    def get_item(self, index: int, epoch: int) -> Any: ...
+
+
+@runtime_checkable
+class ShardedStream(Protocol):
+    """An IterableDataset that shards itself over ranks (and its dataloader workers)."""
+
+    def set_shard(self, rank: int, world_size: int) -> None: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+@runtime_checkable
+class EpochAwareStream(Protocol):
+    """A stream with a different order each epoch."""
+
+    def set_epoch(self, epoch: int) -> None: ...
