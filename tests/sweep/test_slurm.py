@@ -9,14 +9,25 @@ import random
 import signal
 import socket
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
 from conftest import BIN, ROOT, TINY, child_env, read_jsonl
-from test_resume import wait_for
 from trainer.core.checkpoint import latest_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float) -> None:
+    # Local rather than imported from tests/core: `pytest tests/sweep` alone must collect.
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended early with {proc.returncode}: {proc.stdout.read()[-3000:]}")
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def job_id_with_free_port() -> int:
@@ -34,7 +45,7 @@ def job_id_with_free_port() -> int:
 
 def sbatch_env(tmp_path, run_dir):
     env = child_env()
-    env.update(PATH=f"{ROOT / 'tests' / 'fake_slurm'}:{BIN}:{env['PATH']}", SLURM_JOB_NAME="t",
+    env.update(PATH=f"{Path(__file__).parent / 'fake_slurm'}:{BIN}:{env['PATH']}", SLURM_JOB_NAME="t",
                SLURM_JOB_ID=str(job_id_with_free_port()), SLURM_NNODES="2",
                SLURM_GPUS_ON_NODE="1", SLURM_JOB_NODELIST="node[1-2]", RUN_DIR=str(run_dir),
                FAKE_SLURM_REQUEUE=str(tmp_path / "requeued"))

@@ -1,5 +1,5 @@
 """trainer run-experiments: grid expansion, the slot queue, failure isolation, timeouts, resume,
-Ctrl-C, the real trainer as an experiment, and the SLURM path through submitit."""
+Ctrl-C, cleanup of setsid descendants, the real trainer as an experiment, and the SLURM path through submitit."""
 
 from __future__ import annotations
 
@@ -257,6 +257,38 @@ def test_ctrl_c_stops_every_process_and_records_interrupted(tmp_path, job):
             runner.wait()
         for pid in pids:
             if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_cleanup_reaches_setsid_descendants_and_records_them(tmp_path):
+    # "hangs": one setsid child stays in the tree, one double-forks out of it at once; both would outlive
+    # their shell. "leaves": exits 0 and leaves a setsid daemon behind. Each grandchild writes its pid
+    # after setsid, and the shells wait for that, so the runner meets them outside the process group.
+    grandchild = "setsid bash -c 'echo $$ > {out_dir}/%s.pid; exec sleep %d'"
+    ready = "until [ -s {out_dir}/%s.pid ]; do sleep 0.05; done; "
+    hangs = (f"{grandchild % ('child', 300)} & ({grandchild % ('escaped', 301)} &); "
+             f"{ready % 'child'}{ready % 'escaped'}wait")
+    leaves = f"({grandchild % ('escaped', 302)} &); {ready % 'escaped'}"
+    spec = {"experiments": [{"name": "hangs", "command": ["bash", "-c", hangs], "timeout": 3},
+                            {"name": "leaves", "command": ["bash", "-c", leaves]}]}
+    out = tmp_path / "out"
+    pid_files = [out / "hangs" / "child.pid", out / "hangs" / "escaped.pid", out / "leaves" / "escaped.pid"]
+    try:
+        status, _ = run_experiments(parse_experiments(spec), out, slots=2, grace=1, stream=None)
+        assert status == 1
+        pids = [int(p.read_text()) for p in pid_files]
+        assert all(gone(pid) for pid in pids), [pid for pid in pids if not gone(pid)]
+        by_name = load_results(out)
+        assert [by_name[n]["status"] for n in ("hangs", "leaves")] == ["timeout", "completed"]
+        killed = {n: {k["pid"]: k for k in by_name[n]["killed_processes"]} for n in ("hangs", "leaves")}
+        for name, pid in (("hangs", pids[0]), ("hangs", pids[1]), ("leaves", pids[2])):
+            assert killed[name][pid]["outside_group"], killed
+        assert "sleep 300" in killed["hangs"][pids[0]]["command"]
+        assert killed["hangs"][by_name["hangs"]["pid"]]["signal"] == "SIGTERM"  # the shell, through its group
+        assert killed["leaves"][pids[2]]["signal"] == "SIGKILL" and str(pids[2]) in by_name["leaves"]["error"]
+    finally:
+        for pid_file in pid_files:
+            if pid_file.is_file() and pid_file.read_text().strip() and not gone(pid := int(pid_file.read_text())):
                 os.kill(pid, signal.SIGKILL)
 
 

@@ -22,6 +22,8 @@ from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin, In
 from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
 from trainer.config import Config, ConfigError
+from trainer.core.run_lock import RunLockedError, acquire_run_lock
+from trainer.core.watchdog import guard_against_orphaning
 
 logger = logging.getLogger("trainer")
 
@@ -97,7 +99,13 @@ def launched_with_deepspeed(deepspeed_config: str | None) -> bool:
 
 
 def build_accelerator(cfg: Config, deepspeed_config: str | None = None) -> Accelerator:
-    """The Accelerator for this launch: DeepSpeed if a json or a DEEPSPEED yaml says so, else DDP/FSDP/single."""
+    """The Accelerator for this launch: DeepSpeed if a json or a DEEPSPEED yaml says so, else DDP/FSDP/single.
+
+    Also the process-level protections every Trainer gets before it builds data and model: a rank
+    started by a launcher dies with it (watchdog.py), and the output directory is claimed (run_lock.py).
+    """
+    # First, so that a rank whose launcher dies while it waits in the rendezvous does not linger either.
+    guard_against_orphaning()
     use_cuda = torch.cuda.is_available()
     if cfg.train.mixed_precision == "fp16" and not use_cuda:
         # accelerate would silently train in fp32: refuse instead.
@@ -128,7 +136,30 @@ def build_accelerator(cfg: Config, deepspeed_config: str | None = None) -> Accel
                            "trains as plain DDP over gloo (same results, no sharding)")
         # A MULTI_GPU (or FSDP) yaml on a machine without GPUs becomes MULTI_CPU over gloo this way.
         kwargs["cpu"] = not use_cuda
-    return Accelerator(**kwargs)
+    accelerator = Accelerator(**kwargs)
+    claim_output_dir(accelerator, cfg.run.output_dir)
+    return accelerator
+
+
+def claim_output_dir(accelerator: Accelerator, output_dir: str | Path) -> None:
+    """The main process takes the run directory's lock (kept until it exits); if a live run holds it,
+    every rank raises the same RunLockedError, so none of them goes on to build data and model."""
+    error, failure = None, None
+    if accelerator.is_main_process:
+        try:
+            acquire_run_lock(output_dir)
+        except (RunLockedError, OSError) as err:  # an unwritable directory must not leave the others waiting
+            error, failure = str(err), err
+    if accelerator.num_processes > 1:
+        import torch.distributed as dist
+
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise RunLockedError(error)
 
 
 def scale_factor(mode: str, world_size: int, base_world_size: int) -> float:

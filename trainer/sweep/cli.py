@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer.sweep.runner import run_experiments
+from trainer.sweep.scheduler import run_experiments
 from trainer.sweep.spec import ExperimentsError, load_experiments
 
 

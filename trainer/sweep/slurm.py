@@ -15,8 +15,11 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
-from trainer.sweep.results import RESULT_FILE, new_record, read_results, write_results
-from trainer.sweep.runner import Scheduler, SlotPool, render_table
+from trainer.sweep.devices import SlotPool
+from trainer.sweep.display import render_table
+from trainer.sweep.record import RunRecord
+from trainer.sweep.results import RESULT_FILE, read_results, write_results
+from trainer.sweep.scheduler import Scheduler
 from trainer.sweep.spec import Experiment, ExperimentsError
 
 SUBMITIT_FOLDER = ".submitit"
@@ -97,7 +100,7 @@ def _task_id() -> str | None:
 
 
 def run_array_task(exp: Experiment, out_dir: str, grace: float = 10.0, resume: bool = False) -> dict[str, Any]:
-    """Body of one array task: run `exp` on the task's devices, write OUT/<name>/result.json, return it."""
+    """Body of one array task: run `exp` on the task's devices, write OUT/<name>/result.json, return it (as a dict)."""
     pool = SlotPool(inherit=True)
     task_id = _task_id()
     extra = {"slurm_job_id": task_id, "host": socket.gethostname()}
@@ -112,7 +115,7 @@ def run_array_task(exp: Experiment, out_dir: str, grace: float = 10.0, resume: b
                           write_summary=False, record_extra=extra)
     if scheduler.pending:
         scheduler.run()
-    return scheduler.records[0]
+    return scheduler.records[0].to_dict()
 
 
 def submit_slurm(experiments: Sequence[Experiment], out_dir: str | Path, executor: Any, *, resume: bool = False,
@@ -125,18 +128,18 @@ def submit_slurm(experiments: Sequence[Experiment], out_dir: str | Path, executo
     records, todo = [], []
     for exp in experiments:
         old = previous.get(exp.name)
-        if old is not None and old.get("status") == "completed":
+        if old is not None and old.status == "completed":
             records.append(old)
         else:
-            records.append(new_record(exp, out_dir))
+            records.append(RunRecord.pending(exp, out_dir))
             todo.append(exp)
     jobs = []
     if todo:
         n = len(todo)
         jobs = executor.map_array(run_array_task, todo, [str(out_dir)] * n, [grace] * n, [resume] * n)
-    by_name = {r["name"]: r for r in records}
+    by_name = {r.name: r for r in records}
     for exp, job in zip(todo, jobs):
-        by_name[exp.name]["slurm_job_id"] = str(job.job_id)
+        by_name[exp.name].slurm_job_id = str(job.job_id)
     array_id = str(jobs[0].job_id).split("_")[0] if jobs else None
     meta = {"experiments_file": experiments_file, "out_dir": str(out_dir), "mode": "slurm",
             "slurm_array_job_id": array_id, "resume": resume}
@@ -158,7 +161,7 @@ def collect_results(experiments: Sequence[Experiment], out_dir: str | Path, expe
     """Merge OUT/<name>/result.json of every experiment into OUT/results.json and OUT/summary.csv."""
     out_dir = Path(out_dir).resolve()
     previous = read_results(out_dir)
-    records = [previous.get(exp.name) or new_record(exp, out_dir) for exp in experiments]
+    records = [previous.get(exp.name) or RunRecord.pending(exp, out_dir) for exp in experiments]
     meta: dict[str, Any] = {}
     results_path = out_dir / "results.json"
     if results_path.is_file():
@@ -169,4 +172,4 @@ def collect_results(experiments: Sequence[Experiment], out_dir: str | Path, expe
     if stream is not None:
         stream.write(render_table(records) + "\n")
         stream.flush()
-    return (0 if all(r["status"] == "completed" for r in records) else 1), records
+    return (0 if all(r.status == "completed" for r in records) else 1), [r.to_dict() for r in records]

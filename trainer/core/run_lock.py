@@ -1,0 +1,203 @@
+"""One live run per output directory: `RunDir(output_dir).lock`, held by the main process until it exits.
+
+Two runs writing the same checkpoints and metrics.jsonl corrupt each other's resume state, so a
+second run on a held directory refuses to start, naming the holder's host and pid. The holder keeps
+an exclusive `flock` on the file for as long as it lives (the kernel drops it when the process dies,
+however it dies) and refreshes the file's mtime every `HEARTBEAT_S`. A lock left behind by a dead
+process is taken over with a warning: on this host when its pid is gone, from another host when its
+heartbeat is older than `STALE_AFTER_S` (file systems do not always share flocks between hosts).
+Within one process the lock is re-entrant; a forked child (a DataLoader worker) drops its copy, so it
+cannot keep the lock of a killed main process alive.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from trainer.errors import TrainerError
+from trainer.rundir import RunDir
+
+logger = logging.getLogger("trainer")
+
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 120.0
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class RunLockedError(TrainerError, RuntimeError):
+    """The output directory belongs to a run that is still alive."""
+
+
+def _this_process() -> dict[str, Any]:
+    me = psutil.Process()
+    return {"host": socket.gethostname(), "pid": os.getpid(), "create_time": me.create_time(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cmdline": " ".join(me.cmdline())[:500]}
+
+
+def _pid_alive(pid: int, create_time: float | None) -> bool:
+    """Whether `pid` on this host is still the process that wrote the lock (not a reused pid)."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return create_time is None or abs(proc.create_time() - create_time) < 1.0
+    except psutil.Error:
+        return False
+
+
+def _read_holder(fd: int) -> dict[str, Any] | None:
+    try:
+        text = os.pread(fd, 65536, 0).decode(errors="replace")
+        holder = json.loads(text) if text.strip() else None
+    except (OSError, json.JSONDecodeError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _describe(holder: dict[str, Any] | None) -> str:
+    if holder is None:
+        return "another process (it has not written its host and pid yet)"
+    return f"pid {holder.get('pid')} on host {holder.get('host')} (started {holder.get('started')})"
+
+
+def _in_use(path: Path, holder: dict[str, Any] | None) -> RunLockedError:
+    return RunLockedError(f"{path.parent} is in use by a live run: {_describe(holder)}. Wait for it to end, "
+                          f"stop it, or give this run another run.output_dir")
+
+
+class RunLock:
+    """An acquired lock on one run directory; `release()` (also at exit) removes it."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path = path
+        self._fd: int | None = fd
+        self._owner = os.getpid()
+        self._stop = threading.Event()
+        threading.Thread(target=self._heartbeat, name="trainer-run-lock-heartbeat", daemon=True).start()
+        atexit.register(self.release)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            fd = self._fd
+            if fd is None:
+                return
+            try:
+                os.utime(fd)
+            except OSError:  # a vanished directory must not kill the run; the next start decides
+                pass
+
+    def release(self) -> None:
+        if os.getpid() != self._owner:  # a forked child exiting through atexit: the lock is its parent's
+            return
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        self._stop.set()
+        try:
+            # Only our own file: after a takeover by force the path may name someone else's lock.
+            if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(fd)  # drops the flock
+        _held.pop(self.path, None)
+
+
+_held: dict[Path, RunLock] = {}
+_held_guard = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """After fork: drop the child's reference to the locked file. A flock belongs to the open file, which
+    fork shares; a forked DataLoader worker outliving a killed main process would hold it otherwise."""
+    for lock in _held.values():
+        if lock._fd is not None:
+            try:
+                os.close(lock._fd)
+            except OSError:
+                pass
+            lock._fd = None
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def release_run_lock(output_dir: str | Path) -> None:
+    """Release this process's lock on `output_dir` now rather than at exit (no-op if not held)."""
+    lock = _held.get(RunDir(output_dir).lock.absolute())
+    if lock is not None:
+        lock.release()
+
+
+def _stale_reason(holder: dict[str, Any] | None, fd: int) -> str | None:
+    """Why a lock whose flock we obtained is stale, or None if its holder may still be alive."""
+    if holder is None:
+        return "it names no process"
+    if holder.get("host") == socket.gethostname():
+        if _pid_alive(int(holder.get("pid", -1)), holder.get("create_time")):
+            return None  # alive, yet no flock held: file systems without flock support
+        return "that process no longer exists"
+    age = time.time() - os.fstat(fd).st_mtime
+    if age > STALE_AFTER_S:
+        return f"its heartbeat stopped {age:.0f}s ago"
+    return None
+
+
+def acquire_run_lock(output_dir: str | Path) -> RunLock:
+    """Take `RunDir(output_dir).lock` for this process, or raise RunLockedError naming the live holder.
+
+    Re-entrant within one process (several Trainers in one interpreter, e.g. a test, share it).
+    """
+    path = RunDir(output_dir).lock.absolute()
+    with _held_guard:
+        if path in _held and _held[path].held:
+            return _held[path]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise _in_use(path, holder) from None
+            except OSError as err:
+                if err.errno not in _NO_FLOCK:
+                    os.close(fd)
+                    raise
+                # No flock on this file system: the pid and heartbeat checks below decide alone.
+            try:
+                same_file = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same_file = False
+            if not same_file:  # the holder released (unlinked) it between our open and flock: start over
+                os.close(fd)
+                continue
+            holder = _read_holder(fd)
+            if os.fstat(fd).st_size:
+                reason = _stale_reason(holder, fd)
+                if reason is None:
+                    os.close(fd)
+                    raise _in_use(path, holder)
+                logger.warning("taking over the lock of %s left by %s: %s", path.parent, _describe(holder), reason)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(_this_process()) + "\n").encode(), 0)
+            lock = _held[path] = RunLock(path, fd)
+            return lock
