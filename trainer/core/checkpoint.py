@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from trainer.atomic_io import atomic_write_text, fsync_dir
 from trainer.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -37,24 +38,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def write_manifest(ckpt_dir: Path, state: dict[str, Any], with_hashes: bool) -> None:
@@ -148,7 +131,7 @@ def finalize(tmp_dir: Path, final_dir: Path, root: Path, best: bool) -> None:
     if final_dir.exists():
         shutil.rmtree(final_dir)
     os.rename(tmp_dir, final_dir)
-    _fsync_dir(root)
+    fsync_dir(root)
     atomic_write_text(root / "latest", final_dir.name + "\n")
     if best:
         atomic_write_text(root / "best", final_dir.name + "\n")

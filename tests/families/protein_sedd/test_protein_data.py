@@ -4,8 +4,13 @@ the character-level tokenizer and its numpy fast path."""
 from __future__ import annotations
 
 import gzip
+import logging
 import os
 import random
+import subprocess
+import sys
+import textwrap
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +18,25 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from trainer.data.splits import in_holdout
 from trainer.families.protein_sedd import fasta
-from trainer.families.protein_sedd.fasta import FastaFormatError, FastaStats, iter_fasta, parse_header, split_of
-from trainer.families.protein_sedd.dataset import build_fasta_dataset, default_protein_fasta, stream_fasta, tokenize_dataset
-from trainer.families.protein_sedd.tokenizer import (AMINO_ACIDS, MASK_ID, PAD_ID, UNK_ID, VOCAB_SIZE, build_protein_tokenizer,
-                                            encode_residues, residue_token_ids)
+from trainer.families.protein_sedd.dataset import (
+    build_fasta_dataset,
+    default_protein_fasta,
+    stream_fasta,
+    tokenize_dataset,
+)
+from trainer.families.protein_sedd.fasta import FastaFormatError, FastaStats, iter_fasta, parse_header
+from trainer.families.protein_sedd.tokenizer import (
+    AMINO_ACIDS,
+    MASK_ID,
+    PAD_ID,
+    UNK_ID,
+    VOCAB_SIZE,
+    build_protein_tokenizer,
+    encode_residues,
+    residue_token_ids,
+)
 
 SAMPLE = default_protein_fasta()
 UNIREF = (">UniRef50_A0A5A9P0L4 Peptidylprolyl isomerase n=1 Tax=Triplophysa tibetana TaxID=1572043 "
@@ -34,6 +53,11 @@ def write(tmp_path: Path, text: str, name: str = "x.fasta", gz: bool = False) ->
 def read_all(path: Path, **kw) -> tuple[list[dict], FastaStats]:
     stats = FastaStats()
     return list(iter_fasta(path, stats=stats, **kw)), stats
+
+
+def split_of(record_id: str, val_fraction: float, salt: str = "") -> str:
+    """The split the reader gives an id: validation is the held-out share of `in_holdout`."""
+    return "validation" if in_holdout([record_id], val_fraction, salt)[0] else "train"
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +151,22 @@ def test_block_parser_equals_reference_parser(tmp_path):
     assert slow[-3000:].mean() < 0.01 and 0.2 < slow[:-3000].mean() < 0.8
 
 
+def test_tab_separated_header_ends_the_id(tmp_path):
+    """`>seq1<TAB>text` (as many tools write it): the id ends at the tab, in both header parsers."""
+    h = parse_header("seq1\tsome description")
+    assert (h["id"], h["description"]) == ("seq1", "some description")
+    uniprot = "sp|P1|N_H\tDesc text OS=Org X OX=7 PE=1 SV=2"
+    recs = read_all(write(tmp_path, f">seq1\tsome description\nMKV\n>{uniprot}\nMK\n"))[0]
+    assert [(r["id"], r["description"]) for r in recs] == [("seq1", "some description"), ("P1", "Desc text")]
+    assert (recs[1]["os"], recs[1]["ox"], recs[1]["sv"]) == ("Org X", 7, 2)
+    # a tab that ends the id keeps a UniProt header on the vectorised path
+    from trainer.families.protein_sedd.fasta import INT_COLUMNS, STRING_COLUMNS
+    from trainer.families.protein_sedd.fasta_headers import parse_header_block
+    buf = np.frombuffer(f"{uniprot}\n".encode(), dtype=np.uint8)
+    cols, slow = parse_header_block(buf, np.array([0]), np.array([len(buf) - 1]), STRING_COLUMNS, INT_COLUMNS)
+    assert not slow[0] and cols["id"][0].as_py() == "P1"
+
+
 def test_other_header():
     h = parse_header("my_protein some free text  ")
     assert (h["id"], h["description"], h["db"], h["n"]) == ("my_protein", "some free text", None, -1)
@@ -192,6 +232,80 @@ def test_truncated_gzip(tmp_path, monkeypatch):
     with pytest.raises(FastaFormatError, match=r"after line \d+ \(last good line \d+, in record 'rec\d+'") as err:
         read_all(path)
     assert "'rec'" not in str(err.value)
+
+
+def test_truncated_gzip_reports_what_was_read(tmp_path, monkeypatch):
+    """The records before the damage are read, and the error counts them and names the last good line
+    (a damaged stream ends inside one read: that read's good data must not be lost)."""
+    rng = random.Random(0)
+    text = "".join(f">rec{k} protein\n{''.join(rng.choices(AMINO_ACIDS, k=50))}\n" for k in range(3000))
+    cut = text.index(">rec1500 protein") + len(">rec1500 protein\n") + 20  # inside rec1500's sequence
+    z = zlib.compressobj(wbits=31)  # a gzip stream that stops right there: no final block, no trailer
+    path = tmp_path / "cut.fa.gz"
+    path.write_bytes(z.compress(text[:cut].encode()) + z.flush(zlib.Z_SYNC_FLUSH))
+    for threaded in (True, False):
+        monkeypatch.setattr(fasta, "DECOMPRESS_IN_THREAD", threaded)
+        read = []
+        with pytest.raises(FastaFormatError) as err:
+            read.extend(r["id"] for r in iter_fasta(path))
+        assert read == [f"rec{k}" for k in range(1500)]
+        assert ("cut.fa.gz: truncated or corrupt gzip stream after line 3001 (last good line 3001, in record "
+                "'rec1500'); the 1500 whole records before the damage were read") in str(err.value)
+
+
+@pytest.mark.parametrize("name,data,reason", [
+    ("empty.fa", b"", r"empty\.fa: no FASTA records: the file is empty"),
+    ("blank.fa", b"\n  \n\t\n", r"blank\.fa:3: no FASTA records: the file holds only 3 blank line"),
+    ("empty.fa.gz", gzip.compress(b""), r"empty\.fa\.gz: no FASTA records: it is empty after gzip decompression"),
+], ids=["empty", "blank-lines", "empty-gz"])
+def test_file_without_records_is_an_error(tmp_path, name, data, reason):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(FastaFormatError, match=reason):
+        read_all(tmp_path / name)
+    with pytest.raises(FastaFormatError, match=reason):  # the cached build fails at once, and cleanly
+        build_fasta_dataset(tmp_path / name, cache_dir=tmp_path / "c")
+    assert not list((tmp_path / "c").rglob("*.tmp")) and not list((tmp_path / "c").rglob("*.arrow"))
+
+
+def test_byte_order_mark_and_cr_only_line_endings(tmp_path):
+    recs = read_all(write(tmp_path, "\ufeff>a desc\nMKV\n", name="bom.fa"))[0]
+    assert [(r["id"], r["sequence"]) for r in recs] == [("a", "MKV")]
+    recs, stats = read_all(write(tmp_path, ">a desc\rMKV\rLL\r\r>b\rAC\r", name="mac.fa"))
+    assert [(r["id"], r["description"], r["sequence"]) for r in recs] == [("a", "desc", "MKVLL"), ("b", None, "AC")]
+    with pytest.raises(FastaFormatError, match=r"mac2\.fa:3: record 'a': illegal character '1'"):
+        read_all(write(tmp_path, ">a\rMK\rM1\r", name="mac2.fa"))
+    (tmp_path / "u16.fa").write_bytes(">a\nMKV\n".encode("utf-16"))
+    with pytest.raises(FastaFormatError, match=r"u16\.fa:1: the file is UTF-16 encoded"):
+        read_all(tmp_path / "u16.fa")
+
+
+def test_duplicate_ids_and_nucleotide_records_are_counted_and_reported(tmp_path, caplog):
+    text = (">a\nMKVLA\n>dna1\nACGTACGTACGTNNACGT\n>a\nMKV\n>rna\nacgu\nacguacgu\n>short\nGATTACA\n"
+            ">a\nMK\n>b\nMKVACGTACGTACGT\n")
+    stats = read_all(write(tmp_path, text))[1]
+    assert (stats.nucleotide_only, stats.duplicate_ids) == (2, 0)  # dna1 and rna; short ones are peptides
+    caplog.set_level(logging.WARNING, logger="trainer.families.protein_sedd.dataset")
+    for _ in range(2):  # a cached load reports the same
+        caplog.clear()
+        _, stats = build_fasta_dataset(tmp_path / "x.fasta", cache_dir=tmp_path / "c", val_fraction=0.0)
+        assert (stats.nucleotide_only, stats.duplicate_ids, stats.kept) == (2, 2, 7)
+        assert "x.fasta: 2 of 7 kept records (10+ residues) hold only the letters A C G T U N" in caplog.text
+        assert "x.fasta: 2 records repeat the id of an earlier record (e.g. 'a')" in caplog.text
+
+
+def test_num_proc_in_a_script_without_main_guard(tmp_path):
+    """Spawned workers run the main script again: an unguarded call must not hang (it used to)."""
+    src = write(tmp_path, "".join(f">r{k}\nMKV{'A' * k}\n" for k in range(20)))
+    script = tmp_path / "ingest.py"
+    script.write_text(textwrap.dedent(f"""
+        from trainer.families.protein_sedd.dataset import build_fasta_dataset
+        ds, stats = build_fasta_dataset({str(src)!r}, cache_dir={str(tmp_path / 'c')!r}, num_proc=2)
+        print("rows", len(ds), stats.kept)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "rows 20 20" in proc.stdout
+    assert f"{script}:3 outside an `if __name__ == '__main__':` block" in proc.stderr
 
 
 def test_plain_and_gz_agree(tmp_path):
@@ -344,6 +458,7 @@ def test_build_raises_format_error(tmp_path):
     path = write(tmp_path, ">a\nMKV\n>b\nMK#\n")
     with pytest.raises(FastaFormatError, match=r"x\.fasta:4: record 'b'"):
         build_fasta_dataset(path, cache_dir=tmp_path / "c")
+    assert not list((tmp_path / "c").rglob("*.tmp"))  # the half-written shard is gone
 
 
 def test_build_multiple_files_num_proc(tmp_path):

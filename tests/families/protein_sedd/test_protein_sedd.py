@@ -4,16 +4,17 @@ exact-once and batch-size invariant, and the task runs under 2-process DDP."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import BIN, ROOT, accelerate_cmd, free_port, read_jsonl, run_cmd
+
 from trainer.config import load_config
 from trainer.core.samplers import EpochIndexed
-from trainer.families.protein_sedd.task import PAD_STATE, NUM_RESIDUES, collate_crops
 from trainer.core.trainer import Trainer
+from trainer.families.protein_sedd.task import NUM_RESIDUES, PAD_STATE, collate_crops
 
 CONFIG = str(ROOT / "configs" / "protein_sedd" / "sedd_tiny.yaml")
 
@@ -34,6 +35,19 @@ def test_tiny_training_lowers_validation_nelbo(tmp_path):
     assert after["num_sequences"] == after["num_unique"] == len(trainer.eval_loader.dataset)
     # The unigram baseline is reported next to the bound (entropy of the residue frequencies).
     assert 15 < after["unigram_perplexity"] < 21
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_no_validation_sequences_trains_without_eval_and_checkpoints(tmp_path, caplog):
+    """val_fraction=0: no eval set; the run completes and checkpoints (it used to fail at the final eval)."""
+    caplog.set_level(logging.INFO, logger="trainer.families.protein_sedd.task")
+    trainer = make(tmp_path, "task.val_fraction=0", "train.max_steps=2", "eval.every_steps=1", "log.every_steps=1",
+                   "ckpt.every_steps=0", "train.per_device_batch_size=4")
+    assert trainer.eval_loader is None
+    assert "no validation sequences (task.val_fraction=0.0): no evaluation" in caplog.text
+    assert trainer.fit() == "completed"
+    assert (tmp_path / "checkpoints" / "step_00000002" / "manifest.json").is_file()
+    assert json.loads((tmp_path / "checkpoints" / "step_00000002" / "task_stats.json").read_text())["length_histogram"]
 
 
 @pytest.mark.usefixtures("fresh_accelerate")
@@ -192,7 +206,8 @@ def test_packing_joins_every_training_sequence_once_with_separators(tmp_path):
 
     from trainer.families.protein_sedd.dataset import build_fasta_dataset, tokenize_dataset
 
-    train, _ = build_fasta_dataset(str(ROOT / "trainer/families/protein_sedd/samples/uniprot_sample_3k.fasta.gz"), split="train",
+    train, _ = build_fasta_dataset(str(ROOT / "trainer/families/protein_sedd/samples/uniprot_sample_3k.fasta.gz"),
+                                   split="train",
                                    cache_dir=str(tmp_path / "cache"), val_fraction=0.05)
     want = Counter(tuple(residue_states(np.asarray(x)).tolist()) for x in tokenize_dataset(train)["input_ids"])
     seps = np.flatnonzero(stream == SEP_STATE)

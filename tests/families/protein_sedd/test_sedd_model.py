@@ -17,7 +17,7 @@ from trainer.families.protein_sedd.sedd import (
     GeometricNoise,
     LogLinearNoise,
     UniformGraph,
-    build_graph,
+    build_diffusion_graph,
     build_noise,
     sample,
     sample_one_per_generator,
@@ -107,7 +107,8 @@ def test_sample_transition_marginals(name, graph):
         assert torch.allclose(freq, expected, atol=0.02), (freq, expected)
 
 
-@pytest.mark.parametrize("noise", [LogLinearNoise(), LogLinearNoise(eps=1e-2), GeometricNoise(), GeometricNoise(1e-4, 20.0)])
+@pytest.mark.parametrize("noise", [LogLinearNoise(), LogLinearNoise(eps=1e-2), GeometricNoise(),
+                                   GeometricNoise(1e-4, 20.0)])
 def test_noise_rate_is_derivative_of_total(noise):
     t = torch.linspace(0.01, 0.99, 25, dtype=torch.float64)
     h = 1e-6
@@ -120,10 +121,11 @@ def test_noise_rate_is_derivative_of_total(noise):
 def test_builders():
     assert isinstance(build_noise("loglinear"), LogLinearNoise)
     assert isinstance(build_noise("geometric", sigma_min=1e-4, sigma_max=20), GeometricNoise)
-    assert isinstance(build_graph("absorb", 5), AbsorbingGraph) and build_graph("absorb", 5).dim == 5
-    assert isinstance(build_graph("uniform", 5), UniformGraph)
+    absorbing = build_diffusion_graph("absorb", 5)
+    assert isinstance(absorbing, AbsorbingGraph) and absorbing.dim == 5
+    assert isinstance(build_diffusion_graph("uniform", 5), UniformGraph)
     with pytest.raises(ValueError):
-        build_graph("nope", 3)
+        build_diffusion_graph("nope", 3)
     with pytest.raises(ValueError):
         build_noise("nope")
 
@@ -272,7 +274,7 @@ def test_ddit_config_errors_and_flops():
 @pytest.mark.parametrize("name", ["absorb", "uniform"])
 def test_sampler_shape_allowed_and_reproducible(name, predictor):
     dim = 5
-    graph = build_graph(name, dim)
+    graph = build_diffusion_graph(name, dim)
     noise = LogLinearNoise() if name == "absorb" else GeometricNoise(1e-3, 5.0)
     torch.manual_seed(0)
     model = randomize(tiny_model(dim, absorbing=name == "absorb"), std=0.3)
@@ -373,7 +375,7 @@ class OracleScore(torch.nn.Module):
 def test_exact_score_gives_true_nll_and_valid_samples(name, dim, noise, steps):
     """With the exact score the NELBO is tight: it must equal -log p(x0) / L = log(3) / 8, and the
     samplers must reproduce the data distribution."""
-    graph = build_graph(name, dim)
+    graph = build_diffusion_graph(name, dim)
     oracle = OracleScore(graph)
     g = torch.Generator().manual_seed(0)
     x0 = TOY[torch.randint(0, 3, (4000,), generator=g)]

@@ -1,33 +1,44 @@
 """Protein datasets from FASTA files: cached Arrow builds, a sharded stream, tokenization.
 
 `build_fasta_dataset` parses and tokenizes once per (file content, settings) into a fingerprinted
-Arrow cache (the reader's Arrow tables written with `datasets`' ArrowWriter, loaded memory-mapped);
-the reader's `FastaStats` are stored as a JSON sidecar per file so that a cached load reports the
-same counts. `stream_fasta` reads with bounded memory and gives each record to exactly one (rank,
+Arrow cache (`trainer.data.arrow_cache`: shards written under temp names and renamed, loaded
+memory-mapped); the reader's `FastaStats` are stored as a JSON sidecar per (file, shard) so that a
+cached load reports the same counts, and the build warns about duplicate ids and nucleotide-only
+records. `stream_fasta` reads with bounded memory and gives each record to exactly one (rank,
 dataloader worker). Ranks are passed in: nothing here touches `torch.distributed`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import multiprocessing
-import os
+import ast
+import logging
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import datasets
 import numpy as np
 import pyarrow as pa
-from datasets.arrow_writer import ArrowWriter
+import pyarrow.compute as pc
 from torch.utils.data import IterableDataset, get_worker_info
 
-from trainer.families.protein_sedd.fasta import FASTA_COLUMNS, FASTA_SCHEMA, FastaStats, iter_fasta, iter_fasta_tables
+from trainer.data import arrow_cache
+from trainer.families.protein_sedd.fasta import (
+    FASTA_COLUMNS,
+    FASTA_SCHEMA,
+    FastaFormatError,
+    FastaStats,
+    iter_fasta,
+    iter_fasta_tables,
+)
 from trainer.families.protein_sedd.tokenizer import _TABLE, encode_residues
 
-FORMAT_VERSION = "fasta-v3"
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = "fasta-v4"
 """Bump when the reader's output changes, so that old caches are not reused."""
-TOKENIZE_VERSION = "protein-tok-v1"
 
 FASTA_FEATURES = datasets.Features.from_arrow_schema(FASTA_SCHEMA)
 assert list(FASTA_FEATURES) == list(FASTA_COLUMNS)
@@ -35,6 +46,8 @@ CACHE_FEATURES = datasets.Features({**FASTA_FEATURES, "input_ids": datasets.List
 """The cached dataset: the reader's columns plus `input_ids`, tokenized in the same pass."""
 
 SAMPLE_FASTA = "uniprot_sample_3k.fasta.gz"
+_READER_SETTINGS = ("min_length", "max_length", "nonstandard", "val_fraction", "salt")
+_DUPLICATE_EXAMPLES = 3
 
 
 def default_protein_fasta() -> Path:
@@ -48,108 +61,173 @@ def _as_paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
     return [Path(p) for p in paths]
 
 
-def _digest(obj: Any) -> str:
-    return hashlib.blake2b(json.dumps(obj, sort_keys=True).encode(), digest_size=16).hexdigest()
+def _reader_kwargs(settings: dict[str, Any]) -> dict[str, Any]:
+    return {k: settings[k] for k in _READER_SETTINGS}
 
 
-def _file_entry(path: Path, settings: dict[str, Any]) -> dict[str, Any]:
-    """What identifies one file's parse: its absolute path, size and mtime, plus the settings."""
-    path = path.resolve()
-    st = path.stat()
-    entry = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    entry["key"] = _digest({**entry, **settings})
-    return entry
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
-def _write_shard(entry: dict[str, Any], settings: dict[str, Any], out_path: str, stats_dir: str) -> None:
-    """Parse one (file, shard) into an Arrow cache file (temp name + rename) and its stats sidecar."""
-    reader_kwargs = {k: settings[k] for k in ("min_length", "max_length", "nonstandard", "val_fraction", "salt")}
+def _write_shard(entry: dict[str, Any], settings: dict[str, Any], tmp_path: str) -> dict[str, int]:
+    """Parse one (file, shard) into the Arrow file `tmp_path` (renamed by `build_shards`); its stats."""
     stats = FastaStats()
-    tmp = f"{out_path}.{os.getpid()}.tmp"
-    with ArrowWriter(features=CACHE_FEATURES, path=tmp) as writer:
-        for table in iter_fasta_tables(entry["path"], stats=stats, shard=tuple(entry["shard"]), **reader_kwargs):
+    with arrow_cache.arrow_writer(CACHE_FEATURES, tmp_path) as writer:
+        for table in iter_fasta_tables(entry["path"], stats=stats, shard=tuple(entry["shard"]),
+                                       **_reader_kwargs(settings)):
             writer.write_table(_encode_batch(table))
         writer.finalize()
-    os.replace(tmp, out_path)
-    _write_json_atomic(Path(stats_dir) / f"{entry['stats_key']}.json", {"file": entry, "stats": stats.to_dict()})
-
-
-def _write_shard_star(args: tuple) -> None:
-    _write_shard(*args)
+    return stats.to_dict()
 
 
 def _in_split(splits: list[str], name: str) -> list[bool]:
     return [s == name for s in splits]
 
 
+def select_split(ds: datasets.Dataset, split: str) -> datasets.Dataset:
+    """The "train" or "validation" rows of a dataset with a `split` column (a cached selection)."""
+    if split not in ("train", "validation"):
+        raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+    return ds.filter(_in_split, input_columns="split", batched=True, fn_kwargs={"name": split})
+
+
+def _is_main_guard(test: ast.expr) -> bool:
+    """Whether an `if` test is `__name__ == "__main__"` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = {type(n).__name__: n for n in (test.left, test.comparators[0])}
+    name, const = sides.get("Name"), sides.get("Constant")
+    return name is not None and const is not None and name.id == "__name__" and const.value == "__main__"
+
+
+def _unguarded_main_call() -> tuple[str, int] | None:
+    """(script, line) when we were called from the top level of the main script outside an
+    `if __name__ == "__main__":` block, else None.
+
+    A spawned worker process starts by running the main script again (as `__mp_main__`, so guarded
+    code is skipped): an unguarded call would start workers of its own in every worker, which
+    multiprocessing refuses, and a Pool keeps replacing the workers that die of it: a hang.
+    """
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if script is None or (spec_name or "").endswith("__main__"):
+        return None  # `python -c`, a REPL or a package's __main__.py: spawn does not run it again
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    line = frame.f_lineno
+    try:
+        tree = ast.parse(Path(script).read_text())
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None  # cannot tell: keep the parallel build
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_guard(node.test) and \
+                node.body[0].lineno <= line <= (node.body[-1].end_lineno or line):
+            return None
+    return script, line
+
+
 def build_fasta_dataset(paths: str | Path | Iterable[str | Path], *, cache_dir: str | Path | None = None,
                         split: str | None = None, val_fraction: float = 0.02, min_length: int = 0,
                         max_length: int = 0, nonstandard: str = "keep", salt: str = "",
                         num_proc: int | None = None) -> tuple[datasets.Dataset, FastaStats]:
-    """Parse FASTA files into a cached Arrow dataset with the `FASTA_COLUMNS` schema.
+    """Parse FASTA files (a folder: every file in it) into a cached Arrow dataset with the
+    `FASTA_COLUMNS` schema plus `input_ids`.
 
     The cache key covers every file's absolute path, size and mtime and all settings, so a changed
     file or setting re-parses and anything else is a cache hit. `split` selects "train" or
-    "validation" (by `split_of` on the id); None returns all records with their `split` column. The
-    stats always describe the whole parse (all splits) and are the same for cached loads.
-    `num_proc` > 1 parses in that many processes; each scans every file but decodes only records
-    k with k mod num_proc = its index, so one big file (UniRef50) parallelises too. Row order then
-    depends on num_proc, which is therefore part of the cache key.
+    "validation" (`select_split`); None returns all records with their `split` column. The stats
+    always describe the whole parse (all splits, `duplicate_ids` over all files) and are the same
+    for cached loads; duplicate ids and nucleotide-only records are logged as warnings.
+    `num_proc` > 1 parses in that many spawned processes; each scans every file but decodes only
+    records k with k mod num_proc = its index, so one big file (UniRef50) parallelises too. Row
+    order then depends on num_proc, which is therefore part of the cache key. Called from the top
+    level of a script without an `if __name__ == "__main__":` guard, the same shards are parsed in
+    this process instead (spawned workers would run the script again), with a warning.
     """
     if split not in (None, "train", "validation"):
         raise ValueError(f"split must be None, 'train' or 'validation', got {split!r}")
     files_in = _as_paths(paths)
     if not files_in:
         raise ValueError("no FASTA files given")
+    for path in files_in:
+        if not path.exists():
+            raise FastaFormatError(f"{path}: no such FASTA file or folder")
     settings = {"version": FORMAT_VERSION, "val_fraction": float(val_fraction), "min_length": int(min_length),
                 "max_length": int(max_length), "nonstandard": nonstandard, "salt": salt}
-    files = [_file_entry(p, settings) for p in files_in]
+    files = [entry for path in files_in for entry in arrow_cache.file_entries(path)]
+    for entry in files:
+        entry["key"] = arrow_cache.digest({**entry, **settings})
     n_shards = max(1, num_proc or 1)
     shards = [{**f, "shard": [i, n_shards], "stats_key": f"{f['key']}-{i}of{n_shards}"}
               for f in files for i in range(n_shards)]
-    root = Path(cache_dir) if cache_dir is not None else Path(datasets.config.HF_DATASETS_CACHE)
-    stats_dir = root / "fasta_stats"
-    fingerprint = _digest([f["key"] for f in files] + [n_shards])
-    arrow_dir = root / "fasta_arrow"
-    arrow_dir.mkdir(parents=True, exist_ok=True)
-    outputs = [str(arrow_dir / f"{fingerprint}-{i:05d}.arrow") for i in range(len(shards))]
-    todo = [(entry, settings, out, str(stats_dir)) for entry, out in zip(shards, outputs) if not Path(out).exists()]
-    if len(todo) > 1 and n_shards > 1:
-        # spawn, not fork: forking a process that runs threads (TensorBoard's writer, tqdm's monitor,
-        # the gzip reader) can leave a child waiting forever on a lock held at the fork
-        with multiprocessing.get_context("spawn").Pool(min(n_shards, len(todo))) as pool:
-            pool.map(_write_shard_star, todo)
-    else:
-        for job in todo:
-            _write_shard(*job)
-    parts = [datasets.Dataset.from_file(out) for out in outputs]
-    ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-    ds._fingerprint = fingerprint  # content-addressed: derived datasets (split, tokens) cache under it
-    stats = FastaStats()
+    arrow_dir = arrow_cache.cache_root(cache_dir, "fasta_arrow")
+    stats_dir = arrow_cache.cache_root(cache_dir, "fasta_stats")
+    fingerprint = arrow_cache.digest([f["key"] for f in files] + [n_shards])
+    outputs = [arrow_dir / f"{fingerprint}-{i:05d}.arrow" for i in range(len(shards))]
+    todo = [(entry, out) for entry, out in zip(shards, outputs) if not out.exists()]
+    workers = n_shards
+    if workers > 1 and len(todo) > 1:
+        caller = _unguarded_main_call()
+        if caller is not None:
+            workers = 1
+            logger.warning("build_fasta_dataset(num_proc=%d) is called at %s:%d outside an `if __name__ == "
+                           "'__main__':` block: spawned workers would run the script again, so its %d shards are "
+                           "parsed in this process; put the call under that guard to parse in parallel",
+                           n_shards, *caller, len(todo))
+    results = arrow_cache.build_shards([(_write_shard, (entry, settings), out) for entry, out in todo], workers)
+    for (entry, _), result in zip(todo, results):
+        arrow_cache.write_meta(stats_dir / f"{entry['stats_key']}.json", {"file": entry, "stats": result})
+    ds = arrow_cache.load_arrow(outputs, fingerprint)
+
+    by_file: dict[str, FastaStats] = defaultdict(FastaStats)
     for entry in shards:
         sidecar = stats_dir / f"{entry['stats_key']}.json"
-        if sidecar.exists():
-            stats += FastaStats.from_dict(json.loads(sidecar.read_text())["stats"])
-        else:
-            # The Arrow cache outlived its sidecar: recount rather than report wrong numbers.
-            file_stats = FastaStats()
-            for _ in iter_fasta_tables(entry["path"], stats=file_stats, shard=tuple(entry["shard"]), **{
-                    k: settings[k] for k in ("min_length", "max_length", "nonstandard", "val_fraction", "salt")}):
+        meta = arrow_cache.read_meta(sidecar)
+        if meta is not None and "stats" in meta:
+            shard_stats = FastaStats.from_dict(meta["stats"])
+        else:  # the Arrow cache outlived its sidecar: recount rather than report wrong numbers
+            shard_stats = FastaStats()
+            for _ in iter_fasta_tables(entry["path"], stats=shard_stats, shard=tuple(entry["shard"]),
+                                       **_reader_kwargs(settings)):
                 pass
-            _write_json_atomic(sidecar, {"file": entry, "stats": file_stats.to_dict()})
-            stats += file_stats
-    stats.files = len(files)  # each shard counted its file once
+            arrow_cache.write_meta(sidecar, {"file": entry, "stats": shard_stats.to_dict()})
+        by_file[entry["path"]] += shard_stats
+    stats = FastaStats()
+    for file_stats in by_file.values():
+        file_stats.files = 1  # each shard counted its file once
+        stats += file_stats
+    duplicates, examples = _duplicate_ids(ds, stats_dir / f"{fingerprint}.json")
+    stats.duplicate_ids = duplicates
+    _warn(by_file, duplicates, examples)
     if split is not None:
-        ds = ds.filter(_in_split, input_columns="split", batched=True, fn_kwargs={"name": split},
-                       new_fingerprint=_digest([fingerprint, "split", split]))
+        ds = select_split(ds, split)
     return ds, stats
+
+
+def _duplicate_ids(ds: datasets.Dataset, sidecar: Path) -> tuple[int, list[str]]:
+    """(records whose id an earlier record had, a few such ids), over the whole build; kept in `sidecar`."""
+    meta = arrow_cache.read_meta(sidecar)
+    if meta is None or "duplicate_ids" not in meta:
+        ids = arrow_cache.selected_column(ds, "id")
+        counts = pc.value_counts(ids)
+        repeated = counts.filter(pc.greater(counts.field("counts"), 1))
+        meta = {"duplicate_ids": len(ids) - len(counts),
+                "examples": repeated.field("values")[:_DUPLICATE_EXAMPLES].to_pylist()}
+        arrow_cache.write_meta(sidecar, meta)
+    return int(meta["duplicate_ids"]), list(meta["examples"])
+
+
+def _warn(by_file: dict[str, FastaStats], duplicates: int, examples: list[str]) -> None:
+    """Warnings for input that is legal but probably not what was meant (counted, never silent)."""
+    for path, st in by_file.items():
+        if st.nucleotide_only:
+            logger.warning("%s: %d of %d kept records (10+ residues) hold only the letters A C G T U N: DNA or RNA "
+                           "rather than protein? They are kept and read as amino acids", path, st.nucleotide_only,
+                           st.kept)
+    if duplicates:
+        where = next(iter(by_file)) if len(by_file) == 1 else f"{len(by_file)} files"
+        logger.warning("%s: %d records repeat the id of an earlier record (e.g. %s); they are kept, and records "
+                       "with the same id fall in the same split", where, duplicates, ", ".join(map(repr, examples)))
 
 
 _TOKEN_TABLE = _TABLE.tobytes()
@@ -179,8 +257,9 @@ def tokenize_dataset(ds: datasets.Dataset, num_proc: int | None = None, batch_si
         return ds
     features = ds.features.copy()
     features["input_ids"] = datasets.List(datasets.Value("int8"))
+    # the fingerprint (hence the cache file) is datasets' own: ds's fingerprint plus this call's arguments
     out = ds.with_format("arrow").map(_encode_batch, batched=True, batch_size=batch_size, features=features,
-                                      num_proc=num_proc, new_fingerprint=_digest([ds._fingerprint, TOKENIZE_VERSION]))
+                                      num_proc=num_proc)
     return out.with_format(ds.format["type"], **ds.format["format_kwargs"])
 
 

@@ -9,7 +9,8 @@ The model is single-device; distributed wrapping belongs to the trainer.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -144,7 +145,7 @@ class DDiTBlock(nn.Module):
         x: torch.Tensor,
         rotary_cos_sin: tuple[torch.Tensor, torch.Tensor],
         c: torch.Tensor,
-        attn_mask: Optional[torch.Tensor] = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [B, L, D], c [B, cond_dim], attn_mask bool [B, 1, 1, L] (True = may be attended to)."""
         b, s, d = x.shape
@@ -221,13 +222,13 @@ class DDiT(nn.Module):
         self.output_layer = DDitFinalLayer(hidden_size, vocab_size, cond_dim)
 
     @classmethod
-    def from_preset(cls, name: str, vocab_size: int, **overrides: Any) -> "DDiT":
+    def from_preset(cls, name: str, vocab_size: int, **overrides: Any) -> DDiT:
         """Build from ``DDIT_PRESETS[name]`` with keyword overrides (e.g. dropout, absorbing)."""
         cfg = {**DDIT_PRESETS[name], **overrides}
         return cls(vocab_size=vocab_size, **cfg)
 
     def forward(
-        self, indices: torch.Tensor, sigma: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+        self, indices: torch.Tensor, sigma: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """indices [B, L] long, sigma [B] (or scalar / [B, 1]) total noise, attention_mask [B, L]
         (nonzero/True = real token; padded keys are not attended to). Returns log-score [B, L, V]."""
@@ -260,7 +261,7 @@ class DDiT(nn.Module):
         return torch.scatter(x, -1, indices[..., None], torch.zeros_like(x[..., :1]))
 
 
-def count_flops_per_token(model_cfg: Mapping[str, Any], seq_len: int, vocab_size: Optional[int] = None) -> float:
+def count_flops_per_token(model_cfg: Mapping[str, Any], seq_len: int, vocab_size: int | None = None) -> float:
     """Approximate training (forward + backward) FLOPs per token of a DDiT.
 
     ``6 * N`` for the per-token matmul parameters N (qkv, attn out, MLP, output head; the embedding

@@ -23,8 +23,9 @@ int64, are kept verbatim in `extra`.
 
 Residue policy (every change or skip is counted in `FastaStats`, nothing is dropped silently):
 
-* trailing whitespace and `\\r` (Windows line endings) are stripped from every line; blank lines
-  are ignored;
+* line endings may be `\\n`, `\\r\\n` (Windows) or `\\r` alone (classic Mac, detected on the first
+  block); a leading UTF-8 byte-order mark is skipped, a UTF-16 one is an error; trailing whitespace
+  is stripped from every line; blank lines are ignored;
 * lowercase residues are upper-cased (`stats.lowercase` records);
 * one terminal `*` (stop) is removed (`stats.terminal_stop`); an internal `*` is an error;
 * gap characters `-` and `.` are removed (`stats.gaps` records);
@@ -34,32 +35,37 @@ Residue policy (every change or skip is counted in `FastaStats`, nothing is drop
   (`stats.j_to_x`); "map" maps B/Z/J/U/O to X (`stats.nonstandard_mapped`); "drop" skips the record
   (`stats.dropped_nonstandard`);
 * `min_length` / `max_length` (0 = no limit) apply to the cleaned sequence and skip records
-  (`stats.dropped_short`, `stats.dropped_long`).
+  (`stats.dropped_short`, `stats.dropped_long`);
+* kept records of 10 or more residues made only of nucleotide letters A C G T U N (DNA or RNA given
+  as protein, probably) are kept and counted (`stats.nucleotide_only`); duplicate ids are counted by
+  the cached build over all its files (`dataset.build_fasta_dataset`), which warns about both.
 
 Errors (`FastaFormatError`, naming the file, line and record): a sequence line before the first
-header, a record with an empty sequence, an illegal character, a truncated or corrupt gzip stream.
+header, a record with an empty sequence, an illegal character, a file without any record (empty,
+blank lines only, or an empty `.gz`), a truncated or corrupt gzip stream (after the whole records
+before the damage were read: the error says how many and the last good line).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gzip
-import hashlib
-import math
 import re
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-
+from isal import isal_zlib
 from isal.igzip import open as _gzip_open  # ISA-L: gzip at about 4x zlib's speed
 from isal.igzip_threaded import open as _gzip_open_threaded
 from isal.isal_zlib import error as _IsalError
 
+from trainer.data.splits import in_holdout
 from trainer.errors import DataError
 from trainer.families.protein_sedd.fasta_headers import gather_ranges, parse_header_block
 
@@ -74,12 +80,17 @@ _GAPS = b"-."
 _J_TO_X = bytes.maketrans(b"J", b"X")
 _MAP_TO_X = bytes.maketrans(b"BZJUO", b"XXXXX")
 _READ_SIZE = 1 << 21
+NUCLEOTIDES = b"ACGTUN"
+_NUCLEOTIDE_MIN_LENGTH = 10  # shorter all-ACGTUN records are as likely peptides (e.g. GAGA) as DNA
+_UTF8_BOM = b"\xef\xbb\xbf"
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 
 STRING_COLUMNS = ("id", "description", "db", "accession", "entry_name", "tax", "rep_id", "os", "gn",
                   "extra")
 INT_COLUMNS = ("n", "taxid", "ox", "pe", "sv")
 FASTA_COLUMNS = ("id", "sequence", "length", "split") + STRING_COLUMNS[1:] + INT_COLUMNS
-"""Column order of every record; `split` is "train" or "validation" (see `split_of`)."""
+"""Column order of every record; `split` is "train" or "validation" (`trainer.data.splits.in_holdout` of
+the id with `val_fraction` and `salt`: validation is the held-out share)."""
 
 DECOMPRESS_IN_THREAD = True
 """Decompress gzip in a second thread while the calling thread parses (False: in the calling thread)."""
@@ -114,6 +125,11 @@ class FastaStats:
     dropped_nonstandard: int = 0
     dropped_short: int = 0
     dropped_long: int = 0
+    nucleotide_only: int = 0
+    """Kept records of 10+ residues made only of A C G T U N: DNA or RNA rather than protein, probably."""
+    duplicate_ids: int = 0
+    """Records whose id an earlier record already had: counted by `build_fasta_dataset` over all its
+    files (it needs every id at once), 0 from the reader and the stream."""
 
     def __iadd__(self, other: FastaStats) -> FastaStats:
         for f in dataclasses.fields(self):
@@ -130,30 +146,6 @@ class FastaStats:
     def summary(self) -> str:
         """One line listing the non-zero counters, for logs."""
         return ", ".join(f"{k}={v}" for k, v in self.to_dict().items() if v)
-
-
-def splits_of(record_ids: list[str], val_fraction: float, salt: str = "") -> np.ndarray:
-    """Per id, whether it is in "validation" (True) or "train", from a keyed hash of the id alone.
-
-    blake2b (not `hash`, which is salted per process) makes the split the same in every run,
-    process, rank and file order: an id is in validation when its 64-bit hash is below
-    val_fraction x 2**64.
-    """
-    if val_fraction <= 0.0:
-        return np.zeros(len(record_ids), dtype=bool)
-    # the exact comparison of an integer hash h with the float x: h < x <=> h < ceil(x)
-    threshold = math.ceil(val_fraction * 2.0**64)
-    if threshold >= 2**64:
-        return np.ones(len(record_ids), dtype=bool)
-    key = salt.encode("utf-8")[:64]
-    blake2b = hashlib.blake2b
-    digests = b"".join([blake2b(i.encode("utf-8"), digest_size=8, key=key).digest() for i in record_ids])
-    return np.frombuffer(digests, dtype=">u8") < threshold
-
-
-def split_of(record_id: str, val_fraction: float, salt: str = "") -> str:
-    """"train" or "validation" for one id (see `splits_of`)."""
-    return "validation" if splits_of([record_id], val_fraction, salt)[0] else "train"
 
 
 # A tag starts at whitespace followed by KEY=; descriptions rarely hold " Word=" so this is safe for
@@ -173,8 +165,10 @@ def _empty_fields() -> dict[str, Any]:
 def parse_header(header: str) -> dict[str, Any]:
     """Header fields (without the leading '>') in the fixed schema of `FASTA_COLUMNS`."""
     fields = _empty_fields()
-    first, _, rest = header.strip().partition(" ")
-    rest = rest.strip()
+    # The id ends at the first whitespace of any kind: `>seq1<TAB>description` has the id `seq1`.
+    parts = header.split(None, 1)
+    first = parts[0] if parts else ""
+    rest = parts[1].strip() if len(parts) > 1 else ""
     known: dict[str, str] = {}
     if first.startswith("UniRef") and "_" in first:
         fields["db"] = first.split("_", 1)[0]
@@ -219,6 +213,11 @@ def parse_header(header: str) -> dict[str, Any]:
     return fields
 
 
+def _is_gzip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
 def open_fasta(path: str | Path) -> BinaryIO:
     """Binary handle on a FASTA file, decompressing `.gz` (detected by magic bytes, not name).
 
@@ -226,9 +225,7 @@ def open_fasta(path: str | Path) -> BinaryIO:
     `DECOMPRESS_IN_THREAD` is False.
     """
     path = Path(path)
-    with open(path, "rb") as f:
-        magic = f.read(2)
-    if magic == b"\x1f\x8b":
+    if _is_gzip(path):
         if DECOMPRESS_IN_THREAD:  # ISA-L releases the GIL: decompression overlaps parsing
             return _gzip_open_threaded(path, "rb", threads=1)  # type: ignore[return-value]
         return _gzip_open(path, "rb")  # type: ignore[return-value]
@@ -289,6 +286,8 @@ _CLASS = np.full(256, 2, dtype=np.uint8)
 _CLASS[np.frombuffer(CANONICAL, dtype=np.uint8)] = 0
 _CLASS[np.frombuffer(NONSTANDARD, dtype=np.uint8)] = 1
 _CLASS_TABLE = _CLASS.tobytes()  # bytes.translate tables: several times faster than numpy indexing
+_NUCLEOTIDE = np.zeros(256, dtype=bool)
+_NUCLEOTIDE[np.frombuffer(NUCLEOTIDES + NUCLEOTIDES.lower(), dtype=np.uint8)] = True
 _KEEP_TABLE = bytes(range(256)).translate(_J_TO_X)
 _MAP_TABLE = bytes(range(256)).translate(_MAP_TO_X)
 
@@ -426,6 +425,8 @@ class _Reader:
         kept = np.flatnonzero(keep)
         if not len(kept):
             return None
+        stats.nucleotide_only += self._nucleotide_only(data, residue_bytes, res_start, lengths, kept, cleaned,
+                                                       body_start, body_end)
 
         # Sequences of the kept records: straight from `residues` when nothing was cleaned or dropped.
         source = np.frombuffer(residue_bytes.translate(lut), dtype=np.uint8) if lut is not None else residues
@@ -443,7 +444,7 @@ class _Reader:
 
         take = pa.array(kept)
         ids = pc.take(cols["id"], take)
-        validation = splits_of(ids.to_pylist(), self.val_fraction, self.salt)
+        validation = in_holdout(ids.to_pylist(), self.val_fraction, self.salt)
         n_val = int(np.count_nonzero(validation))
         stats.kept += len(kept)
         stats.residues += int(offsets[-1])
@@ -454,6 +455,32 @@ class _Reader:
         arrays = [ids, sequence, pa.array(kept_lengths.astype(np.int32)), split]
         arrays += [pc.take(cols[name], take) for name in FASTA_COLUMNS[4:]]
         return pa.Table.from_arrays(arrays, schema=FASTA_SCHEMA)
+
+    @staticmethod
+    def _nucleotide_only(data: bytes, residue_bytes: bytes, res_start: np.ndarray, lengths: np.ndarray,
+                         kept: np.ndarray, cleaned: dict[int, bytes], body_start: np.ndarray,
+                         body_end: np.ndarray) -> int:
+        """How many kept records of 10+ residues hold only nucleotide letters (ACGTUN).
+
+        Their first 10 residues are checked at once and only the rare records passing that are read
+        whole, so proteins cost a small gather per block. Records that were cleaned are judged on
+        their raw letters, as the others are (before any non-standard mapping).
+        """
+        long = kept[lengths[kept] >= _NUCLEOTIDE_MIN_LENGTH]
+        if not len(long):
+            return 0
+        # raw residues: a cleaned record has at least as many raw bytes as cleaned residues
+        index = np.minimum(res_start[long, None] + np.arange(_NUCLEOTIDE_MIN_LENGTH), len(residue_bytes) - 1)
+        residues = np.frombuffer(residue_bytes, dtype=np.uint8)
+        candidates = _NUCLEOTIDE[residues[index]].all(axis=1)
+        found = 0
+        for j in long[candidates].tolist():
+            if j in cleaned:
+                body = data[body_start[j]:body_end[j]]
+                found += not body.upper().translate(None, NUCLEOTIDES + b"*-.\n\t\x0b\x0c\r ")
+            else:
+                found += not residue_bytes[res_start[j]:res_start[j + 1]].translate(None, NUCLEOTIDES)
+        return found
 
     def _clean_record(self, body: bytes, header_line: int, record_id: str) -> bytes | None:
         """Sequence of a record from its lines by the exact per-line path (rare: anything but plain residues)."""
@@ -495,21 +522,24 @@ def iter_fasta_tables(path: str | Path, *, min_length: int = 0, max_length: int 
     lineno = 1  # line number of the first line of `pending`
     pending = b""
     started = False
+    first_block, cr_only = True, False
+    delivered = 0  # decompressed bytes read so far
     with open_fasta(path) as f:
         while True:
+            error = None
             try:
                 block = f.read(_READ_SIZE)
+                delivered += len(block)
             except _GZIP_ERRORS as e:
-                last = reader.last_header
-                if pending[:1] == b">" and b"\n" in pending:  # the pending record's header line is whole
-                    last = pending[1:].split(b"\n", 1)[0]
-                last = last.rstrip().decode("utf-8", "replace").split(" ", 1)[0] if last is not None else None
-                good = lineno - 1 + pending.count(b"\n")
-                if not good:
-                    raise FastaFormatError(f"{path}: truncated or corrupt gzip stream (nothing before the error "
-                                           f"could be read): {e}") from e
-                raise FastaFormatError(f"{path}: truncated or corrupt gzip stream after line {good} "
-                                       f"(last good line {good}, in record {last!r}): {e}") from e
+                # the failed read dropped what it had decompressed: recover it, and read the whole
+                # records before the damage below
+                error, block = e, _decompressible_tail(path, delivered)
+            if first_block:
+                first_block = False
+                block, cr_only = _first_block(path, block)
+            if cr_only:
+                block = block.replace(b"\r", b"\n")
+            end = error is not None or not block
             data = pending + block if pending else block
             if not started:
                 if data[:1] == b">":
@@ -521,12 +551,24 @@ def iter_fasta_tables(path: str | Path, *, min_length: int = 0, max_length: int 
                         if line.strip():
                             raise FastaFormatError(f"{path}:{lineno + k}: sequence line before the first header '>'")
                     if cut < 0:
-                        if not block:
-                            return
                         pending = data
-                        continue
-                    lineno += prefix.count(b"\n")
-                    data, started = data[cut + 1:], True
+                        if not end:
+                            continue
+                        if error is None:
+                            raise _no_records(path, data)
+                    else:
+                        lineno += prefix.count(b"\n")
+                        data, started = data[cut + 1:], True
+            if error is not None:
+                cut = data.rfind(b"\n>") if started else -1
+                pending = data[cut + 1:] if cut >= 0 else data
+                if cut >= 0:  # the records before the damaged one are whole: read (and yield) them
+                    chunk = data[:cut + 1]
+                    table = reader.block(_unix(chunk), lineno)
+                    lineno += chunk.count(b"\n")
+                    if table is not None:
+                        yield table
+                raise _truncated(path, error, pending, lineno, reader) from error
             if not block:
                 if data:
                     table = reader.block(_unix(data if data.endswith(b"\n") else data + b"\n"), lineno)
@@ -542,6 +584,69 @@ def iter_fasta_tables(path: str | Path, *, min_length: int = 0, max_length: int 
             lineno += chunk.count(b"\n")
             if table is not None:
                 yield table
+
+
+def _decompressible_tail(path: Path, skip: int) -> bytes:
+    """What a damaged gzip file decompresses to after its first `skip` bytes, up to the damage.
+
+    A second pass, on the error path only: the fast readers drop the whole output of the read that
+    fails, while a streaming decompressor returns every byte it could decode (of a truncated file:
+    all of them; of a corrupt one: all but the last 64 KiB of input's worth).
+    """
+    out: list[bytes] = []
+    seen = 0
+    decompressor = isal_zlib.decompressobj(wbits=31)  # a gzip member
+    with open(path, "rb") as raw:
+        while chunk := raw.read(1 << 16):
+            pieces = []
+            try:
+                pieces.append(decompressor.decompress(chunk))
+                while decompressor.eof and decompressor.unused_data:  # the next member of a multi-member file
+                    rest, decompressor = decompressor.unused_data, isal_zlib.decompressobj(wbits=31)
+                    pieces.append(decompressor.decompress(rest))
+            except _GZIP_ERRORS:
+                break
+            finally:
+                for piece in pieces:
+                    if seen + len(piece) > skip:
+                        out.append(piece[max(0, skip - seen):])
+                    seen += len(piece)
+    return b"".join(out)
+
+
+def _first_block(path: Path, block: bytes) -> tuple[bytes, bool]:
+    """The first block without a UTF-8 byte-order mark, and whether lines end with a lone `\\r`."""
+    if block.startswith(_UTF16_BOMS):
+        raise FastaFormatError(f"{path}:1: the file is UTF-16 encoded (byte-order mark {block[:2]!r}); FASTA "
+                               f"is read as ASCII: convert it first, e.g. `iconv -f UTF-16 -t ASCII`")
+    if block.startswith(_UTF8_BOM):
+        block = block[len(_UTF8_BOM):]
+    # Classic Mac files end lines with '\r' alone: no '\n' in a whole first block (2 MiB) means that.
+    return block, b"\r" in block and b"\n" not in block
+
+
+def _no_records(path: Path, data: bytes) -> FastaFormatError:
+    """The error for a file without a single header: empty, or blank lines only."""
+    if not data:
+        what = "it is empty after gzip decompression" if _is_gzip(path) else "the file is empty"
+        return FastaFormatError(f"{path}: no FASTA records: {what}")
+    lines = data.count(b"\n") + (not data.endswith(b"\n"))
+    return FastaFormatError(f"{path}:{lines}: no FASTA records: the file holds only {lines} blank line(s)")
+
+
+def _truncated(path: Path, error: BaseException, pending: bytes, lineno: int, reader: _Reader) -> FastaFormatError:
+    """The error for a damaged gzip stream, saying what was read before the damage."""
+    good = lineno - 1 + pending.count(b"\n")  # whole lines decompressed
+    header = reader.last_header
+    if pending[:1] == b">" and b"\n" in pending:  # the damaged record's header line is whole
+        header = pending[1:].split(b"\n", 1)[0]
+    record = parse_header(header.decode("utf-8", "replace"))["id"] if header is not None else None
+    if not good:
+        return FastaFormatError(f"{path}: truncated or corrupt gzip stream (not one whole line could be "
+                                f"decompressed): {error}")
+    return FastaFormatError(f"{path}: truncated or corrupt gzip stream after line {good} (last good line {good}, "
+                            f"in record {record!r}); the {reader.ordinal + 1} whole records before the damage "
+                            f"were read: {error}")
 
 
 def _unix(data: bytes) -> bytes:

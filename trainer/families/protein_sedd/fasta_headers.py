@@ -8,7 +8,8 @@ underscores and '=' signs, tag keys packed into integers and compared, values cu
 A header is parsed here only when the result provably equals `parse_header`'s:
 
 * printable ASCII, no leading space, no double space (so ' ' is the only whitespace and every
-  `\\s+` of `parse_header` is one space);
+  `\\s+` of `parse_header` is one space); a tab that ends the id (`>seq1<TAB>text`, as many tools
+  write) is read as the space it stands for, since `parse_header` ends the id at any whitespace;
 * every '=' ends a valid `KEY` that follows a space after the id (so `parse_header` sees exactly
   these tags), the first tag is a known one, known tags appear once and in UniProt's order, and
   unknown tags only come after them with values free of spaces (they become `extra` verbatim);
@@ -23,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-_SP, _PIPE, _UNDERSCORE, _EQ = 32, 124, 95, 61
+_TAB, _SP, _PIPE, _UNDERSCORE, _EQ = 9, 32, 124, 95, 61
 _MAX_KEY = 8  # longer keys cannot be known tags; they are parsed as unknown ones if valid
 _INT_DIGITS = 18
 
@@ -110,6 +111,11 @@ def parse_header_block(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray,
     # Work on the headers alone (each followed by its newline): every scan below is over these bytes.
     buf, offsets = gather_ranges(buf, starts, ends - starts + 1)
     starts, ends = offsets[:-1], offsets[1:] - 1
+    tabs = np.flatnonzero(buf == _TAB)
+    if len(tabs):  # a tab before any space ends the id exactly as a space would (other tabs: slow rows)
+        first_tab = _first_at_or_after(tabs, starts, ends)
+        ends_id = (first_tab < ends) & (first_tab < _first_at_or_after(np.flatnonzero(buf == _SP), starts, ends))
+        buf[first_tab[ends_id]] = _SP
     for _ in range(4):  # trailing spaces (UniProt's files often end headers with one)
         trailing = (ends > starts) & (buf[np.maximum(ends - 1, 0)] == _SP)
         if not trailing.any():

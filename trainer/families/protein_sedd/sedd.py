@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-GeneratorLike = Union[None, torch.Generator, Sequence[torch.Generator]]
+GeneratorLike = None | torch.Generator | Sequence[torch.Generator]
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,12 +202,13 @@ class Graph(abc.ABC):
 
     @abc.abstractmethod
     def sample_limit(
-        self, *batch_dims: int, generator: GeneratorLike = None, device: Optional[torch.device] = None
+        self, *batch_dims: int, generator: GeneratorLike = None, device: torch.device | None = None
     ) -> torch.Tensor:
         """Sample the limiting (t = 1) distribution, int64 of shape ``batch_dims``."""
 
     @abc.abstractmethod
-    def score_entropy(self, score: torch.Tensor, sigma: torch.Tensor, x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    def score_entropy(self, score: torch.Tensor, sigma: torch.Tensor, x: torch.Tensor,
+                      x0: torch.Tensor) -> torch.Tensor:
         """Per-position denoising score entropy for log-score ``score`` [*x.shape, dim] (>= 0)."""
 
 
@@ -253,11 +254,12 @@ class UniformGraph(Graph):
         return ((epow - 1) / (dim * epow)) * score.sum(dim=-1, keepdim=True) + score / epow
 
     def sample_limit(
-        self, *batch_dims: int, generator: GeneratorLike = None, device: Optional[torch.device] = None
+        self, *batch_dims: int, generator: GeneratorLike = None, device: torch.device | None = None
     ) -> torch.Tensor:
         return _randint(self.dim, batch_dims, generator, torch.device(device or "cpu"))
 
-    def score_entropy(self, score: torch.Tensor, sigma: torch.Tensor, x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    def score_entropy(self, score: torch.Tensor, sigma: torch.Tensor, x: torch.Tensor,
+                      x0: torch.Tensor) -> torch.Tensor:
         sigma = _unsqueeze_as(sigma, x)
         esigm1 = _esigm1(sigma)
         ratio = 1 - self.dim / (esigm1 + self.dim)
@@ -334,11 +336,12 @@ class AbsorbingGraph(Graph):
         return torch.cat([score[..., :-1], score[..., -1:] + extra_const[..., None]], dim=-1)
 
     def sample_limit(
-        self, *batch_dims: int, generator: GeneratorLike = None, device: Optional[torch.device] = None
+        self, *batch_dims: int, generator: GeneratorLike = None, device: torch.device | None = None
     ) -> torch.Tensor:
         return torch.full(batch_dims, self.dim - 1, dtype=torch.int64, device=torch.device(device or "cpu"))
 
-    def score_entropy(self, score: torch.Tensor, sigma: torch.Tensor, x: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    def score_entropy(self, score: torch.Tensor, sigma: torch.Tensor, x: torch.Tensor,
+                      x0: torch.Tensor) -> torch.Tensor:
         # Only masked positions have incoming forward rates (Q[y, mask] = 1), so only they count.
         rel_ind = x == self.dim - 1
         sigma = _unsqueeze_as(sigma, x)
@@ -354,7 +357,7 @@ class AbsorbingGraph(Graph):
         return entropy
 
 
-def build_graph(name: str, dim: int) -> Graph:
+def build_diffusion_graph(name: str, dim: int) -> Graph:
     """``"absorb"`` -> AbsorbingGraph(dim) (dim includes the mask); ``"uniform"`` -> UniformGraph(dim)."""
     if name == "absorb":
         return AbsorbingGraph(dim)
@@ -373,11 +376,11 @@ def score_entropy_loss(
     graph: Graph,
     noise: Noise,
     x0: torch.Tensor,
-    t: Optional[torch.Tensor] = None,
-    loss_mask: Optional[torch.Tensor] = None,
+    t: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
     sampling_eps: float = 1e-3,
     generator: GeneratorLike = None,
-    attention_mask: Optional[torch.Tensor] = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Diffusion-weighted denoising score entropy (reference ``losses.get_loss_fn``).
 
@@ -447,7 +450,7 @@ _PREDICTORS = {"euler": _euler_step, "analytic": _analytic_step}
 
 def _denoise_step(
     model: Callable[..., torch.Tensor], graph: Graph, noise: Noise, x: torch.Tensor, t: torch.Tensor,
-    generator: GeneratorLike, allowed_states: Optional[torch.Tensor],
+    generator: GeneratorLike, allowed_states: torch.Tensor | None,
 ) -> torch.Tensor:
     sigma = noise(t)[0]
     score = _score_fn(model, x, sigma)
@@ -477,9 +480,9 @@ def sample(
     denoise: bool = True,
     eps: float = 1e-5,
     generator: GeneratorLike = None,
-    allowed_states: Optional[torch.Tensor] = None,
-    device: Optional[torch.device] = None,
-    proj_fun: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    allowed_states: torch.Tensor | None = None,
+    device: torch.device | None = None,
+    proj_fun: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Reverse-diffusion sampler (reference ``get_pc_sampler``); returns int64 [batch_size, length].
 
@@ -535,9 +538,9 @@ def sample_one_per_generator(
     predictor: str = "euler",
     denoise: bool = True,
     eps: float = 1e-5,
-    allowed_states: Optional[torch.Tensor] = None,
-    device: Optional[torch.device] = None,
-    proj_fun: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    allowed_states: torch.Tensor | None = None,
+    device: torch.device | None = None,
+    proj_fun: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``sample`` with one row per generator: sample k is a function of ``generators[k]`` alone."""
     return sample(

@@ -5,12 +5,14 @@ padding state (never counted in the loss, never attended to), and for the absorb
 state last. Training crops a random window of `max_length` residues, drawn from (seed, epoch,
 sample index) so that a resumed run crops exactly as the original; eval uses the first
 `max_length` residues and draws its diffusion times from a generator per sample, so the eval
-NELBO is the same whatever the world size or batch size.
+NELBO is the same whatever the world size or batch size. Every such seed is
+`trainer.seeding.derive_seed` of its keys. Without validation sequences (`val_fraction=0`, or too
+few records) there is no eval set: the run trains, checkpoints and says so in the log.
 """
 
 from __future__ import annotations
 
-import hashlib
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,16 +23,29 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from trainer.families.protein_sedd.dataset import build_fasta_dataset, default_protein_fasta, stream_fasta, tokenize_dataset
-from trainer.families.protein_sedd.tokenizer import FIRST_RESIDUE_ID, RESIDUES, VOCAB_SIZE, build_protein_tokenizer
+from trainer.data.arrow_cache import selected_column
+from trainer.errors import DataError
+from trainer.families.protein_sedd.dataset import (
+    build_fasta_dataset,
+    default_protein_fasta,
+    select_split,
+    stream_fasta,
+    tokenize_dataset,
+)
 from trainer.families.protein_sedd.ddit import DDIT_PRESETS, DDiT
-from trainer.families.protein_sedd.sedd import build_graph, build_noise, score_entropy_loss
+from trainer.families.protein_sedd.sedd import build_diffusion_graph, build_noise, score_entropy_loss
+from trainer.families.protein_sedd.tokenizer import FIRST_RESIDUE_ID, RESIDUES, VOCAB_SIZE, build_protein_tokenizer
 from trainer.registry import register_task
+from trainer.seeding import derive_rng, derive_seed
 from trainer.task import LossOutput, SampleConfig, Task, TaskConfig, TaskData
 
 NUM_RESIDUES = len(RESIDUES)
 PAD_STATE = NUM_RESIDUES  # the state after the residues; the mask (absorbing graph) comes last
 SEP_STATE = NUM_RESIDUES + 1  # with task.packing: the separator between packed sequences
+REFERENCE_ROWS = 10_000
+"""Streaming without validation sequences: the first rows that give the reference statistics."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,8 +115,7 @@ class ProteinStream(IterableDataset):
             seq = record["input_ids"]
             start = 0
             if len(seq) > self.max_length:
-                key = int.from_bytes(hashlib.blake2b(record["id"].encode(), digest_size=8).digest(), "little")
-                rng = np.random.default_rng([self.seed, self.epoch, key])
+                rng = derive_rng("protein_sedd/stream-crop", self.seed, self.epoch, record["id"])
                 start = int(rng.integers(0, len(seq) - self.max_length + 1))
             yield {"states": residue_states(seq[start:start + self.max_length]), "index": -1}
 
@@ -122,7 +136,7 @@ class ProteinCrops(Dataset):
         seq = self.ids[index]["input_ids"]
         start = 0
         if self.random_crop and len(seq) > self.max_length:
-            rng = np.random.default_rng([self.seed, epoch, index])
+            rng = derive_rng("protein_sedd/crop", self.seed, epoch, index)
             start = int(rng.integers(0, len(seq) - self.max_length + 1))
         return {"states": residue_states(seq[start:start + self.max_length]), "index": index}
 
@@ -135,13 +149,11 @@ class PackedBlocks(Dataset):
     of `max_length` states (the tail shorter than a block is dropped and logged)."""
 
     def __init__(self, tokenized, max_length: int, seed: int):
-        column = tokenized.with_format(None).data.column("input_ids").combine_chunks()
-        if tokenized._indices is not None:
-            column = column.take(tokenized._indices.column(0).combine_chunks())
+        column = selected_column(tokenized, "input_ids")
         offsets = column.offsets.to_numpy()
         values = residue_states(column.values.to_numpy())
         lengths = np.diff(offsets)
-        order = np.random.default_rng([seed, 77]).permutation(len(lengths))
+        order = derive_rng("protein_sedd/packing", seed).permutation(len(lengths))
         stream = np.full(int(lengths.sum()) + len(lengths), SEP_STATE, dtype=np.int8)
         starts = np.concatenate([[0], np.cumsum(lengths[order] + 1)[:-1]])
         for start, k in zip(starts, order):  # one slice copy per sequence
@@ -190,7 +202,7 @@ class ProteinSEDDTask(Task):
         if cfg.packing and cfg.streaming:
             raise ValueError("task.packing works on the cached (non-streaming) training split; drop one of the two")
         states = NUM_RESIDUES + 1 + (1 if cfg.packing else 0)  # residues, pad, separator
-        self.graph = build_graph(cfg.graph, states + (1 if cfg.graph == "absorb" else 0))
+        self.graph = build_diffusion_graph(cfg.graph, states + (1 if cfg.graph == "absorb" else 0))
         self.noise = build_noise(cfg.noise)
 
     def build_model(self, stats: dict[str, Any]) -> nn.Module:
@@ -204,19 +216,30 @@ class ProteinSEDDTask(Task):
         path = c.data_path or str(default_protein_fasta())
         common = dict(cache_dir=c.cache_dir or None, val_fraction=c.val_fraction, min_length=c.min_length,
                       nonstandard=c.nonstandard)
-        val, self.data_stats = build_fasta_dataset(path, split="validation", **common)
-        val = tokenize_dataset(val)
-        eval_set = ProteinCrops(val, c.max_length, self.seed, random_crop=False)
+        records, self.data_stats = build_fasta_dataset(path, **common)
+        logger.info("%s: %s", path, self.data_stats.summary())
+        if not self.data_stats.train:
+            raise DataError(f"{path}: no training sequences (task.val_fraction={c.val_fraction}, "
+                            f"task.min_length={c.min_length}, task.nonstandard={c.nonstandard}): "
+                            f"{self.data_stats.summary()}")
+        val = tokenize_dataset(select_split(records, "validation"))
+        if len(val):
+            eval_set = ProteinCrops(val, c.max_length, self.seed, random_crop=False)
+        else:
+            eval_set = None
+            level = logging.INFO if c.val_fraction == 0 else logging.WARNING  # asked for, or too few records
+            logger.log(level, "%s: no validation sequences (task.val_fraction=%s): no evaluation, checkpoints on "
+                       "schedule and at the end only", path, c.val_fraction)
         if c.streaming:
             # Reference statistics (unigram baseline, sampling lengths) from the validation split: a
-            # hash-chosen subset of the same distribution, without materialising the training split.
-            reference = val
+            # hash-chosen subset of the same distribution, without materialising the training split
+            # (without validation sequences: the first records, all of them training records).
+            reference = val if len(val) else records.select(range(min(len(records), REFERENCE_ROWS)))
             train_set = ProteinStream(stream_fasta(path, split="train", columns=["id", "input_ids"],
                                                    with_input_ids=True, **common_stream(common)),
                                       c.max_length, self.seed)
         else:
-            train, _ = build_fasta_dataset(path, split="train", **common)
-            reference = train = tokenize_dataset(train)
+            reference = train = tokenize_dataset(select_split(records, "train"))
             train_set = (PackedBlocks(train, c.max_length, self.seed) if c.packing
                          else ProteinCrops(train, c.max_length, self.seed, random_crop=True))
         counts = residue_counts(reference)
@@ -238,8 +261,8 @@ class ProteinSEDDTask(Task):
             return np.full(len(dataset), dataset.max_length)
         if not isinstance(dataset, ProteinCrops):
             return None
-        lengths = dataset.ids.with_format("numpy", columns=["length"])["length"]  # honours a split's indices
-        return np.minimum(np.asarray(lengths), dataset.max_length)
+        lengths = selected_column(dataset.ids, "length").to_numpy()  # in the split's row order
+        return np.minimum(lengths, dataset.max_length)
 
     def batch_weight(self, batch: dict[str, Any]) -> int:
         return batch["num_tokens"]
@@ -251,7 +274,8 @@ class ProteinSEDDTask(Task):
         return LossOutput(loss=per_seq.sum() / tokens.sum())
 
     def eval_step(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        generators = [torch.Generator(batch["states"].device).manual_seed(self.cfg.eval_seed * 1_000_003 + int(i))
+        generators = [torch.Generator(batch["states"].device).manual_seed(derive_seed("protein_sedd/eval",
+                                                                                    self.cfg.eval_seed, i))
                       for i in batch["index"].tolist()]
         per_seq, tokens = score_entropy_loss(model, self.graph, self.noise, batch["states"],
                                              loss_mask=batch["mask"], attention_mask=batch["mask"],
@@ -321,7 +345,8 @@ class ProteinSEDDTask(Task):
             p, q = composition, np.asarray(self.stats["train_composition"])
             support = p > 0
             stats["training_composition"] = dict(zip(RESIDUES, q.round(5).tolist()))
-            stats["kl_samples_to_training"] = float((p[support] * np.log(p[support] / np.maximum(q[support], 1e-12))).sum())
+            ratio = p[support] / np.maximum(q[support], 1e-12)
+            stats["kl_samples_to_training"] = float((p[support] * np.log(ratio)).sum())
         return stats
 
 
