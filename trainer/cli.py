@@ -95,13 +95,15 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _tasks(args: argparse.Namespace) -> int:  # noqa: ARG001
-    from trainer.registry import available_tasks, get_task
+    from trainer.registry import available_tasks, get_task, unavailable_families
     from trainer.task import GenerativeTask
 
     for name in available_tasks():
         cls = get_task(name)
         generates = " generates" if issubclass(cls, GenerativeTask) else ""
         print(f"{name}\tunit={cls.unit}\tpresets={','.join(sorted(cls.presets))}{generates}")
+    for reason in unavailable_families().values():
+        print(f"(unavailable) {reason}")
     return 0
 
 

@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,6 +159,8 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
+_SECTIONS = ("run", "data", "task", "optim", "train", "eval", "ckpt", "log")
+
 _CHOICES = {
     ("optim", "name"): ("adamw", "adam", "sgd"),
     ("optim", "scale_lr"): ("none", "linear", "sqrt"),
@@ -197,13 +200,17 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
 
 def _unknown_key_error(schema: Any, key: str, source: str) -> ConfigError:
     valid = _all_keys(schema)
-    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
-    hint = f" Did you mean: {', '.join(close)}?" if close else ""
     section = key.rsplit(".", 1)[0] if "." in key else ""
-    if section and not close:
-        siblings = [k for k in valid if k.startswith(section + ".") and k.count(".") == key.count(".")]
-        if siblings:
-            hint = f" Valid keys in '{section}': {', '.join(s.rsplit('.', 1)[1] for s in siblings)}."
+    siblings = [k for k in valid if k.startswith(section + ".") and k.count(".") == key.count(".")] if section else []
+    if siblings:  # compare the last part within the section; then list the section, so a key named
+        # differently (train_file for data_path) is still found
+        names = [k.rsplit(".", 1)[1] for k in siblings]
+        close = [f"{section}.{n}" for n in difflib.get_close_matches(key.rsplit(".", 1)[1], names, n=3, cutoff=0.6)]
+    else:
+        close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    if siblings:
+        hint += f" Valid keys in '{section}': {', '.join(names)}."
     return ConfigError(f"unknown config key '{key}' (from {source}).{hint}")
 
 
@@ -261,15 +268,53 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if data is None:
+        raise ConfigError(f"config file {path} is empty: it must hold sections such as `task:` and `train:`")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     return data
 
 
+def _check_sections(layer: dict, source: str) -> None:
+    """Each known section must be a mapping (`task: regression` or `task: null` is a common slip)."""
+    for name, value in layer.items():
+        if name in _SECTIONS and not isinstance(value, dict):
+            example = f"{name}:\n  name: {value}" if name == "task" and isinstance(value, str) else f"{name}:\n  key: value"
+            raise ConfigError(f"section '{name}' (from {source}) must be a mapping of keys, got "
+                              f"{type(value).__name__} {value!r}; write it as\n{example}")
+
+
+def _check_scheduler(name: str) -> None:
+    from transformers import SchedulerType
+
+    names = [s.value for s in SchedulerType]
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"config key 'optim.scheduler': unknown scheduler {name!r}; choose from "
+                          f"{', '.join(names)}.{hint}")
+
+
+def _check_metric(cfg: Config, task_cls: type) -> None:
+    """eval.metric must be one the task reports (a vector target adds _0, _1, ... suffixes)."""
+    metric, known = cfg.eval.metric, tuple(task_cls.metrics)
+    base, _, suffix = metric.rpartition("_")
+    if metric in known or (suffix.isdigit() and base in known):
+        return
+    raise ConfigError(f"eval.metric={metric!r} is not a metric of task '{task_cls.name}'; it reports: "
+                      f"{', '.join(known)}")
+
+
 def _validate(cfg: Config) -> None:
+    lr = cfg.optim.lr
+    if not math.isfinite(lr) or lr < 0:
+        raise ConfigError(f"config key 'optim.lr' must be a finite number >= 0, got {lr}")
+    resume = cfg.run.resume
+    if resume not in ("auto", "none") and not Path(resume).exists():
+        raise ConfigError(f"run.resume={resume!r}: no such checkpoint or run directory (use auto, none or a path)")
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
@@ -295,6 +340,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """Resolve a Config from defaults, the task's preset, a YAML file and CLI overrides."""
     file_layer = load_yaml(path) if path else {}
     cli_layer = parse_overrides(overrides)
+    _check_sections(file_layer, str(path))
+    _check_sections(cli_layer, "command line")
     task_name = (cli_layer.get("task", {}).get("name") or file_layer.get("task", {}).get("name")
                  or TaskConfig.name)
     preset_name = (cli_layer.get("task", {}).get("preset") or file_layer.get("task", {}).get("preset") or "")
@@ -310,6 +357,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     schema = _merge(schema, cli_layer, "command line")
     cfg = OmegaConf.to_object(schema)
     _validate(cfg)
+    _check_scheduler(cfg.optim.scheduler)
+    _check_metric(cfg, task_cls)
     return cfg
 
 

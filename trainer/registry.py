@@ -44,29 +44,58 @@ def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def _import_builtin_families() -> None:
+_UNAVAILABLE: dict[str, str] = {}
+"""Families that could not be imported (a missing optional dependency): module -> reason."""
+
+
+def _import_family(module: str, strict: bool) -> None:
+    """Import a family package; a missing dependency is an error naming the pip extra (strict) or is
+    remembered and reported by `available_tasks` (not strict)."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name is None or err.name == module or err.name.startswith(("trainer.", module + ".")):
+            if err.name == module and not strict:
+                _UNAVAILABLE[module] = f"no module {module}"
+                return
+            raise  # a bug in our code, not a missing optional dependency
+        extra = module.rsplit(".", 1)[-1]
+        reason = (f"family {module} needs a package that is not installed ({err}); install its extra, "
+                  f"e.g. pip install 'sciml-trainer[{extra}]'")
+        if strict:
+            raise ConfigError(reason) from err
+        _UNAVAILABLE[module] = reason
+
+
+def _builtin_families() -> list[str]:
     import trainer.families as families
 
-    for info in pkgutil.iter_modules(families.__path__, families.__name__ + "."):
-        if info.ispkg:
-            importlib.import_module(info.name)
+    return [info.name for info in pkgutil.iter_modules(families.__path__, families.__name__ + ".") if info.ispkg]
 
 
 def _load(name: str) -> None:
     """Import whatever registers `name`: its entry point, else every built-in family."""
     ep = _entry_points().get(name)
     if ep is not None:
-        ep.load()
+        _import_family(ep.module, strict=True)
     if name not in _REGISTRY:
-        _import_builtin_families()
+        for module in _builtin_families():
+            _import_family(module, strict=False)
 
 
 def available_tasks() -> list[str]:
-    """Every task name this installation knows (imports the families to read their specs)."""
+    """Every task name this installation can use (imports the families to read their specs); families
+    whose dependencies are missing are listed by `unavailable_families`."""
     for ep in _entry_points().values():
-        ep.load()
-    _import_builtin_families()
+        _import_family(ep.module, strict=False)
+    for module in _builtin_families():
+        _import_family(module, strict=False)
     return sorted(_REGISTRY)
+
+
+def unavailable_families() -> dict[str, str]:
+    """{family module: why it could not be imported} after `available_tasks`."""
+    return dict(_UNAVAILABLE)
 
 
 def get_task(name: str) -> type[Task]:

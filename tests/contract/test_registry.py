@@ -58,3 +58,16 @@ def test_third_party_family_through_entry_point(tmp_path):
     run_cmd([sys.executable, "-m", "trainer", "train", str(config), f"run.output_dir={out}",
              "log.progress_bar=false", "log.tensorboard=false"], env=env)
     assert (out / "checkpoints" / "latest").is_file()
+
+
+def test_family_with_missing_dependency_names_its_extra(tmp_path, monkeypatch):
+    from trainer import registry
+
+    (tmp_path / "needs_extra").mkdir()
+    (tmp_path / "needs_extra" / "__init__.py").write_text("import no_such_dependency_xyz  # noqa: F401\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"no_such_dependency_xyz.*pip install 'sciml-trainer\[needs_extra\]'"):
+        registry._import_family("needs_extra", strict=True)
+    registry._import_family("needs_extra", strict=False)
+    assert "needs_extra" in registry.unavailable_families()
+    registry._UNAVAILABLE.clear()

@@ -75,3 +75,37 @@ def test_every_field_is_documented():
         for f in dataclasses.fields(obj):
             assert docs.get(f.name), f"{section.name}.{f.name} has no docstring"
             assert f"`{section.name}.{f.name}`" in table
+
+
+@pytest.mark.parametrize("text, match", [
+    ("", r"is empty"),
+    ("task: regression\n", r"(?s)section 'task'.*must be a mapping.*got str 'regression'.*task:\n  name: regression"),
+    ("task: null\n", r"section 'task'.*must be a mapping.*got NoneType"),
+    ("train: 5\n", r"section 'train'.*must be a mapping"),
+])
+def test_bad_yaml_shapes_are_one_line_errors(tmp_path, text, match):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_config(path)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("optim.lr=nan", r"optim.lr.*finite"), ("optim.lr=-1e-3", r"optim.lr.*>= 0"), ("optim.lr=.inf", r"optim.lr.*finite"),
+    ("optim.scheduler=cosin", r"unknown scheduler 'cosin'.*Did you mean 'cosine'"),
+    ("eval.metric=accuracy", r"eval.metric='accuracy' is not a metric of task 'regression'.*loss, mae"),
+    ("task=regression", r"section 'task'.*command line.*mapping"),
+])
+def test_bad_values_fail_at_config_time(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+def test_missing_resume_path_fails_at_config_time(tmp_path):
+    with pytest.raises(ConfigError, match=r"run.resume=.*no such checkpoint"):
+        load_config(None, [f"run.resume={tmp_path / 'nope'}"])
+
+
+def test_unknown_task_key_lists_the_tasks_real_keys():
+    with pytest.raises(ConfigError, match=r"unknown config key 'task.train_file'.*Valid keys in 'task':.*data_path"):
+        load_config(None, ["task.name=protein_sedd", "task.train_file=x.fasta"])

@@ -26,7 +26,10 @@ def load_model_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
         # ZeRO-1/2/3: merge the per-rank fp32 partitions (any stage) on one CPU process.
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag="pytorch_model")
+        from trainer.core.safe_load import weights_only_loading
+
+        with weights_only_loading():  # DeepSpeed itself would unpickle with weights_only=False
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag="pytorch_model")
     fsdp = sorted(ckpt_dir.glob("pytorch_model_fsdp_*"))
     if fsdp:
         from accelerate.utils import merge_fsdp_weights
