@@ -1,4 +1,4 @@
-"""ComFormer (trainer/families/crystals/comformer.py): symmetry, batching, gradients, lattice canonicalisation.
+"""ComFormer (trainer/families/crystals/comformer.py, lattice.py): symmetry, batching, gradients, lattice rule.
 
 Test graphs are built here with ``ase.neighborlist.neighbor_list("ijS")`` (edge j -> i, shift S;
 the model's edge vector then equals ase's ``D``), plus optional ``use_lattice`` self-loops.
@@ -23,12 +23,14 @@ from trainer.families.crystals.comformer import (  # noqa: E402
     COMFORMER_PRESETS,
     ComFormerConfig,
     build_comformer,
-    canonical_lattice,
-    canonical_lattice_coeffs,
     comformer_config,
     count_parameters,
-    lattice_self_loop_shifts,
     load_cgcnn_features,
+)
+from trainer.families.crystals.lattice import (  # noqa: E402
+    canonical_lattice,
+    canonical_lattice_coeffs,
+    lattice_self_loop_shifts,
 )
 
 DATA = Path("/work/shared/data/crystals")
@@ -358,7 +360,8 @@ def test_canonical_lattice():
     cell = np.array(_poscar("JVASP-97570").cell)
     base = canonical_lattice_coeffs(cell) @ cell
     # successive minima: compare with brute force over a large coefficient box
-    grid = np.array([(a, b, c) for a in range(-4, 5) for b in range(-4, 5) for c in range(-4, 5) if (a, b, c) != (0, 0, 0)])
+    grid = np.array([(a, b, c) for a in range(-4, 5) for b in range(-4, 5) for c in range(-4, 5)
+                     if (a, b, c) != (0, 0, 0)])
     lengths = np.sort(np.linalg.norm(grid @ cell, axis=1))
     assert np.isclose(np.linalg.norm(base[0]), lengths[0])
     assert np.linalg.det(base) > 0

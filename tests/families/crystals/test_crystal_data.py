@@ -17,15 +17,36 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.families.crystals import data as C
-from trainer.families.crystals.data import CrystalDataError, GraphSpec
+from trainer.data.graphs import edge_vectors, neighbor_pairs
+from trainer.data.splits import split_indices
+from trainer.families.crystals import dataset as D
+from trainer.families.crystals import graphs as G
+from trainer.families.crystals import readers as R
+from trainer.families.crystals.dataset import (
+    CrystalRows,
+    atom_counts,
+    build_crystal_dataset,
+    build_crystal_splits,
+    collate_graphs,
+    edge_counts,
+)
+from trainer.families.crystals.graphs import MATFORMER_LOOPS, GraphSpec, build_crystal_graph
+from trainer.families.crystals.lattice import canonical_lattice_coeffs
+from trainer.families.crystals.readers import (
+    CrystalDataError,
+    bundled_crystal_path,
+    read_extxyz,
+    read_id_prop_folder,
+    read_mlearn_json,
+    read_structures,
+)
 
 DATA = Path("/work/shared/data/crystals")
 MLEARN = {el: {s: DATA / "mlearn" / el / f"{s}.json" for s in ("training", "test")} for el in ("Si", "Mo")}
 JARVIS = DATA / "jarvis_bandgap_50"
 
 pytestmark = pytest.mark.skipif(not DATA.exists(), reason="shared crystal data not available")
-ase = pytest.importorskip("ase")
+pytest.importorskip("ase")
 pytest.importorskip("vesin")
 import ase.io  # noqa: E402
 from ase.neighborlist import neighbor_list  # noqa: E402
@@ -64,7 +85,7 @@ def structures() -> list:
 @pytest.mark.parametrize("cutoff", [3.0, 6.5])
 def test_neighbor_pairs_match_ase(structures, cutoff):
     for atoms in structures:
-        i, j, S, d = C.neighbor_pairs(atoms.positions, atoms.cell.array, cutoff)
+        i, j, S, d = neighbor_pairs(atoms.positions, atoms.cell.array, cutoff)
         ia, ja, Sa, da = neighbor_list("ijSd", atoms, cutoff)
         ours = {(a, b, tuple(s)): x for a, b, s, x in zip(i.tolist(), j.tolist(), S.tolist(), d)}
         ref = {(a, b, tuple(s)): x for a, b, s, x in zip(ia.tolist(), ja.tolist(), Sa.tolist(), da)}
@@ -78,12 +99,12 @@ def test_neighbor_pairs_match_ase(structures, cutoff):
 def test_radius_graph_is_ase_neighbor_list(structures):
     spec = GraphSpec(kind="radius", cutoff=5.0, use_lattice=False)
     for atoms in structures:
-        g = C.build_graph(atoms.positions, atoms.cell.array, spec)
+        g = build_crystal_graph(atoms.positions, atoms.cell.array, spec)
         i, j, S, D = neighbor_list("ijSD", atoms, 5.0)
         ref = {(b, a, tuple(s)): v for a, b, s, v in zip(i.tolist(), j.tolist(), S.tolist(), D)}  # src=j, dst=i
         ours = list(zip(g["edge_src"].tolist(), g["edge_dst"].tolist(), map(tuple, g["edge_shift"].tolist())))
         assert len(ours) == len(set(ours)) and set(ours) == ref.keys()
-        vec = C.edge_vectors(atoms.positions, atoms.cell.array, g)
+        vec = edge_vectors(atoms.positions, atoms.cell.array, g)
         np.testing.assert_allclose(vec, [ref[e] for e in ours], atol=1e-9)
 
 
@@ -93,14 +114,14 @@ def test_knn_graph(structures, k):
     tol = spec.tie_tol
     for atoms in structures:
         n = len(atoms)
-        g = C.build_graph(atoms.positions, atoms.cell.array, spec)
+        g = build_crystal_graph(atoms.positions, atoms.cell.array, spec)
         src, dst, shift = g["edge_src"], g["edge_dst"], g["edge_shift"]
         i, j, S, d, D = neighbor_list("ijSdD", atoms, 10.0)
         kth = np.array([np.sort(d[i == c])[k - 1] for c in range(n)])
         assert np.all(np.bincount(i, minlength=n) >= k)
         edges = list(zip(src.tolist(), dst.tolist(), map(tuple, shift.tolist())))
         assert len(edges) == len(set(edges))
-        loops = np.concatenate([g["lattice_shifts"], -g["lattice_shifts"]])
+        loops = np.concatenate([g["lattice_coeffs"], -g["lattice_coeffs"]])
         loop_set = {(c, c, tuple(s)) for c in range(n) for s in loops.tolist()}
         assert loop_set <= set(edges)  # lattice self-loops present, both directions
         ref = {(b, a, tuple(s)): (x, v) for a, b, s, x, v in zip(i.tolist(), j.tolist(), S.tolist(), d, D)}
@@ -112,7 +133,7 @@ def test_knn_graph(structures, k):
         reverse = {(b, a, tuple(-np.array(s))) for a, b, s in incoming}
         assert set(edges) == incoming | reverse | loop_set
         # Edge vectors by the convention equal ASE's D (centre -> neighbour image).
-        vec = C.edge_vectors(atoms.positions, atoms.cell.array, g)
+        vec = edge_vectors(atoms.positions, atoms.cell.array, g)
         for e, v in zip(edges, vec):
             if e in ref:
                 np.testing.assert_allclose(v, ref[e][1], atol=1e-9)
@@ -126,14 +147,14 @@ def test_knn_ties_and_growth():
     # 2.0 Å start radius (< a) has to grow.
     a = 3.0
     spec = GraphSpec(kind="knn", k=7, cutoff=2.0, use_lattice=False)
-    g = C.build_graph(np.zeros((1, 3)), np.eye(3) * a, spec)
-    dist = np.linalg.norm(C.edge_vectors(np.zeros((1, 3)), np.eye(3) * a, g), axis=1)
+    g = build_crystal_graph(np.zeros((1, 3)), np.eye(3) * a, spec)
+    dist = np.linalg.norm(edge_vectors(np.zeros((1, 3)), np.eye(3) * a, g), axis=1)
     assert len(dist) == 18 and np.allclose(sorted(set(np.round(dist, 9))), [a, a * math.sqrt(2)])
 
 
 def test_lattice_loops_comformer_and_matformer():
     cell = np.array([[4.0, 0, 0], [-2.0, 3.4641016, 0], [0, 0, 7.0]])  # hexagonal a=4, c=7
-    lat = C.comformer_lattice_shifts(cell)
+    lat = canonical_lattice_coeffs(cell)
     v = lat @ cell
     lengths = np.linalg.norm(v, axis=1)
     assert np.isclose(lengths[0], 4.0) and np.isclose(lengths[1], 4.0) and np.isclose(lengths[2], 7.0)
@@ -141,21 +162,21 @@ def test_lattice_loops_comformer_and_matformer():
     assert abs(round(np.linalg.det(lat))) >= 1
     pos = np.zeros((1, 3))
     for loops, expected in (("comformer", 6), ("matformer", 12)):
-        g = C.build_graph(pos, cell, GraphSpec(kind="radius", cutoff=1.0, lattice_loops=loops))
+        g = build_crystal_graph(pos, cell, GraphSpec(kind="radius", cutoff=1.0, lattice_loops=loops))
         assert len(g["edge_src"]) == expected and np.all(g["edge_src"] == 0) and np.all(g["edge_dst"] == 0)
-    g = C.build_graph(pos, cell, GraphSpec(kind="radius", cutoff=1.0, lattice_loops="matformer"))
+    g = build_crystal_graph(pos, cell, GraphSpec(kind="radius", cutoff=1.0, lattice_loops="matformer"))
     assert {tuple(s) for s in g["edge_shift"].tolist()} == {
-        tuple(s * sign) for s in C._MATFORMER_LOOPS for sign in (1, -1)}
+        tuple(s * sign) for s in MATFORMER_LOOPS for sign in (1, -1)}
 
 
 # --- readers -------------------------------------------------------------------------------------------
 
 def test_mlearn_json_and_gz(tmp_path):
     items = mlearn_items("Si", "test")
-    plain = list(C.read_mlearn_json(MLEARN["Si"]["test"], keep=("forces", "stress")))
+    plain = list(read_mlearn_json(MLEARN["Si"]["test"], keep=("forces", "stress")))
     gz = tmp_path / "test.json.gz"
     gz.write_bytes(gzip.compress(MLEARN["Si"]["test"].read_bytes()))
-    zipped = list(C.read_mlearn_json(gz, keep=("forces", "stress")))
+    zipped = list(read_mlearn_json(gz, keep=("forces", "stress")))
     assert len(plain) == len(zipped) == len(items) == 25
     for rec, z, item in zip(plain, zipped, items):
         assert rec["target"] == z["target"] == item["outputs"]["energy"]
@@ -165,21 +186,21 @@ def test_mlearn_json_and_gz(tmp_path):
         np.testing.assert_allclose(rec["atom_forces"], item["outputs"]["forces"])
         np.testing.assert_allclose(rec["stress"], item["outputs"]["virial_stress"])
         assert rec["id"] == f"Si/test.json#{rec['index']}"
-    per_atom = list(C.read_mlearn_json(MLEARN["Si"]["test"], per_atom=True))
+    per_atom = list(read_mlearn_json(MLEARN["Si"]["test"], per_atom=True))
     assert per_atom[3]["target"] == pytest.approx(items[3]["outputs"]["energy"] / items[3]["num_atoms"])
-    multi = next(C.read_mlearn_json(MLEARN["Si"]["test"], target=["energy", "stress"]))
+    multi = next(read_mlearn_json(MLEARN["Si"]["test"], target=["energy", "stress"]))
     assert multi["target"] == [items[0]["outputs"]["energy"], *items[0]["outputs"]["virial_stress"]]
 
 
 def test_bundled_sample_is_mlearn_si():
-    assert C.bundled_crystal_path("mlearn_Si_training").name == "mlearn_Si_training.json.gz"
-    bundled = list(C.read_mlearn_json(C.bundled_crystal_path("mlearn_Si_test")))
-    shared = list(C.read_mlearn_json(MLEARN["Si"]["test"]))
+    assert bundled_crystal_path("mlearn_Si_training").name == "mlearn_Si_training.json.gz"
+    bundled = list(read_mlearn_json(bundled_crystal_path("mlearn_Si_test")))
+    shared = list(read_mlearn_json(MLEARN["Si"]["test"]))
     assert [r["target"] for r in bundled] == [r["target"] for r in shared]
-    with gzip.open(C.bundled_crystal_path("mlearn_Si_training"), "rb") as f:
+    with gzip.open(bundled_crystal_path("mlearn_Si_training"), "rb") as f:
         assert f.read() == MLEARN["Si"]["training"].read_bytes()
     with pytest.raises(KeyError):
-        C.bundled_crystal_path("nope")
+        bundled_crystal_path("nope")
 
 
 def _extxyz_frames(n: int = 4):
@@ -210,25 +231,25 @@ def test_extxyz_reader(tmp_path, gz):
         gz_path = tmp_path / "frames.extxyz.gz"
         gz_path.write_bytes(gzip.compress(path.read_bytes()))
         path = gz_path
-    energy = list(C.read_extxyz(path, target="energy", keep="forces", id_key="name"))
+    energy = list(read_extxyz(path, target="energy", keep="forces", id_key="name"))
     assert [r["target"] for r in energy] == pytest.approx([a.get_potential_energy() for a in frames])
     assert [r["id"] for r in energy] == [f"frame{k}" for k in range(len(frames))]
     np.testing.assert_allclose(energy[1]["atom_forces"], frames[1].get_forces())
     np.testing.assert_allclose(energy[1]["positions"], frames[1].positions, atol=1e-6)  # extxyz: 8 decimals
-    gap = list(C.read_extxyz(path, target="gap"))
+    gap = list(read_extxyz(path, target="gap"))
     assert [r["target"] for r in gap] == pytest.approx([0.0, 0.1, 0.2, 0.3])
-    summed = list(C.read_extxyz(path, target="q_bader"))
+    summed = list(read_extxyz(path, target="q_bader"))
     assert summed[2]["target"] == pytest.approx(frames[2].arrays["q_bader"].sum())
-    kept = list(C.read_extxyz(path, target=["energy", "q_bader"], atom_target="keep"))
+    kept = list(read_extxyz(path, target=["energy", "q_bader"], atom_target="keep"))
     assert kept[2]["target"] == pytest.approx(frames[2].get_potential_energy())
     np.testing.assert_allclose(kept[2]["atom_target"], frames[2].arrays["q_bader"])
-    ds = C.build_crystal_dataset(path, target=["energy", "forces"], atom_target="keep", cache_dir=tmp_path / "c")
-    batch = C.collate_graphs(C.CrystalRows(ds).__getitems__([0, 1]))
+    ds = build_crystal_dataset(path, target=["energy", "forces"], atom_target="keep", cache_dir=tmp_path / "c")
+    batch = collate_graphs(CrystalRows(ds).__getitems__([0, 1]))
     assert batch["target"].shape == (2,) and batch["atom_target"].shape == (len(frames[0]) + len(frames[1]), 3)
 
 
 def test_id_prop_folder(tmp_path):
-    recs = list(C.read_id_prop_folder(JARVIS))
+    recs = list(read_id_prop_folder(JARVIS))
     rows = [line.split(",") for line in (JARVIS / "id_prop.csv").read_text().split()]
     assert len(recs) == len(rows) == 50
     assert [r["id"] for r in recs] == [name for name, _ in rows]
@@ -243,7 +264,7 @@ def test_id_prop_folder(tmp_path):
         shutil.copy(JARVIS / name, folder / name)
     lines = ["structure,band_gap"] + [f"{name.removesuffix('.vasp')},{v}" for name, v in rows[:3]]
     (folder / "id_prop.csv").write_text("\n".join(lines) + "\n")
-    recs2 = list(C.read_id_prop_folder(folder))
+    recs2 = list(read_id_prop_folder(folder))
     assert [r["target"] for r in recs2] == [float(v) for _, v in rows[:3]]
 
 
@@ -251,13 +272,13 @@ def test_in_memory_atoms_and_structures():
     pymatgen = pytest.importorskip("pymatgen.core")
     frames = _extxyz_frames(3)
     labels = [1.5, 2.5, [3.0]]
-    recs = list(C.read_structures(frames[:2], labels=labels[:2]))
+    recs = list(read_structures(frames[:2], labels=labels[:2]))
     assert [r["target"] for r in recs] == [1.5, 2.5]
-    from_info = list(C.read_structures(frames, target="gap"))
+    from_info = list(read_structures(frames, target="gap"))
     assert [r["target"] for r in from_info] == pytest.approx([0.0, 0.1, 0.2])
     structs = [pymatgen.Structure(lattice=a.cell.array, species=a.get_chemical_symbols(), coords=a.positions,
                                   coords_are_cartesian=True) for a in frames]
-    recs = list(C.read_structures(structs, labels=[1.0, 2.0, 3.0], ids=["a", "b", "c"], per_atom=True))
+    recs = list(read_structures(structs, labels=[1.0, 2.0, 3.0], ids=["a", "b", "c"], per_atom=True))
     assert [r["id"] for r in recs] == ["a", "b", "c"]
     assert recs[1]["target"] == pytest.approx(2.0 / len(frames[1]))
     np.testing.assert_allclose(recs[2]["positions"], frames[2].positions, atol=1e-8)
@@ -267,12 +288,12 @@ def test_in_memory_atoms_and_structures():
 def test_in_memory_dataset_is_cached_by_content(tmp_path):
     frames = _extxyz_frames(3)
     kw = dict(labels=[1.0, 2.0, 3.0], graph=GraphSpec(k=12), cache_dir=tmp_path)
-    first = C.build_crystal_dataset(frames, **kw)
-    graphs = C.GRAPH_CALLS
-    assert C.build_crystal_dataset(frames, **kw).crystal_report.cache_hit and C.GRAPH_CALLS == graphs
+    first = build_crystal_dataset(frames, **kw)
+    graphs = G.GRAPH_CALLS
+    assert build_crystal_dataset(frames, **kw).crystal_report.cache_hit and G.GRAPH_CALLS == graphs
     moved = [a.copy() for a in frames]
     moved[1].positions[0] += 0.05
-    assert C.build_crystal_dataset(moved, **kw)._fingerprint != first._fingerprint
+    assert build_crystal_dataset(moved, **kw)._fingerprint != first._fingerprint
 
 
 # --- bad input ----------------------------------------------------------------------------------------
@@ -303,7 +324,7 @@ def test_each_bad_record_is_named(tmp_path):
     for k in range(3, 9):
         path = write_json(tmp_path, items[:3] + [items[k]], name=f"bad{k}.json")
         with pytest.raises(CrystalDataError) as info:
-            list(C.read_mlearn_json(path))
+            list(read_mlearn_json(path))
         e = info.value
         assert e.index == 3 and e.record_id == f"{tmp_path.name}/bad{k}.json#3" and e.source == str(path)
         assert e.field == EXPECTED_FIELD[e.reason]
@@ -312,7 +333,7 @@ def test_each_bad_record_is_named(tmp_path):
     # In a dataset build the overlap is found in the graph step (free), with the same naming.
     path = write_json(tmp_path, items[:3] + [items[6]], name="overlap.json")
     with pytest.raises(CrystalDataError, match="overlapping_atoms") as info:
-        C.build_crystal_dataset(path, cache_dir=tmp_path / "c")
+        build_crystal_dataset(path, cache_dir=tmp_path / "c")
     assert info.value.index == 3 and info.value.field == "positions" and str(path) in str(info.value)
 
 
@@ -320,15 +341,15 @@ def test_skip_counts_and_keeps_good_records(tmp_path, caplog):
     items, expected = _bad_json_items()
     path = write_json(tmp_path, items)
     skipped = Counter()
-    good = list(C.read_mlearn_json(path, on_invalid="skip", skipped=skipped))
+    good = list(read_mlearn_json(path, on_invalid="skip", skipped=skipped))
     assert dict(skipped) == expected and len(good) == 6
-    with caplog.at_level(logging.WARNING, logger="trainer.families.crystals.data"):
-        ds = C.build_crystal_dataset(path, on_invalid="skip", cache_dir=tmp_path / "c", graph=GraphSpec(k=12))
+    with caplog.at_level(logging.WARNING, logger="trainer.families.crystals.readers"):
+        ds = build_crystal_dataset(path, on_invalid="skip", cache_dir=tmp_path / "c", graph=GraphSpec(k=12))
     report = ds.crystal_report
     assert report.skipped == expected and report.kept == 6 and report.records == 12
     assert ds["id"] == [f"{tmp_path.name}/set.json#{k}" for k in (0, 1, 2, 9, 10, 11)]
     assert "skipped 6 of 12 records" in caplog.text and "overlapping_atoms=1" in caplog.text
-    again = C.build_crystal_dataset(path, on_invalid="skip", cache_dir=tmp_path / "c", graph=GraphSpec(k=12))
+    again = build_crystal_dataset(path, on_invalid="skip", cache_dir=tmp_path / "c", graph=GraphSpec(k=12))
     assert again.crystal_report.cache_hit and again.crystal_report.skipped == expected
 
 
@@ -341,12 +362,12 @@ def test_id_prop_missing_file_and_bad_values(tmp_path):
     lines = [",".join(r) for r in rows] + ["POSCAR-missing.vasp,1.0", f"{rows[0][0]},nan", f"{rows[1][0]}"]
     (folder / "id_prop.csv").write_text("\n".join(lines) + "\n")
     with pytest.raises(CrystalDataError) as info:
-        list(C.read_id_prop_folder(folder))
+        list(read_id_prop_folder(folder))
     e = info.value
     assert (e.reason, e.index, e.record_id, e.field) == ("missing_file", 4, "POSCAR-missing.vasp", "file")
     assert "id_prop.csv" in str(e) and "POSCAR-missing.vasp" in str(e)
     skipped = Counter()
-    recs = list(C.read_id_prop_folder(folder, on_invalid="skip", skipped=skipped))
+    recs = list(read_id_prop_folder(folder, on_invalid="skip", skipped=skipped))
     # the nan row repeats an id too, but it is rejected for its value first
     assert len(recs) == 4 and dict(skipped) == {"missing_file": 1, "nan_target": 1, "missing_target": 1}
 
@@ -356,14 +377,14 @@ def test_non_periodic_and_unknown_atomic_number():
     mol = frames[0].copy()
     mol.pbc = False
     with pytest.raises(CrystalDataError, match="non_periodic") as info:
-        list(C.read_structures([frames[1], mol], labels=[1.0, 2.0]))
+        list(read_structures([frames[1], mol], labels=[1.0, 2.0]))
     assert info.value.index == 1 and info.value.field == "pbc" and "structure#1" in str(info.value)
     dummy = frames[0].copy()
     dummy.numbers[0] = 0
     with pytest.raises(CrystalDataError, match="unknown_element"):
-        list(C.read_structures([dummy], labels=[1.0]))
+        list(read_structures([dummy], labels=[1.0]))
     with pytest.raises(CrystalDataError, match="duplicate_id"):
-        list(C.read_structures(frames, labels=[1.0, 2.0], ids=["x", "x"]))
+        list(read_structures(frames, labels=[1.0, 2.0], ids=["x", "x"]))
 
 
 # --- Arrow cache --------------------------------------------------------------------------------------
@@ -372,28 +393,28 @@ def test_cache_hit_and_rebuild(tmp_path):
     path = write_json(tmp_path, mlearn_items("Si", "test")[:5])
     cache = tmp_path / "cache"
     spec = GraphSpec(k=12)
-    first = C.build_crystal_dataset(path, graph=spec, cache_dir=cache)
+    first = build_crystal_dataset(path, graph=spec, cache_dir=cache)
     files = sorted(p.name for p in (cache / "crystal_graphs").iterdir())
-    parses, graphs = C.PARSE_CALLS, C.GRAPH_CALLS
-    second = C.build_crystal_dataset(path, graph=spec, cache_dir=cache)
-    assert (C.PARSE_CALLS, C.GRAPH_CALLS) == (parses, graphs)  # neither parsed nor built
+    parses, graphs = R.PARSE_CALLS, G.GRAPH_CALLS
+    second = build_crystal_dataset(path, graph=spec, cache_dir=cache)
+    assert (R.PARSE_CALLS, G.GRAPH_CALLS) == (parses, graphs)  # neither parsed nor built
     assert second.crystal_report.cache_hit and not first.crystal_report.cache_hit
     assert sorted(p.name for p in (cache / "crystal_graphs").iterdir()) == files
     assert second["edge_src"] == first["edge_src"] and second._fingerprint == first._fingerprint
-    third = C.build_crystal_dataset(path, graph=GraphSpec(k=12, cutoff=5.0), cache_dir=cache)
-    assert C.GRAPH_CALLS == graphs + 5 and not third.crystal_report.cache_hit
+    third = build_crystal_dataset(path, graph=GraphSpec(k=12, cutoff=5.0), cache_dir=cache)
+    assert G.GRAPH_CALLS == graphs + 5 and not third.crystal_report.cache_hit
     assert third._fingerprint != first._fingerprint
-    C.build_crystal_dataset(path, graph=spec, per_atom=True, cache_dir=cache)
-    assert C.GRAPH_CALLS == graphs + 10  # a target option rebuilds too
+    build_crystal_dataset(path, graph=spec, per_atom=True, cache_dir=cache)
+    assert G.GRAPH_CALLS == graphs + 10  # a target option rebuilds too
     os.utime(path, ns=(1, 1))  # a changed input file (mtime) rebuilds
-    assert not C.build_crystal_dataset(path, graph=spec, cache_dir=cache).crystal_report.cache_hit
+    assert not build_crystal_dataset(path, graph=spec, cache_dir=cache).crystal_report.cache_hit
 
 
 def test_num_proc_gives_same_rows(tmp_path, monkeypatch):
-    monkeypatch.setattr(C, "MIN_SHARD_RECORDS", 2)
+    monkeypatch.setattr(D, "MIN_SHARD_RECORDS", 2)
     path = write_json(tmp_path, mlearn_items("Si", "test")[:6])
-    one = C.build_crystal_dataset(path, graph=GraphSpec(k=12), cache_dir=tmp_path / "a")
-    two = C.build_crystal_dataset(path, graph=GraphSpec(k=12), cache_dir=tmp_path / "b", num_proc=2)
+    one = build_crystal_dataset(path, graph=GraphSpec(k=12), cache_dir=tmp_path / "a")
+    two = build_crystal_dataset(path, graph=GraphSpec(k=12), cache_dir=tmp_path / "b", num_proc=2)
     assert len(list((tmp_path / "b" / "crystal_graphs").glob("*.arrow"))) == 2
     for col in ("id", "edge_src", "edge_shift", "target"):
         assert one[col] == two[col]
@@ -403,21 +424,21 @@ def test_num_proc_gives_same_rows(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def si_test(tmp_path_factory):
-    return C.build_crystal_dataset(C.bundled_crystal_path("mlearn_Si_test"), keep=("forces", "stress"),
+    return build_crystal_dataset(bundled_crystal_path("mlearn_Si_test"), keep=("forces", "stress"),
                                    cache_dir=tmp_path_factory.mktemp("si"))
 
 
 def test_rows_sizes_and_collate(si_test):
     ds = si_test
-    rows = C.CrystalRows(ds)
+    rows = CrystalRows(ds)
     assert len(rows) == 25
-    assert C.atom_counts(ds).tolist() == ds["num_atoms"] and C.edge_counts(rows).tolist() == ds["num_edges"]
+    assert atom_counts(ds).tolist() == ds["num_atoms"] and edge_counts(rows).tolist() == ds["num_edges"]
     r = rows[4]
     assert r["positions"].shape == (r["num_atoms"], 3) and r["edge_shift"].shape == (r["num_edges"], 3)
     np.testing.assert_allclose(r["positions"], np.asarray(ds[4]["positions"], np.float32))
     assert r["edge_src"].tolist() == ds[4]["edge_src"] and r["cell"].shape == (3, 3)
-    singles = [C.collate_graphs([rows[k]]) for k in (2, 7)]
-    batch = C.collate_graphs(rows.__getitems__([2, 7]))
+    singles = [collate_graphs([rows[k]]) for k in (2, 7)]
+    batch = collate_graphs(rows.__getitems__([2, 7]))
     n0 = int(singles[0]["num_atoms"][0])
     assert batch["batch"].tolist() == [0] * n0 + [1] * int(singles[1]["num_atoms"][0])
     assert batch["edge_src"][: len(singles[0]["edge_src"])].equal(singles[0]["edge_src"])
@@ -432,52 +453,104 @@ def test_rows_sizes_and_collate(si_test):
 
     assert torch.allclose(vectors(batch), torch.cat([vectors(s) for s in singles]))
     # the batched vectors are those of the single-structure graph (float32 storage)
-    rec = list(C.read_mlearn_json(C.bundled_crystal_path("mlearn_Si_test")))[7]
-    g = C.build_graph(rec["positions"], rec["cell"], GraphSpec())
-    np.testing.assert_allclose(vectors(singles[1]).numpy(), C.edge_vectors(rec["positions"], rec["cell"], g),
+    rec = list(read_mlearn_json(bundled_crystal_path("mlearn_Si_test")))[7]
+    g = build_crystal_graph(rec["positions"], rec["cell"], GraphSpec())
+    np.testing.assert_allclose(vectors(singles[1]).numpy(), edge_vectors(rec["positions"], rec["cell"], g),
                                atol=1e-4)
     # numpy-formatted dataset rows collate to the same batch; selected datasets map their indices
     np_rows = ds.with_format("numpy").__getitems__([2, 7])
-    assert all(torch.equal(batch[k], v) for k, v in C.collate_graphs(np_rows).items())
+    assert all(torch.equal(batch[k], v) for k, v in collate_graphs(np_rows).items())
     sub = ds.select([7, 2])
-    assert C.CrystalRows(sub)[0]["id"] == ds[7]["id"] and C.atom_counts(sub).tolist() == ds.select([7, 2])["num_atoms"]
+    assert CrystalRows(sub)[0]["id"] == ds[7]["id"] and atom_counts(sub).tolist() == ds.select([7, 2])["num_atoms"]
 
 
 def test_rows_in_a_dataloader(si_test):
-    loader = torch.utils.data.DataLoader(C.CrystalRows(si_test), batch_size=8, collate_fn=C.collate_graphs,
+    loader = torch.utils.data.DataLoader(CrystalRows(si_test), batch_size=8, collate_fn=collate_graphs,
                                          num_workers=2)
     batches = list(loader)
     assert sum(len(b["num_atoms"]) for b in batches) == 25
     assert int(batches[0]["edge_src"].max()) < len(batches[0]["positions"])
 
 
-def test_split_by_id_is_order_free():
-    ids = [f"s{k}" for k in range(103)]
-    parts = C.split_by_id(ids, [0.8, 0.1, 0.1], seed=3)
-    assert [len(p) for p in parts] == [82, 11, 10]  # cut at round(82.4), round(92.7)
-    assert sorted(np.concatenate(parts).tolist()) == list(range(103))
-    shuffled = ids[::-1]
-    again = C.split_by_id(shuffled, [0.8, 0.1, 0.1], seed=3)
-    for p, q in zip(parts, again):
-        assert {ids[k] for k in p} == {shuffled[k] for k in q}
-    other = C.split_by_id(ids, [0.8, 0.1, 0.1], seed=4)
-    assert set(other[1].tolist()) != set(parts[1].tolist())
-    with pytest.raises(ValueError):
-        C.split_by_id(ids, [0.5, 0.1])
+def test_crystal_splits_follow_the_id_hash_rule(tmp_path):
+    """build_crystal_splits splits by trainer.data.splits: each id by its own hash (keyed by the seed),
+    so the split is disjoint, covering, deterministic, independent of the input order and close to
+    the fractions (sizes are binomial around fraction x n, not exact)."""
+    items = mlearn_items("Si", "training")[:120]
+    atoms = [ase.Atoms(symbols=[site["species"][0]["element"] for site in it["structure"]["sites"]],
+                       positions=[site["xyz"] for site in it["structure"]["sites"]],
+                       cell=it["structure"]["lattice"]["matrix"], pbc=True) for it in items]
+    labels = [it["outputs"]["energy"] for it in items]
+    ids = [f"si-{k}" for k in range(len(items))]
+    fractions = {"train": 0.8, "validation": 0.1, "test": 0.1}
+    kw = dict(fractions=fractions, graph=GraphSpec(k=12), cache_dir=tmp_path / "c")
+    splits = build_crystal_splits(atoms, labels=labels, ids=ids, seed=3, **kw)
+    got = {name: ds["id"] for name, ds in splits.items()}
+    assert sorted(i for part in got.values() for i in part) == sorted(ids)  # disjoint and covering
+    assert got == {name: [ids[k] for k in idx] for name, idx in split_indices(ids, fractions, key=3).items()}
+    for name, fraction in fractions.items():  # within 4 binomial standard deviations of fraction x n
+        assert abs(len(got[name]) - fraction * len(ids)) <= 4 * math.sqrt(len(ids) * fraction * (1 - fraction))
+    assert all(len(part) for part in got.values())
+    reversed_ = build_crystal_splits(atoms[::-1], labels=labels[::-1], ids=ids[::-1], seed=3, **kw)
+    assert {n: set(ds["id"]) for n, ds in reversed_.items()} == {n: set(v) for n, v in got.items()}
+    other = build_crystal_splits(atoms, labels=labels, ids=ids, seed=4, **kw)
+    assert set(other["validation"]["id"]) != set(got["validation"])
+    with pytest.raises(ValueError, match="sum to 1"):
+        build_crystal_splits(atoms, labels=labels, ids=ids, fractions={"train": 0.5, "test": 0.1},
+                             graph=GraphSpec(k=12), cache_dir=tmp_path / "c")
 
 
 def test_splits_from_files_and_fractions(tmp_path):
     train = write_json(tmp_path, mlearn_items("Si", "training")[:10], "training.json")
     test = write_json(tmp_path, mlearn_items("Si", "test")[:4], "test.json")
-    splits = C.build_crystal_splits(train, test=test, fractions={"train": 0.8, "validation": 0.2}, seed=1,
+    splits = build_crystal_splits(train, test=test, fractions={"train": 0.8, "validation": 0.2}, seed=1,
                                     graph=GraphSpec(k=12), cache_dir=tmp_path / "c")
-    assert {k: len(v) for k, v in splits.items()} == {"train": 8, "validation": 2, "test": 4}
+    expected = split_indices([f"{tmp_path.name}/training.json#{k}" for k in range(10)],
+                             {"train": 0.8, "validation": 0.2}, key=1)
+    assert {k: len(v) for k, v in splits.items()} == {"train": len(expected["train"]),
+                                                      "validation": len(expected["validation"]), "test": 4}
+    assert splits["validation"]["id"] == [f"{tmp_path.name}/training.json#{k}" for k in expected["validation"]]
     assert not set(splits["train"]["id"]) & set(splits["validation"]["id"])
     assert all(i.startswith(f"{tmp_path.name}/test.json#") for i in splits["test"]["id"])
 
 
 def test_labels_with_kept_extras():
     frames = _extxyz_frames(2)
-    recs = list(C.read_structures(frames, labels=[0.5, 1.0], keep="forces"))
+    recs = list(read_structures(frames, labels=[0.5, 1.0], keep="forces"))
     assert recs[1]["target"] == 1.0
     np.testing.assert_allclose(recs[1]["atom_forces"], frames[1].get_forces())
+
+
+def test_nan_position_reports_the_atom(tmp_path):
+    frames = _extxyz_frames(2)
+    frames[1].positions[5] = np.nan
+    with pytest.raises(CrystalDataError) as info:
+        build_crystal_dataset(frames, labels=[1.0, 2.0], cache_dir=tmp_path)
+    e = info.value
+    assert (e.reason, e.index, e.field) == ("bad_value", 1, "positions")
+    assert "non-finite position" in e.detail and "atom 5" in e.detail and "shape" not in e.detail
+
+
+def test_failed_build_leaves_no_temp_files(tmp_path, monkeypatch):
+    """A record that fails in the graph step after rows were already written to the shard's temp file:
+    the build raises the record's error and the cache folder holds no temp file, shard or sidecar."""
+    monkeypatch.setattr(D, "ARROW_BATCH", 2)  # flush every 2 rows, so the temp file has data when it fails
+    items, _ = _bad_json_items()
+    path = write_json(tmp_path, mlearn_items("Si", "test")[:7] + [items[6]])  # items[6]: overlapping atoms
+    cache = tmp_path / "cache"
+    written = []
+    real_writer = D.arrow_writer
+
+    def spy(features, target):
+        written.append(target)
+        return real_writer(features, target)
+
+    monkeypatch.setattr(D, "arrow_writer", spy)
+    with pytest.raises(CrystalDataError, match="overlapping_atoms") as info:
+        build_crystal_dataset(path, graph=GraphSpec(k=12), cache_dir=cache)
+    assert info.value.index == 7
+    assert written and all(w.endswith(".tmp") for w in written)  # rows went to a temp name first
+    assert sorted(p.name for p in (cache / "crystal_graphs").iterdir()) == []
+    # the same input with the bad record skipped then builds normally
+    ds = build_crystal_dataset(path, graph=GraphSpec(k=12), cache_dir=cache, on_invalid="skip")
+    assert len(ds) == 7 and not list((cache / "crystal_graphs").glob("*.tmp"))

@@ -4,19 +4,41 @@ from plain Python (launching its own processes) and under accelerate launch."""
 
 from __future__ import annotations
 
+import csv
 import json
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
 from conftest import BIN, ROOT, accelerate_cmd, child_env, free_port, read_jsonl, run_cmd
+
 from trainer.config import load_config
 from trainer.core.trainer import Trainer
+from trainer.data.splits import split_indices
+from trainer.families.crystals.readers import bundled_crystal_path, iter_crystals
 
 CONFIG = str(ROOT / "configs" / "crystals" / "comformer_tiny.yaml")
 MLEARN = ROOT.parent / "shared" / "data" / "crystals" / "mlearn"
+
+
+def split_sizes(ids: list[str], val_fraction: float, test_fraction: float, seed: int) -> dict[str, int]:
+    """Split sizes under the task's rule (trainer.data.splits: each id by its own hash, keyed by the seed)."""
+    fractions = {"train": 1.0 - val_fraction - test_fraction, "validation": val_fraction, "test": test_fraction}
+    return {name: len(idx) for name, idx in split_indices(ids, fractions, key=seed).items()}
+
+
+def bundled_val_size() -> int:
+    ids = [r["id"] for r in iter_crystals(bundled_crystal_path("mlearn_Si_training"), check_overlap=False)]
+    size = split_sizes(ids, 0.1, 0.0, seed=0)["validation"]
+    assert abs(size - 0.1 * len(ids)) <= 4 * np.sqrt(len(ids) * 0.1 * 0.9)  # close to the fraction
+    return size
+
+
+def read_predictions(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "test" / "predictions.csv", newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def make(tmp_path, *overrides):
@@ -29,7 +51,7 @@ def make(tmp_path, *overrides):
 def test_tiny_training_beats_element_baseline_and_writes_parity_plot(tmp_path):
     trainer = make(tmp_path, "train.epochs=8", "eval.every_epochs=0", "ckpt.every_steps=0")
     before = trainer.evaluate()
-    assert before["num_structures"] == 21  # 10% of the 214 training structures, by id hash
+    assert before["num_structures"] == bundled_val_size()  # ~10% of the 214 training structures, by id hash
     assert trainer.fit() == "completed"
     after = trainer.last_eval
     assert after["mae"] < 0.5 * before["mae"]
@@ -37,8 +59,15 @@ def test_tiny_training_beats_element_baseline_and_writes_parity_plot(tmp_path):
     test = json.loads((tmp_path / "run" / "test" / "metrics.json").read_text())
     assert test["num_structures"] == 25 and test["mae"] < test["baseline_mae"]
     assert (tmp_path / "run" / "test" / "parity.png").stat().st_size > 5000
-    rows = (tmp_path / "run" / "test" / "predictions.csv").read_text().splitlines()
-    assert len(rows) == 26 and rows[0] == "pred,target,baseline,num_atoms"
+    assert (tmp_path / "run" / "test" / "predictions.csv").read_text().splitlines()[0] == \
+        "id,pred,target,baseline,num_atoms"
+    rows = read_predictions(tmp_path / "run")
+    test_records = list(iter_crystals(bundled_crystal_path("mlearn_Si_test"), per_atom=True, check_overlap=False))
+    assert sorted(r["id"] for r in rows) == sorted(r["id"] for r in test_records)  # every test structure, by id
+    by_id = {r["id"]: r for r in test_records}
+    for row in rows:  # each prediction sits next to its own structure's target and size
+        assert float(row["target"]) == pytest.approx(by_id[row["id"]]["target"], rel=1e-6)
+        assert int(row["num_atoms"]) == len(by_id[row["id"]]["atomic_numbers"])
 
 
 @pytest.mark.usefixtures("fresh_accelerate")
@@ -71,7 +100,7 @@ def test_two_process_ddp_balanced_batches_exact_once_eval(tmp_path):
     records = read_jsonl(out)
     assert next(r for r in records if r.get("event") == "start")["world_size"] == 2
     evals = [r for r in records if "eval/mae" in r]
-    assert len(evals) == 2 and all(r["eval/num_structures"] == 21 for r in evals)
+    assert len(evals) == 2 and all(r["eval/num_structures"] == bundled_val_size() for r in evals)
     test = [r for r in records if "test/mae" in r]
     assert len(test) == 1 and test[0]["test/num_structures"] == 25
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
@@ -106,7 +135,8 @@ def test_train_from_list_launches_two_processes_from_plain_python(tmp_path):
     pickle.dump((atoms, labels), open(tmp_path / "data.pkl", "wb"))
     proc = run_cmd([str(BIN / "python"), str(script)], cwd=tmp_path)
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert res["test"]["num_structures"] == 12 and res["eval"]["num_structures"] == 6
+    sizes = split_sizes([f"structure#{k}" for k in range(60)], 0.1, 0.2, seed=1)
+    assert res["test"]["num_structures"] == sizes["test"] and res["eval"]["num_structures"] == sizes["validation"]
     records = read_jsonl(tmp_path / "out")
     assert next(r for r in records if r.get("event") == "start")["world_size"] == 2
     assert (tmp_path / "out" / "launch_config.yaml").exists()
@@ -136,5 +166,153 @@ def test_train_from_extxyz_unchanged_under_accelerate_launch(tmp_path):
            "--main_process_port", str(free_port()), str(script)]
     proc = run_cmd(cmd, cwd=tmp_path, env=child_env())
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    assert res["test"]["num_structures"] == 8
+    ids = [f"{tmp_path.resolve().name}/mo.extxyz#{k}" for k in range(40)]
+    assert res["test"]["num_structures"] == split_sizes(ids, 0.1, 0.2, seed=123)["test"]
     assert next(r for r in read_jsonl(tmp_path / "out") if r.get("event") == "start")["world_size"] == 2
+
+
+# --- one lattice rule end to end: export ------------------------------------------------------------
+
+def _lattice_set(n: int, seed: int):
+    """Crystals whose cells have ties (fcc / bcc primitive, hexagonal, sheared) or none (random),
+    rattled and strained, with a smooth target `y` of the geometry."""
+    import ase
+    from ase.build import bulk
+
+    rng = np.random.default_rng(seed)
+    makers = [lambda: bulk("Cu", "fcc", a=3.6), lambda: bulk("Fe", "bcc", a=2.87),
+              lambda: bulk("Mg", "hcp", a=3.21, c=5.21), lambda: bulk("Si", "diamond", a=5.43),
+              lambda: ase.Atoms("Si2", cell=[[3.0, 0, 0], [1.5, 3.2, 0], [0.4, 0.3, 6.0]],
+                                scaled_positions=[[0, 0, 0], [0.5, 0.45, 0.5]], pbc=True),
+              lambda: ase.Atoms("SiO", cell=np.diag(rng.uniform(3.5, 5.0, 3)) + rng.uniform(-0.8, 0.8, (3, 3)),
+                                scaled_positions=[[0.1, 0.2, 0.3], [0.6, 0.5, 0.8]], pbc=True)]
+    frames = []
+    for k in range(n):
+        atoms = makers[k % len(makers)]()
+        scale = 1.0 + 0.03 * rng.standard_normal()
+        atoms.set_cell(atoms.cell.array * scale, scale_atoms=True)
+        atoms.positions += 0.05 * rng.standard_normal(atoms.positions.shape)
+        atoms.info["y"] = float(atoms.get_volume() / len(atoms) / 10.0 + 0.1 * rng.standard_normal())
+        frames.append(atoms)
+    return frames
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_exported_model_predicts_from_collate_graphs_like_evaluation(tmp_path):
+    """The model after `trainer export` + `load_exported`, fed batches of the public `collate_graphs`,
+    predicts what the trained model wrote for the test split during evaluation (predictions.csv), on
+    cells where the choice of ComFormer's lattice vectors has ties: the batch carries the lattice
+    coefficients the graphs were built with, so nobody recomputes them differently."""
+    import ase.io
+
+    from trainer.core.export import export_run, load_exported
+    from trainer.families.crystals.dataset import CrystalRows, build_crystal_dataset, collate_graphs
+    from trainer.families.crystals.graphs import GraphSpec
+
+    ase.io.write(tmp_path / "train.extxyz", _lattice_set(24, seed=0), format="extxyz")
+    ase.io.write(tmp_path / "test.extxyz", _lattice_set(12, seed=1), format="extxyz")
+    trainer = make(tmp_path, f"task.data_path={tmp_path / 'train.extxyz'}",
+                   f"task.test_path={tmp_path / 'test.extxyz'}", "task.target=y", "task.per_atom=false",
+                   "train.epochs=0", "train.max_steps=4", "train.per_device_batch_size=8", "eval.every_epochs=0",
+                   "ckpt.every_epochs=0", "optim.warmup_steps=0")
+    assert trainer.fit() == "completed"
+    evaluated = {row["id"]: float(row["pred"]) for row in read_predictions(tmp_path / "run")}
+    assert len(evaluated) == 12
+
+    model, cfg = load_exported(export_run(tmp_path / "run"))
+    model.eval()
+    spec = GraphSpec(kind=cfg.task.graph, cutoff=cfg.task.cutoff, k=cfg.task.max_neighbors,
+                     use_lattice=cfg.task.use_lattice)
+    ds = build_crystal_dataset(tmp_path / "test.extxyz", graph=spec, target="y", cache_dir=tmp_path / "cache2")
+    rows = CrystalRows(ds).__getitems__(list(range(len(ds))))
+    batch = collate_graphs(rows)
+    assert "lattice_coeffs" in batch
+    pred = model.predict(batch)[:, 0]
+    ids = [row["id"] for row in rows]
+    assert set(ids) == set(evaluated)
+    spread = np.ptp(list(evaluated.values()))
+    assert spread > 1e-3  # the model does tell the structures apart
+    for rid, p in zip(ids, pred.tolist()):  # float32 batches of another size, 8 printed digits
+        assert p == pytest.approx(evaluated[rid], rel=1e-5, abs=1e-5 * spread), rid
+    # Bitwise: the batches evaluation builds (the task's collate) and the public collate_graphs give
+    # the exported model the same lattice vectors. (The lattice features move this briefly trained
+    # tiny model's outputs by ~1e-6 only, hence exact equality rather than a tolerance.)
+    assert torch.equal(model.predict(trainer.task.collate(rows))[:, 0], pred)
+
+
+# --- train_from_list: bad input and test files ------------------------------------------------------
+
+def _si_atoms(split: str, n: int):
+    return _mlearn_atoms("Si", split, n)
+
+
+def test_train_from_list_refuses_a_none_label(tmp_path):
+    from trainer.crystals import train_from_list
+    from trainer.families.crystals.readers import CrystalDataError
+
+    atoms, labels = _si_atoms("training", 4)
+    labels[2] = None
+    with pytest.raises(CrystalDataError) as info:
+        train_from_list(atoms, labels, ids=["a", "b", "c", "d"], output_dir=str(tmp_path / "out"), preset="tiny",
+                        n_epochs=1, overrides=["train.epochs=0", "train.max_steps=1"])
+    e = info.value
+    assert (e.reason, e.index, e.record_id, e.field) == ("missing_target", 2, "c", "target")
+    assert "record 2 (id 'c')" in str(e) and "missing_target" in str(e)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # nothing trained
+
+
+def test_unknown_element_names_record_and_element(tmp_path):
+    from pymatgen.core import Lattice, Structure
+
+    from trainer.crystals import train_from_list
+    from trainer.families.crystals.dataset import build_crystal_dataset
+    from trainer.families.crystals.readers import CrystalDataError
+
+    good = Structure(Lattice.cubic(4.0), ["Si", "Si"], [[0, 0, 0], [0.5, 0.5, 0.5]])
+    bad = Structure(Lattice.cubic(4.0), ["Si", "Xx"], [[0, 0, 0], [0.5, 0.5, 0.5]])
+    for call in (lambda: train_from_list([good, bad], [1.0, 2.0], output_dir=str(tmp_path / "out"), preset="tiny",
+                                         n_epochs=1, overrides=["train.epochs=0", "train.max_steps=1"]),
+                 lambda: build_crystal_dataset([good, bad], labels=[1.0, 2.0], cache_dir=tmp_path / "c")):
+        with pytest.raises(CrystalDataError) as info:
+            call()
+        e = info.value
+        assert (e.reason, e.index, e.record_id, e.field) == ("unknown_element", 1, "structure#1", "species[1]")
+        assert "'Xx'" in str(e) and "record 1" in str(e) and "site 1" in str(e)
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_train_from_list_reads_test_files_in_the_training_formats(tmp_path):
+    """test_path= takes an mlearn JSON (target `energy`, divided per atom) and an extxyz with the
+    target under its own name, not only files written by train_from_list."""
+    import ase.io
+
+    from trainer.crystals import train_from_list
+
+    atoms, labels = _si_atoms("training", 24)  # labels: energy per atom
+    test_atoms, test_labels = _si_atoms("test", 25)
+    for a, y in zip(test_atoms, test_labels):
+        a.info["energy_per_atom"] = y
+    ase.io.write(tmp_path / "test.extxyz", test_atoms, format="extxyz")
+    quick = dict(batch_size=8, n_epochs=1, preset="tiny", overrides=["train.epochs=0", "train.max_steps=1",
+                                                                     "log.tensorboard=false"])
+    for name, kw in (("mlearn", dict(test_path=str(MLEARN / "Si" / "test.json"), test_per_atom=True)),
+                     ("extxyz", dict(test_path=str(tmp_path / "test.extxyz"), test_target="energy_per_atom"))):
+        out = tmp_path / name
+        res = train_from_list(atoms, labels, output_dir=str(out), **quick, **kw)
+        assert res["test"]["num_structures"] == 25, name
+        targets = sorted(float(r["target"]) for r in read_predictions(out))
+        np.testing.assert_allclose(targets, sorted(test_labels), rtol=1e-6, err_msg=name)
+
+
+def test_mlearn_config_finds_its_data_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TRAINER_CRYSTALS_DATA", raising=False)
+    for name in ("comformer_mlearn.yaml", "comformer_jarvis_bandgap.yaml"):
+        cfg = load_config(str(ROOT / "configs" / "crystals" / name))
+        assert Path(cfg.task.data_path).exists(), (name, cfg.task.data_path)
+    assert Path(cfg.task.data_path).samefile(ROOT.parent / "shared" / "data" / "crystals" / "jarvis_bandgap_50")
+    cfg = load_config(str(ROOT / "configs" / "crystals" / "comformer_mlearn.yaml"))
+    assert Path(cfg.task.test_path).samefile(MLEARN / "Si" / "test.json")
+    monkeypatch.setenv("TRAINER_CRYSTALS_DATA", str(tmp_path / "elsewhere"))
+    cfg = load_config(str(ROOT / "configs" / "crystals" / "comformer_mlearn.yaml"))
+    assert cfg.task.data_path == str(tmp_path / "elsewhere" / "mlearn" / "Si" / "training.json")

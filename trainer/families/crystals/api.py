@@ -22,46 +22,50 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
+from trainer.atomic_io import atomic_write_bytes
 from trainer.config import Config, load_config, save_config
+from trainer.families.crystals.readers import CrystalDataError, iter_crystals, log_skips
+from trainer.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["train_from_list", "train_from_extxyz", "write_structures_extxyz"]
 
 
-def _as_atoms(structure: Any):
-    import ase
-
-    if isinstance(structure, ase.Atoms):
-        return structure.copy()
-    try:
-        from pymatgen.io.ase import AseAtomsAdaptor
-    except ImportError as err:  # pragma: no cover - pymatgen is optional
-        raise TypeError(f"expected ase.Atoms or a pymatgen Structure, got {type(structure).__name__}") from err
-    return AseAtomsAdaptor.get_atoms(structure)
-
-
 def write_structures_extxyz(structures: Sequence[Any], labels: Sequence[Any], path: str | Path,
-                            ids: Sequence[str] | None = None) -> Path:
-    """Write structures (ase.Atoms or pymatgen Structures) with `info["target"]` = label as extxyz.
+                            ids: Sequence[str] | None = None, on_invalid: str = "error") -> Path:
+    """Write structures (ase.Atoms or pymatgen Structures) as extxyz with `info["id"]` and `info["target"]`.
 
-    The file is replaced atomically and only when its content changes, so the processes of one
-    launch (which all call this) agree on the file and its Arrow cache fingerprint.
+    Every structure and label is validated first by the family's reader, as `build_crystal_dataset`
+    would (a None or NaN label, an unknown element, a singular cell, ...): `on_invalid="error"` raises
+    the `CrystalDataError` naming the record (index and id), the field and the reason; "skip" leaves
+    the record out and logs the counts. The file is written from the validated records (no
+    pymatgen -> ASE conversion), replaced atomically and only when its content changes, so the
+    processes of one launch (which all call this) agree on the file and its Arrow cache fingerprint.
     """
+    import ase
     import ase.io
 
     if len(structures) != len(labels):
         raise ValueError(f"{len(structures)} structures but {len(labels)} labels")
     if ids is not None and len(ids) != len(structures):
         raise ValueError(f"{len(structures)} structures but {len(ids)} ids")
+    skipped: Counter = Counter()
+    records = list(iter_crystals(list(structures), labels=list(labels), ids=ids, on_invalid=on_invalid,
+                                 skipped=skipped, check_overlap=False))  # overlaps: found by the graph build
+    log_skips(skipped, len(structures), "train_from_list structures")
+    if not records:
+        raise CrystalDataError("<in-memory>", None, None, "records", "no_records",
+                               f"no valid structures ({dict(skipped)} skipped)")
     frames = []
-    for k, (structure, label) in enumerate(zip(structures, labels)):
-        atoms = _as_atoms(structure)
-        atoms.calc = None
-        atoms.info = {"id": str(ids[k]) if ids is not None else f"structure_{k}", "target": label}
+    for rec in records:
+        atoms = ase.Atoms(numbers=rec["atomic_numbers"], positions=rec["positions"], cell=rec["cell"], pbc=rec["pbc"])
+        atoms.info = {"id": rec["id"], "target": rec["target"]}
         frames.append(atoms)
     buffer = io.StringIO()
     ase.io.write(buffer, frames, format="extxyz")
@@ -70,10 +74,7 @@ def write_structures_extxyz(structures: Sequence[Any], labels: Sequence[Any], pa
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() and hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(data).digest():
         return path
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, data, durable=False)
     return path
 
 
@@ -83,14 +84,15 @@ def _under_launcher() -> bool:
 
 def _build_config(*, data_path: str, target: str, per_atom: bool, batch_size: int, n_epochs: float,
                   learning_rate: float, num_workers: int, random_seed: int, output_dir: str, cache_graphs: bool,
-                  use_lattice: bool, config: str | None, overrides: Sequence[str], task_options: dict[str, Any]) -> Config:
+                  use_lattice: bool, config: str | None, overrides: Sequence[str],
+                  task_options: dict[str, Any]) -> Config:
     opts = {"task.name": "crystal_property", "task.preset": task_options.pop("preset", "paper"),
             "task.data_path": data_path, "task.target": target, "task.per_atom": per_atom,
             "task.use_lattice": use_lattice, "train.per_device_batch_size": batch_size, "train.epochs": n_epochs,
             "optim.lr": learning_rate, "data.num_workers": num_workers, "run.seed": random_seed,
             "run.output_dir": output_dir, "log.progress_bar": False}
     opts["task.cache_dir"] = str(Path(output_dir) / "cache") if cache_graphs else tempfile.mkdtemp(prefix="graphs-")
-    opts.update({f"task.{k}": v for k, v in task_options.items()})
+    opts.update({f"task.{k}": v for k, v in task_options.items() if v is not None})  # None: the task's default
     cli = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in opts.items()]
     return load_config(config, [*cli, *overrides])
 
@@ -125,15 +127,16 @@ def _run(cfg: Config, num_processes: int, distributed: bool, deepspeed: str | No
 
 def read_results(run_dir: str | Path) -> dict[str, Any]:
     """Last eval metrics, test metrics and paths of a finished run directory."""
-    run_dir = Path(run_dir)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    run = RunDir(run_dir)
+    records = run.read_metrics()
     last_eval = next((r for r in reversed(records) if any(k.startswith("eval/") for k in r)), {})
     last_test = next((r for r in reversed(records) if any(k.startswith("test/") for k in r)), {})
-    return {"run_dir": str(run_dir),
+    parity = run.test / "parity.png"
+    return {"run_dir": str(run.root),
             "eval": {k[5:]: v for k, v in last_eval.items() if k.startswith("eval/")},
             "test": {k[5:]: v for k, v in last_test.items() if k.startswith("test/")},
-            "parity_plot": str(run_dir / "test" / "parity.png") if (run_dir / "test" / "parity.png").exists() else None,
-            "checkpoints": str(run_dir / "checkpoints")}
+            "parity_plot": str(parity) if parity.exists() else None,
+            "checkpoints": str(run.checkpoints)}
 
 
 def train_from_list(strucs: Sequence[Any], labels: Sequence[Any], *, ids: Sequence[str] | None = None,
@@ -141,10 +144,16 @@ def train_from_list(strucs: Sequence[Any], labels: Sequence[Any], *, ids: Sequen
                     random_seed: int = 123, output_dir: str = "./output", cache_graphs: bool = True,
                     use_lattice: bool = True, use_angle: bool = False, distributed: bool = False,
                     num_processes: int = 1, config: str | None = None, overrides: Sequence[str] = (),
-                    deepspeed: str | None = None, **task_options: Any) -> dict[str, Any]:
+                    deepspeed: str | None = None, test_target: str = "energy", test_per_atom: bool | None = None,
+                    **task_options: Any) -> dict[str, Any]:
     """Train `crystal_property` on structures (ase.Atoms or pymatgen Structures) and their labels.
 
-    batch_size is per process; the labels are taken as given (per_atom=False unless passed).
+    batch_size is per process; the labels are taken as given (per_atom=False unless passed). The
+    structures and labels are validated before anything is written (a None label raises the
+    `missing_target` CrystalDataError, an unknown element names the record and the element).
+    `test_path=` takes a held-out file in any format the family reads (mlearn JSON, extxyz, an
+    id_prop folder): its target is read under `test_target` (default "energy", the mlearn and ASE
+    calculator key) and divided by the atom count if `test_per_atom` (default: as `per_atom`).
     Extra keywords are `task.*` options (e.g. variant="ecomformer", preset="tiny", test_fraction=0.1);
     `config` / `overrides` give any other setting (CLI syntax). Returns the final eval and test
     metrics and the run paths (on the main process; {} on the other ranks of a launched run).
@@ -152,8 +161,11 @@ def train_from_list(strucs: Sequence[Any], labels: Sequence[Any], *, ids: Sequen
     if use_angle:
         logger.warning("use_angle has no effect: ComFormer encodes angles through the edge-lattice cosines "
                        "(use_lattice), not an ALIGNN line graph")
-    data = write_structures_extxyz(strucs, labels, Path(output_dir) / "data" / "structures.extxyz", ids=ids)
+    data = write_structures_extxyz(strucs, labels, Path(output_dir) / "data" / "structures.extxyz", ids=ids,
+                                   on_invalid=task_options.get("on_invalid", "error"))
     per_atom = task_options.pop("per_atom", False)
+    task_options.setdefault("id_key", "id")  # the ids written above name the records in errors and predictions
+    task_options.update(test_target=test_target, test_per_atom=test_per_atom)
     cfg = _build_config(data_path=str(data), target="target", per_atom=per_atom, batch_size=batch_size,
                         n_epochs=n_epochs, learning_rate=learning_rate, num_workers=num_workers,
                         random_seed=random_seed, output_dir=output_dir, cache_graphs=cache_graphs,

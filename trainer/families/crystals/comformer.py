@@ -47,9 +47,10 @@ torch_geometric/torch_scatter:
   takes the three shortest linearly independent lattice vectors (shortest self-image of
   atom 0, then the next one not collinear, then the next one not coplanar). It flips the
   2nd and 3rd to make an angle <= 90 deg with the 1st, and negates all three if they are
-  left-handed. :func:`canonical_lattice_coeffs` does the same from ``cell`` (candidates come
-  from a Minkowski-reduced basis), so the features do not depend on which basis of the
-  lattice is given.
+  left-handed. The family's one lattice rule, ``lattice.canonical_lattice_coeffs``, does the
+  same from ``cell``; the data layer stores its result with every graph and ``collate_graphs``
+  puts it in every batch (``lattice_coeffs``), which the model uses as given. Only a batch
+  without it makes the model compute it, with the same function.
 
 Conventions. Edge ``e`` goes from ``edge_src`` (neighbour j) to ``edge_dst`` (centre i), and
 messages flow src -> dst. The model computes ``edge_vec = pos[src] + shift @ cell - pos[dst]``
@@ -89,17 +90,19 @@ results depend on the batch composition unless the model is in evaluation mode (
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from trainer.families.crystals.lattice import canonical_lattice
 
 Tensor = torch.Tensor
 
@@ -112,11 +115,8 @@ __all__ = [
     "ComformerConvEqui",
     "RBFExpansion",
     "build_comformer",
-    "canonical_lattice",
-    "canonical_lattice_coeffs",
     "comformer_config",
     "count_parameters",
-    "lattice_self_loop_shifts",
     "load_cgcnn_features",
 ]
 
@@ -174,13 +174,13 @@ class ComFormerConfig:
     def atom_input_features(self) -> int:
         return 92 if self.atom_features == "cgcnn" else 0
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 #: Presets as keyword dicts for :class:`ComFormerConfig`. ``paper`` is the official iComFormer
 #: default (``iComformerConfig``), ``paper_ecomformer`` the official eComFormer default.
-COMFORMER_PRESETS: Dict[str, Dict[str, Any]] = {
+COMFORMER_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         variant="icomformer", conv_layers=2, edge_layers=1, node_features=32, edge_features=32,
         triplet_features=32, fc_features=32, heads=1, equi_scalars=16, equi_vectors=4,
@@ -217,7 +217,7 @@ def comformer_config(preset: str = "paper", **overrides: Any) -> ComFormerConfig
 # --------------------------------------------------------------------------------------------
 
 
-def load_cgcnn_features(path: Union[str, Path] = CGCNN_FEATURES_PATH) -> Tensor:
+def load_cgcnn_features(path: str | Path = CGCNN_FEATURES_PATH) -> Tensor:
     """The CGCNN table as ``[max_z + 1, 92]``. Row ``z`` holds element ``z``; row 0 is zeros."""
     with open(path) as fh:
         raw = json.load(fh)
@@ -231,106 +231,6 @@ def load_cgcnn_features(path: Union[str, Path] = CGCNN_FEATURES_PATH) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Lattice: the official "lattice correction" (three shortest independent lattice vectors)
-# --------------------------------------------------------------------------------------------
-
-_GRID = np.array([(a, b, c) for a in range(-2, 3) for b in range(-2, 3) for c in range(-2, 3)
-                  if (a, b, c) != (0, 0, 0)], dtype=np.int64)
-
-
-def _lex_max(rows: np.ndarray) -> int:
-    """Index of the lexicographically largest integer row."""
-    order = np.lexsort(rows.T[::-1])  # sorts ascending by column 0, then 1, then 2
-    return int(order[-1])
-
-
-def canonical_lattice_coeffs(cell: Union[np.ndarray, Tensor], tol: float = 1e-6) -> np.ndarray:
-    """Integer ``[3, 3]`` coefficients ``C`` such that ``C @ cell`` are the ComFormer lattice vectors.
-
-    This follows ``nearest_neighbor_edges_submit`` in the official ``graphs.py``.
-    ``lat1`` is the shortest lattice vector, ``lat2`` the shortest one not collinear with it,
-    and ``lat3`` the shortest one not coplanar with both. ``lat2`` and ``lat3`` are flipped
-    if their angle with ``lat1`` exceeds 90 deg, and all three are negated if left-handed.
-    The result depends only on the lattice, not on its basis, except for ties, which are
-    broken within relative tolerance ``tol`` by the coefficients in the given basis (see
-    the module docstring).
-    """
-    from ase.geometry import minkowski_reduce  # ase is a core dependency of the package
-
-    cell = np.asarray(cell.detach().cpu().double() if isinstance(cell, Tensor) else cell, dtype=np.float64)
-    if abs(np.linalg.det(cell)) < 1e-12:
-        raise ValueError("cell is singular; ComFormer needs a 3D periodic lattice")
-    _, op = minkowski_reduce(cell)  # reduced = op @ cell, op unimodular
-    coeffs = _GRID @ np.asarray(op, dtype=np.int64)  # candidate coefficients in the given basis
-    vecs = coeffs.astype(np.float64) @ cell
-    length = np.linalg.norm(vecs, axis=1)
-
-    def pick(mask: np.ndarray) -> int:
-        m = length[mask].min()
-        cand = np.flatnonzero(mask & (length <= m * (1.0 + tol)))
-        return int(cand[_lex_max(coeffs[cand])])
-
-    i1 = pick(np.ones(len(vecs), dtype=bool))
-    l1 = vecs[i1]
-    cross = np.linalg.norm(np.cross(l1, vecs), axis=1)
-    i2 = pick(cross > tol * length[i1] * length)
-    l2 = vecs[i2]
-    triple = np.abs(np.cross(l1, l2) @ vecs.T)
-    i3 = pick(triple > tol * length[i1] * length[i2] * length)
-
-    c1, c2, c3 = coeffs[i1].copy(), coeffs[i2].copy(), coeffs[i3].copy()
-    v1, v2, v3 = vecs[i1], vecs[i2], vecs[i3]
-    cos12 = v1 @ v2 / (length[i1] * length[i2])
-    cos13 = v1 @ v3 / (length[i1] * length[i3])
-    # official: flip lat2 / lat3 when the angle to lat1 is > 90 deg; (near-)orthogonal ones keep
-    # the lexicographically positive sign chosen by `pick` (deterministic tie-break).
-    if cos12 < -tol:
-        c2, v2 = -c2, -v2
-    if cos13 < -tol:
-        c3, v3 = -c3, -v3
-    # official: make the system right-handed by negating all three
-    if np.cross(v1, v2) @ v3 < 0:
-        c1, c2, c3 = -c1, -c2, -c3
-    return np.stack([c1, c2, c3]).astype(np.int64)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _cached_coeffs(cell_bytes: bytes, tol: float) -> Tuple[int, ...]:
-    # about 0.3 ms per cell (ase's Minkowski reduction in Python), so repeated cells (every
-    # epoch) come from this cache; a data pipeline can also pass ``lattice_coeffs`` itself
-    cell = np.frombuffer(cell_bytes, dtype=np.float64).reshape(3, 3)
-    return tuple(int(v) for v in canonical_lattice_coeffs(cell, tol).reshape(-1))
-
-
-def canonical_lattice(cell: Tensor, tol: float = 1e-6) -> Tuple[Tensor, Tensor]:
-    """Batched :func:`canonical_lattice_coeffs`: ``coeffs`` Long ``[B, 3, 3]`` and ``vectors = coeffs @ cell``.
-
-    Only the integer coefficients are found without autograd, so ``vectors`` is differentiable
-    in ``cell``.
-    """
-    single = cell.dim() == 2
-    cells = cell.unsqueeze(0) if single else cell
-    host = np.ascontiguousarray(cells.detach().to("cpu", torch.float64).numpy())
-    coeffs = torch.tensor([_cached_coeffs(c.tobytes(), tol) for c in host], dtype=torch.long).view(-1, 3, 3)
-    coeffs = coeffs.to(cell.device)
-    vectors = torch.einsum("bij,bjk->bik", coeffs.to(cells.dtype), cells)
-    if single:
-        return coeffs[0], vectors[0]
-    return coeffs, vectors
-
-
-def lattice_self_loop_shifts(cell: Tensor, tol: float = 1e-6) -> Tensor:
-    """Integer shifts of the official ``use_lattice`` self-loop edges: ``±lat1, ±lat2, ±lat3``.
-
-    Returns a Long tensor ``[B, 6, 3]`` (``[6, 3]`` for a single ``[3, 3]`` cell) in the given
-    basis. Each atom gets one edge ``(i -> i)`` per shift. Because they come from the canonical
-    lattice, these self-loops do not depend on the basis of the lattice.
-    """
-    coeffs, _ = canonical_lattice(cell, tol)
-    return torch.cat([coeffs, -coeffs], dim=-2)
-
-
-# --------------------------------------------------------------------------------------------
 # Building blocks
 # --------------------------------------------------------------------------------------------
 
@@ -341,7 +241,7 @@ class RBFExpansion(nn.Module):
     Same as ``comformer/models/utils.py`` (ALIGNN style: gamma is 1/lengthscale, not squared).
     """
 
-    def __init__(self, vmin: float = 0.0, vmax: float = 8.0, bins: int = 40, lengthscale: Optional[float] = None):
+    def __init__(self, vmin: float = 0.0, vmax: float = 8.0, bins: int = 40, lengthscale: float | None = None):
         super().__init__()
         self.vmin, self.vmax, self.bins = vmin, vmax, bins
         self.register_buffer("centers", torch.linspace(vmin, vmax, bins))
@@ -358,7 +258,7 @@ def _mlp3(c: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(3 * c, c), nn.SiLU(), nn.Linear(c, c))
 
 
-def _split3(mlp: nn.Sequential) -> Tuple[Tensor, Tensor, Tensor]:
+def _split3(mlp: nn.Sequential) -> tuple[Tensor, Tensor, Tensor]:
     """The three ``[C, C]`` column blocks of the first Linear of a ``_mlp3``.
 
     ``Linear([a, b, c]) = a Wa^T + b Wb^T + c Wc^T + bias``, so the parts that depend only on a
@@ -390,7 +290,7 @@ class ComformerConv(nn.Module):
     is ``softplus(x_i + BN(W_o m_i))``.
     """
 
-    def __init__(self, channels: int, heads: int = 1, edge_dim: Optional[int] = None):
+    def __init__(self, channels: int, heads: int = 1, edge_dim: int | None = None):
         super().__init__()
         edge_dim = channels if edge_dim is None else edge_dim
         self.channels, self.heads = channels, heads
@@ -439,7 +339,7 @@ class ComformerConvEdge(nn.Module):
     ``softplus(f_ij + BN(out))``.
     """
 
-    def __init__(self, channels: int, heads: int = 1, edge_dim: Optional[int] = None):
+    def __init__(self, channels: int, heads: int = 1, edge_dim: int | None = None):
         super().__init__()
         edge_dim = channels if edge_dim is None else edge_dim
         self.channels, self.heads = channels, heads
@@ -460,7 +360,7 @@ class ComformerConvEdge(nn.Module):
         self.bn_att = nn.BatchNorm1d(channels)
         self.bn = nn.BatchNorm1d(channels)
 
-    def forward(self, edge: Tensor, nei_len: Tensor, nei_angle: Tensor, nei_index: Optional[Tensor] = None) -> Tensor:
+    def forward(self, edge: Tensor, nei_len: Tensor, nei_angle: Tensor, nei_index: Tensor | None = None) -> Tensor:
         """``edge`` [E, C] edge features; ``nei_angle`` [E, 3, C] (embedded cosines between the edge
         and the lattice vectors); ``nei_len`` [E, 3, C] (embedded lattice lengths), or ``[G, 3, C]``
         per graph with ``nei_index`` [E] giving each edge's graph (cheaper, same result)."""
@@ -512,7 +412,8 @@ class TensorProductConvLayer(nn.Module):
             nn.Linear(n_edge_features, self.tp.weight_numel),
         )
 
-    def forward(self, node_attr: Tensor, edge_src: Tensor, edge_dst: Tensor, edge_attr: Tensor, edge_sh: Tensor) -> Tensor:
+    def forward(self, node_attr: Tensor, edge_src: Tensor, edge_dst: Tensor, edge_attr: Tensor,
+                edge_sh: Tensor) -> Tensor:
         tp = self.tp(node_attr[edge_src], edge_sh, self.fc(edge_attr))
         out = _scatter_mean(tp, edge_dst, node_attr.shape[0])
         if self.residual:
@@ -529,7 +430,7 @@ class ComformerConvEqui(nn.Module):
     normalisation.
     """
 
-    def __init__(self, channels: int, edge_dim: Optional[int] = None, ns: int = 64, nv: int = 8, residual: bool = True):
+    def __init__(self, channels: int, edge_dim: int | None = None, ns: int = 64, nv: int = 8, residual: bool = True):
         super().__init__()
         from e3nn import o3
 
@@ -545,7 +446,7 @@ class ComformerConvEqui(nn.Module):
         self.node_linear_2 = nn.Linear(ns, channels)
 
     def forward(self, x: Tensor, edge_src: Tensor, edge_dst: Tensor, edge_attr: Tensor, edge_vec: Tensor,
-                intermediates: Optional[List[Tensor]] = None) -> Tensor:
+                intermediates: list[Tensor] | None = None) -> Tensor:
         from e3nn import o3
 
         edge_sh = o3.spherical_harmonics(self.sh_irreps, edge_vec, normalize=True, normalization="component")
@@ -569,8 +470,9 @@ class ComFormer(nn.Module):
     ``batch`` is a dict of tensors: ``atomic_numbers`` [N], ``positions`` [N, 3] (Å), ``cell``
     [B, 3, 3] (rows are lattice vectors), ``batch`` [N], ``num_atoms`` [B] (optional),
     ``edge_src``/``edge_dst`` [E] and ``edge_shift`` [E, 3] (integer cell shifts of the src
-    image). It may also carry ``lattice_coeffs`` Long [B, 3, 3] with precomputed
-    :func:`canonical_lattice` coefficients, which skips the host-side lattice reduction.
+    image) and ``lattice_coeffs`` Long [B, 3, 3], the integer coefficients of ComFormer's lattice
+    vectors (``collate_graphs`` always adds them). A batch without them gets them from
+    :func:`~trainer.families.crystals.lattice.canonical_lattice`, the same rule, on the host.
     """
 
     def __init__(self, cfg: ComFormerConfig):
@@ -587,12 +489,14 @@ class ComFormer(nn.Module):
             self.max_z = cfg.max_atomic_number
             self.atom_embedding = nn.Embedding(cfg.max_atomic_number + 1, nf)
 
-        self.rbf = nn.Sequential(RBFExpansion(-4.0, 0.0, cfg.edge_features), nn.Linear(cfg.edge_features, nf), nn.Softplus())
+        self.rbf = nn.Sequential(RBFExpansion(-4.0, 0.0, cfg.edge_features), nn.Linear(cfg.edge_features, nf),
+                                 nn.Softplus())
         self.att_layers = nn.ModuleList([ComformerConv(nf, cfg.heads, nf) for _ in range(cfg.conv_layers)])
         if cfg.variant == "icomformer":
             self.rbf_angle = nn.Sequential(
                 RBFExpansion(-1.0, 1.0, cfg.triplet_features), nn.Linear(cfg.triplet_features, nf), nn.Softplus())
-            self.edge_update_layers = nn.ModuleList([ComformerConvEdge(nf, cfg.heads, nf) for _ in range(cfg.edge_layers)])
+            self.edge_update_layers = nn.ModuleList(
+                [ComformerConvEdge(nf, cfg.heads, nf) for _ in range(cfg.edge_layers)])
             self.equi_update_layers = nn.ModuleList()
         else:
             self.rbf_angle = None
@@ -605,7 +509,7 @@ class ComFormer(nn.Module):
     # ---------------------------------------------------------------------------------------
 
     @property
-    def equivariant_irreps(self) -> Optional[str]:
+    def equivariant_irreps(self) -> str | None:
         """Irreps of the intermediate features returned by :meth:`forward_with_intermediates`."""
         if not self.equi_update_layers:
             return None
@@ -622,8 +526,9 @@ class ComFormer(nn.Module):
             return self.atom_embedding(self.atom_table[z].to(self.atom_embedding.weight.dtype))
         return self.atom_embedding(z)
 
-    def lattice_vectors(self, cell: Tensor, batch: Optional[Mapping[str, Tensor]] = None) -> Tensor:
-        """The three lattice vectors per graph ``[B, 3, 3]`` that the edge-wise layer sees."""
+    def lattice_vectors(self, cell: Tensor, batch: Mapping[str, Tensor] | None = None) -> Tensor:
+        """The three lattice vectors per graph ``[B, 3, 3]`` that the edge-wise layer sees:
+        ``batch["lattice_coeffs"] @ cell``, or the family's lattice rule when the batch lacks them."""
         if self.cfg.lattice_basis == "cell":
             return cell
         coeffs = None if batch is None else batch.get("lattice_coeffs")
@@ -634,16 +539,16 @@ class ComFormer(nn.Module):
     def forward(self, batch: Mapping[str, Tensor]) -> Tensor:
         return self._forward(batch, None)
 
-    def forward_with_intermediates(self, batch: Mapping[str, Tensor]) -> Tuple[Tensor, Dict[str, Any]]:
+    def forward_with_intermediates(self, batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Any]]:
         """``(output, extras)``. ``extras`` holds ``node_features`` [N, C] (before pooling),
         ``edge_vec`` [E, 3] and ``equivariant``, a list with one ``[N, irreps.dim]`` tensor per
         eComFormer layer (the output of its first tensor-product conv; irreps in
         :attr:`equivariant_irreps`)."""
-        extras: Dict[str, Any] = {"equivariant": []}
+        extras: dict[str, Any] = {"equivariant": []}
         out = self._forward(batch, extras)
         return out, extras
 
-    def _forward(self, batch: Mapping[str, Tensor], extras: Optional[Dict[str, Any]]) -> Tensor:
+    def _forward(self, batch: Mapping[str, Tensor], extras: dict[str, Any] | None) -> Tensor:
         z = batch["atomic_numbers"].long()
         pos = batch["positions"]
         cell = batch["cell"].to(pos.dtype)
@@ -695,7 +600,7 @@ class ComFormer(nn.Module):
         return out
 
 
-def build_comformer(cfg: Union[ComFormerConfig, Mapping[str, Any], str, None] = None) -> ComFormer:
+def build_comformer(cfg: ComFormerConfig | Mapping[str, Any] | str | None = None) -> ComFormer:
     """Build a ComFormer from a config, a dict of config fields (may name a ``preset``) or a preset name."""
     if cfg is None:
         cfg = ComFormerConfig()

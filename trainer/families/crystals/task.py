@@ -1,8 +1,9 @@
 """`crystal_property`: crystal property regression with ComFormer (Yan et al., ICLR 2024).
 
-Data: any source `trainer.families.crystals.data` reads (extxyz, a POSCAR/CIF folder with `id_prop.csv`,
-mlearn JSON, or structures saved by `trainer.crystals.train_from_list`), turned into periodic
-k-NN (or radius) graphs cached in Arrow. The bundled default is mlearn Si (train + test files).
+Data: any source `trainer.families.crystals.readers` reads (extxyz, a POSCAR/CIF folder with
+`id_prop.csv`, mlearn JSON, or structures saved by `trainer.crystals.train_from_list`), turned into
+periodic k-NN (or radius) graphs cached in Arrow (`dataset.py`). The bundled default is mlearn Si
+(train + test files).
 
 Targets are standardised with the training mean and standard deviation, kept as buffers of the
 model so a checkpoint or export predicts in physical units. The loss is L1 (the paper) or MSE in
@@ -13,20 +14,33 @@ reference. The test split is evaluated at the end of a run, with a parity plot.
 
 from __future__ import annotations
 
-import json
+import csv
+import io
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainer.families.crystals.data import (CrystalRows, GraphSpec, atom_counts, build_crystal_dataset, bundled_crystal_path,
-                                   collate_graphs, edge_counts, split_by_id)
+from trainer.atomic_io import atomic_write_json, atomic_write_text
+from trainer.data.arrow_cache import selected_column
+from trainer.data.splits import split_indices
 from trainer.families.crystals.comformer import build_comformer, comformer_config
+from trainer.families.crystals.dataset import (
+    CrystalRows,
+    atom_counts,
+    build_crystal_dataset,
+    collate_graphs,
+    edge_counts,
+)
+from trainer.families.crystals.graphs import GraphSpec
+from trainer.families.crystals.readers import bundled_crystal_path
 from trainer.registry import register_task
 from trainer.task import LossOutput, Task, TaskConfig, TaskData
 
@@ -34,22 +48,47 @@ logger = logging.getLogger(__name__)
 
 NUM_ELEMENTS = 119
 
+DATA_ENV = "TRAINER_CRYSTALS_DATA"
+"""Environment variable: the folder of the shared crystal data sets (mlearn/, jarvis_bandgap_50/)."""
+
+
+def crystal_data_path(relative: str = "") -> str:
+    """`$TRAINER_CRYSTALS_DATA/relative`, else `<checkout>/../shared/data/crystals/relative`.
+
+    The configs name their data as `${crystals_data:mlearn/Si/training.json}`, so they find it from
+    any working directory. The default root is the checkout's sibling `shared/data/crystals`, i.e.
+    `../../../shared/data/crystals` relative to a config in `configs/crystals/`.
+    """
+    root = os.environ.get(DATA_ENV) or str(Path(__file__).resolve().parents[3].parent / "shared" / "data" / "crystals")
+    return str(Path(root) / relative) if relative else root
+
+
+# `${crystals_data:...}` in a YAML config (resolved by load_config, which imports the family first).
+OmegaConf.register_resolver("crystals_data", crystal_data_path, replace=True)
+
 
 @dataclass
 class CrystalPropertyConfig(TaskConfig):
     name: str = "crystal_property"
     """Registered task name."""
     data_path: str = ""
-    """Training structures: .extxyz/.xyz(.gz), a folder with id_prop.csv, or mlearn .json(.gz); empty: bundled mlearn Si."""
+    """Training structures: .extxyz/.xyz(.gz), a folder with id_prop.csv, or mlearn .json(.gz); empty: bundled
+    mlearn Si. The configs name shared data as `${crystals_data:REL}` ($TRAINER_CRYSTALS_DATA/REL)."""
     test_path: str = ""
     """Held-out test structures (same formats); empty: the bundled mlearn Si test file when data_path is empty,
     else `test_fraction` of data_path."""
+    test_target: str = ""
+    """Target key of test_path (empty: the same as `target`); e.g. `energy` for an mlearn test file."""
+    test_per_atom: bool | None = None
+    """Divide the test_path target by the number of atoms (empty/null: the same as `per_atom`)."""
     val_fraction: float = 0.1
     """Share of the training structures used for validation, chosen by hashing their ids."""
     test_fraction: float = 0.0
     """Share of data_path held out as the test set when test_path is empty (by id hash)."""
     target: str = "energy"
     """Target key: extxyz info/array key or mlearn output (`energy`); ignored for id_prop folders (CSV value)."""
+    id_key: str = ""
+    """extxyz `info` key holding each structure's id (empty: `<folder>/<file>#<frame>`)."""
     per_atom: bool = True
     """Divide the target by the number of atoms (total energy -> energy per atom). The model pools by the mean,
     so targets must be intensive: per-atom energies, band gaps, formation energies per atom."""
@@ -154,6 +193,7 @@ class CrystalPropertyTask(Task):
             if getattr(cfg, key) not in choices:
                 raise ValueError(f"task.{key} must be one of {list(choices)}, got {getattr(cfg, key)!r}")
         self.report: dict[str, Any] = {}
+        self.test_ids: list[str] = []  # ids of the test rows: build_data sets them, write_report names predictions
         self.attach_stats({"num_targets": 1, "target_mean": [0.0], "target_std": [1.0],
                            "baseline_coef": np.zeros((NUM_ELEMENTS, 1)).tolist()})
 
@@ -164,11 +204,12 @@ class CrystalPropertyTask(Task):
         self.baseline = torch.tensor(stats["baseline_coef"], dtype=torch.float32)
 
     # ------------------------------------------------------------------ data
-    def _build(self, source: Any) -> Any:
+    def _build(self, source: Any, target: str, per_atom: bool) -> Any:
         c = self.cfg
         spec = GraphSpec(kind=c.graph, cutoff=c.cutoff, k=c.max_neighbors, use_lattice=c.use_lattice)
-        ds = build_crystal_dataset(source, graph=spec, target=c.target, per_atom=c.per_atom, on_invalid=c.on_invalid,
-                                   num_proc=c.num_proc or None, cache_dir=c.cache_dir or None)
+        ds = build_crystal_dataset(source, graph=spec, target=target, per_atom=per_atom, on_invalid=c.on_invalid,
+                                   id_key=c.id_key or None, num_proc=c.num_proc or None,
+                                   cache_dir=c.cache_dir or None)
         report = getattr(ds, "crystal_report", None)
         if report is not None:
             logger.info("%s: %s", source, report.summary())
@@ -184,25 +225,32 @@ class CrystalPropertyTask(Task):
     def build_data(self) -> TaskData:
         c = self.cfg
         train_source, test_source = self._sources()
-        full = self._build(train_source)
-        ids = full.data.table.column("id").to_pylist()
+        full = self._build(train_source, c.target, c.per_atom)
+        ids = selected_column(full, "id").to_pylist()
         hold_test = 0.0 if test_source is not None else c.test_fraction
-        train_idx, val_idx, test_idx = split_by_id(ids, [1.0 - c.val_fraction - hold_test, c.val_fraction, hold_test],
-                                                   seed=self.seed)
-        if len(train_idx) == 0:
+        # Each id goes to a split by its own hash (keyed by the seed): the split of a structure does
+        # not depend on the others, the file order or the world size; sizes are close to the fractions.
+        parts = split_indices(ids, {"train": 1.0 - c.val_fraction - hold_test, "validation": c.val_fraction,
+                                    "test": hold_test}, key=self.seed)
+        if len(parts["train"]) == 0:
             raise ValueError(f"{train_source}: no training structures left after the validation/test split")
-        train = full.select(train_idx)
-        test = (self._build(test_source) if test_source is not None
-                else full.select(test_idx) if len(test_idx) else None)
-        return TaskData(train=CrystalRows(train), eval=CrystalRows(full.select(val_idx)) if len(val_idx) else None,
-                        test=CrystalRows(test) if test is not None else None, stats=self._statistics(train))
+        train = full.select(parts["train"])
+        if test_source is not None:
+            test_target = c.test_target or c.target
+            test_per_atom = c.per_atom if c.test_per_atom is None else c.test_per_atom
+            test = self._build(test_source, test_target, test_per_atom)
+        else:
+            test = full.select(parts["test"]) if len(parts["test"]) else None
+        # write_report maps each test prediction back to its structure id through the `row` column
+        self.test_ids = selected_column(test, "id").to_pylist() if test is not None else []
+        val = full.select(parts["validation"]) if len(parts["validation"]) else None
+        return TaskData(train=CrystalRows(train), eval=CrystalRows(val) if val is not None else None,
+                        test=CrystalRows(test, row_index=True) if test is not None else None,
+                        stats=self._statistics(train))
 
     def _statistics(self, train) -> dict[str, Any]:
         """Target mean/std (standardisation) and the per-element baseline, fit on the training split."""
-        targets = np.asarray(train.data.table.column("target").to_pylist(), dtype=np.float64)
-        targets = targets.reshape(train.data.table.num_rows, -1)
-        if train._indices is not None:
-            targets = targets[train._indices.column(0).to_numpy()]
+        targets = np.asarray(selected_column(train, "target").to_pylist(), dtype=np.float64).reshape(len(train), -1)
         numbers = _column(train, "atomic_numbers")
         std = targets.std(axis=0)
         standardize = self.cfg.standardize
@@ -215,10 +263,9 @@ class CrystalPropertyTask(Task):
         return atom_counts(dataset) if self.cfg.batch_unit == "atoms" else edge_counts(dataset)
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        # collate_graphs carries the lattice coefficients the graphs were built with (`lattice_coeffs`):
+        # the model reads them from the batch, the same as an exported model fed by collate_graphs.
         batch = collate_graphs(samples)
-        # The data layer already chose ComFormer's three lattice vectors (the same ones its self-loop
-        # edges use): hand them to the model instead of recomputing them on the host every step.
-        batch["lattice_coeffs"] = batch.pop("lattice_shifts").round().long()
         if batch["target"].ndim == 1:
             batch["target"] = batch["target"][:, None]
         return batch
@@ -254,6 +301,8 @@ class CrystalPropertyTask(Task):
         target = batch["target"]
         base = self._baseline_predictions(batch)
         out = {"num_atoms": batch["num_atoms"].float()}
+        if "row" in batch:  # test rows: the report maps predictions back to structure ids
+            out["row"] = batch["row"]
         for t in range(target.shape[1]):
             suffix = "" if target.shape[1] == 1 else f"_{t}"
             out[f"pred{suffix}"] = pred[:, t]
@@ -302,10 +351,16 @@ class CrystalPropertyTask(Task):
             fig.tight_layout()
             fig.savefig(directory / f"parity{suffix}.png", dpi=120)
             plt.close(fig)
-        (directory / "metrics.json").write_text(json.dumps({**metrics, "data": self.report}, indent=1))
-        rows = ["pred,target,baseline,num_atoms"] + [
-            f"{p:.8g},{t:.8g},{b:.8g},{int(n)}" for p, t, b, n in zip(
-                values[[k for k in values if k.startswith("pred")][0]].tolist(),
-                values[[k for k in values if k.startswith("target")][0]].tolist(),
-                values[[k for k in values if k.startswith("baseline")][0]].tolist(), values["num_atoms"].tolist())]
-        (directory / "predictions.csv").write_text("\n".join(rows) + "\n")
+        atomic_write_json(directory / "metrics.json", {**metrics, "data": self.report}, durable=False)
+        pred_key = next(k for k in values if k.startswith("pred"))
+        suffix = pred_key[len("pred"):]
+        rows = values["row"].round().long().tolist() if "row" in values else [None] * len(values[pred_key])
+        test_ids = self.test_ids
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(["id", "pred", "target", "baseline", "num_atoms"])
+        for r, p, t, b, n in zip(rows, values[pred_key].tolist(), values[f"target{suffix}"].tolist(),
+                                 values[f"baseline{suffix}"].tolist(), values["num_atoms"].tolist()):
+            rid = test_ids[r] if r is not None and r < len(test_ids) else ""
+            writer.writerow([rid, f"{p:.8g}", f"{t:.8g}", f"{b:.8g}", int(n)])
+        atomic_write_text(directory / "predictions.csv", buffer.getvalue(), durable=False)

@@ -1,0 +1,471 @@
+"""Crystal graph datasets: the cached Arrow build, fast rows, sizes, the batch collate and splits.
+
+`build_crystal_dataset` reads a source (`readers.iter_crystals`), builds every structure's graph
+(`graphs.build_crystal_graph`) and writes Arrow shards through `trainer.data.arrow_cache`, once per
+(input files' path/size/mtime or in-memory content, reader options, graph settings); a second call
+loads the memory-mapped Arrow files without parsing. `CrystalRows` reads rows straight from the
+Arrow buffers, `collate_graphs` turns rows into a sparse graph batch (`trainer.data.graphs`) that
+always carries ComFormer's lattice coefficients, and `build_crystal_splits` splits by id hash
+(`trainer.data.splits`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import torch
+
+from trainer.data.arrow_cache import (
+    arrow_writer,
+    build_shards,
+    cache_root,
+    digest,
+    file_entries,
+    load_arrow,
+    read_meta,
+    selected_column,
+    selected_rows,
+    write_meta,
+)
+from trainer.data.graphs import collate_sparse_graphs
+from trainer.data.splits import split_indices
+from trainer.families.crystals.graphs import GraphSpec, build_crystal_graph
+from trainer.families.crystals.lattice import canonical_lattice_coeffs
+from trainer.families.crystals.readers import (
+    CrystalDataError,
+    CrystalReport,
+    TargetSpec,
+    as_sources,
+    iter_crystals,
+    log_skips,
+    skip_or_raise,
+)
+
+FORMAT_VERSION = "crystals-v2"
+"""Bump when readers or graph building change their output, so that old caches are not reused.
+v2: one lattice rule (`lattice.py`), stored as `lattice_coeffs` (int32)."""
+
+ARROW_BATCH = 256
+"""Structures per Arrow record batch."""
+MIN_SHARD_RECORDS = 128
+"""Fewest structures per worker when `num_proc` > 1: below that, a worker costs more than it saves."""
+
+_EDGE_DTYPE = np.int8
+_BASE_FEATURES = {
+    "id": datasets.Value("string"),
+    "source": datasets.Value("string"),
+    "atomic_numbers": datasets.List(datasets.Value("int16")),
+    "positions": datasets.List(datasets.List(datasets.Value("float32"), length=3)),
+    "cell": datasets.List(datasets.List(datasets.Value("float32"), length=3), length=3),
+    "num_atoms": datasets.Value("int32"),
+    "edge_src": datasets.List(datasets.Value("int32")),
+    "edge_dst": datasets.List(datasets.Value("int32")),
+    "edge_shift": datasets.List(datasets.List(datasets.Value("int8"), length=3)),
+    "num_edges": datasets.Value("int32"),
+    "lattice_coeffs": datasets.List(datasets.List(datasets.Value("int32"), length=3), length=3),
+}
+
+_CORE_KEYS = ("id", "source", "index", "atomic_numbers", "positions", "cell", "pbc")
+
+
+# --------------------------------------------------------------------------------------------------
+# Arrow schema and columns
+
+
+def _value_feature(example: Any, per_atom: bool) -> Any:
+    """Arrow feature of a target / extra column, from one record's value."""
+    arr = np.asarray(example)
+    inner = arr.shape[1:] if per_atom else arr.shape
+    dtype = "float32" if per_atom else "float64"
+    if len(inner) == 0:
+        feat: Any = datasets.Value(dtype)
+    elif len(inner) == 1:
+        feat = datasets.List(datasets.Value(dtype), length=int(inner[0]))
+    else:
+        raise ValueError(f"values of shape {arr.shape} are not supported")
+    return datasets.List(feat) if per_atom else feat
+
+
+def _features_for(records: list[dict[str, Any]]) -> datasets.Features:
+    """Schema: the fixed columns plus target / atom_target / kept extras, shaped like the first record;
+    every record must match (a mismatch is a `CrystalDataError` naming it)."""
+    feats = dict(_BASE_FEATURES)
+    first = records[0]
+    extra = [k for k in first if k not in _CORE_KEYS]
+    for key in extra:
+        feats[key] = _value_feature(first[key], key.startswith("atom_"))
+    for rec in records:
+        keys = [k for k in rec if k not in _CORE_KEYS]
+        if keys != extra:
+            raise CrystalDataError(rec["source"], rec["index"], rec["id"], "target", "inconsistent_target",
+                                   f"has columns {keys}, the first record has {extra}")
+        for key in extra:
+            shape, ref = np.shape(rec[key]), np.shape(first[key])
+            if (shape[1:] if key.startswith("atom_") else shape) != (ref[1:] if key.startswith("atom_") else ref):
+                raise CrystalDataError(rec["source"], rec["index"], rec["id"], key, "inconsistent_target",
+                                       f"shape {shape}, the first record has {ref}")
+    return datasets.Features(feats)
+
+
+def _list_array(parts: list[np.ndarray], dtype: Any, width: int | None) -> pa.Array:
+    """list<item> (width None) or list<fixed_size_list<item, width>> of per-record arrays."""
+    counts = np.array([len(p) for p in parts], dtype=np.int64)
+    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    flat = np.concatenate([np.asarray(p, dtype=dtype).reshape(-1) for p in parts]) if parts else np.zeros(0, dtype)
+    values: pa.Array = pa.array(flat)
+    if width is not None:
+        values = pa.FixedSizeListArray.from_arrays(values, width)
+    return pa.ListArray.from_arrays(pa.array(offsets), values)
+
+
+def _fixed_array(parts: list[np.ndarray], dtype: Any, shape: tuple[int, ...]) -> pa.Array:
+    values: pa.Array = pa.array(np.concatenate([np.asarray(p, dtype=dtype).reshape(-1) for p in parts]))
+    for width in reversed(shape):
+        values = pa.FixedSizeListArray.from_arrays(values, width)
+    return values
+
+
+def _column(name: str, feat: Any, parts: list[Any]) -> pa.Array:
+    """One Arrow column from per-record values, built from numpy (no per-element Python)."""
+    if isinstance(feat, datasets.Value):
+        return pa.array(parts, type=feat.pa_type)
+    dtype = np.dtype(feat.feature.dtype if isinstance(feat.feature, datasets.Value) else feat.feature.feature.dtype)
+    if feat.length != -1:  # fixed outer size: cell, lattice_coeffs, vector targets
+        shape = (feat.length,) if isinstance(feat.feature, datasets.Value) else (feat.length, feat.feature.length)
+        return _fixed_array(parts, dtype, shape)
+    width = None if isinstance(feat.feature, datasets.Value) else feat.feature.length
+    return _list_array(parts, dtype, width)
+
+
+# --------------------------------------------------------------------------------------------------
+# the build
+
+
+def _record_graph(rec: dict[str, Any], spec: GraphSpec) -> dict[str, Any] | CrystalDataError:
+    try:
+        g = build_crystal_graph(rec["positions"], rec["cell"], spec, check_overlap=True)
+    except ValueError as e:
+        return CrystalDataError(rec["source"], rec["index"], rec["id"], "positions",
+                                "overlapping_atoms" if "apart" in str(e) else "bad_value", str(e))
+    if np.abs(g["edge_shift"]).max(initial=0) > np.iinfo(_EDGE_DTYPE).max:
+        return CrystalDataError(rec["source"], rec["index"], rec["id"], "cell", "bad_value",
+                                "periodic image shifts beyond int8: cell far thinner than the cutoff")
+    return g
+
+
+def _write_graph_rows(records: list[dict[str, Any]], spec: GraphSpec, features: datasets.Features, on_invalid: str,
+                      path: str) -> dict[str, int]:
+    """Build the graphs of `records` and write them to the Arrow file `path` (a temp name that
+    `build_shards` renames into place, or removes when this raises). Returns the skip counts
+    (overlapping atoms show up here, from the graph's own neighbour list)."""
+    skipped: Counter = Counter()
+    names = list(features)
+    with arrow_writer(features, path) as writer:
+        rows: list[dict[str, Any]] = []
+
+        def flush() -> None:
+            cols = [_column(name, features[name], [r[name] for r in rows]) for name in names]
+            writer.write_table(pa.Table.from_arrays(cols, schema=features.arrow_schema))
+            rows.clear()
+
+        for rec in records:
+            g = _record_graph(rec, spec)
+            if isinstance(g, CrystalDataError):
+                skip_or_raise(g, on_invalid, skipped)
+                continue
+            row = {k: v for k, v in rec.items() if k in features}
+            row.update(g, num_atoms=len(rec["atomic_numbers"]), num_edges=len(g["edge_src"]))
+            rows.append(row)
+            if len(rows) == ARROW_BATCH:
+                flush()
+        if rows:
+            flush()
+        writer.finalize()
+    return dict(skipped)
+
+
+def _records_digest(records: list[dict[str, Any]]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for rec in records:
+        h.update(rec["id"].encode())
+        for key in sorted(rec):
+            value = rec[key]
+            if isinstance(value, str):
+                h.update(value.encode())
+            else:
+                h.update(np.ascontiguousarray(np.asarray(value, dtype=np.float64)).tobytes())
+    return h.hexdigest()
+
+
+def build_crystal_dataset(source: Any, *, graph: GraphSpec | None = None, target: str | Sequence[str] | None = "energy",
+                          per_atom: bool = False, atom_target: str = "sum", keep: str | Sequence[str] = (),
+                          labels: Sequence[Any] | None = None, ids: Sequence[str] | None = None,
+                          id_key: str | None = None, id_prop: str = "id_prop.csv", on_invalid: str = "error",
+                          num_proc: int | None = None, cache_dir: str | Path | None = None) -> datasets.Dataset:
+    """Parse `source` (see `iter_crystals`), build periodic graphs and cache them as Arrow.
+
+    Columns: `id`, `source`, `atomic_numbers` (int16), `positions` ([n][3] float32), `cell`
+    ([3][3] float32), `num_atoms`, `edge_src`, `edge_dst` (int32), `edge_shift` ([E][3] int8),
+    `num_edges`, `lattice_coeffs` ([3][3] int32, ComFormer's lat1..3), `target` (float64, or a
+    fixed-length list) and any `atom_target` / kept extras. The fingerprint covers every input
+    file's path, size and mtime (a folder: all its files) or, for in-memory structures, their
+    content; the reader options; `on_invalid`; and the graph settings. A repeated call loads the
+    memory-mapped Arrow files without parsing; any changed setting rebuilds. `num_proc` > 1 builds
+    graphs in up to that many worker processes, one Arrow shard each, with at least
+    `MIN_SHARD_RECORDS` structures per process (row order does not depend on it). A failed build
+    leaves neither temp files nor shards of its own. The returned dataset has no format set: read
+    rows with `CrystalRows(ds)` (fast) or `ds.with_format("numpy")`; its `crystal_report` attribute
+    is a `CrystalReport` (the same on a cached load).
+    """
+    graph = graph or GraphSpec()
+    if on_invalid not in ("error", "skip"):
+        raise ValueError(f"on_invalid must be 'error' or 'skip', got {on_invalid!r}")
+    spec = TargetSpec.make(target, atom_target, per_atom, keep)
+    settings = {"version": FORMAT_VERSION, "graph": graph.to_dict(), "target": asdict(spec), "on_invalid": on_invalid,
+                "id_key": id_key, "id_prop": id_prop}
+    paths, objects = as_sources(source)
+    records: list[dict[str, Any]] | None = None
+    skipped: Counter = Counter()
+    read_kwargs = dict(target=target, atom_target=atom_target, per_atom=per_atom, keep=keep, labels=labels, ids=ids,
+                       id_key=id_key, id_prop=id_prop, on_invalid=on_invalid, skipped=skipped,
+                       check_overlap=False)  # overlaps come free from the graph's neighbour list
+    if objects is not None:
+        # In-memory input: the parse is the fingerprint's input, so it always runs.
+        records = list(iter_crystals(objects, **read_kwargs))
+        inputs: Any = {"in_memory": _records_digest(records), "n": len(objects), "skipped": dict(skipped)}
+    else:
+        for p in paths:
+            if not p.exists():
+                raise CrystalDataError(str(p), None, None, "file", "missing_file", "no such file or folder")
+        inputs = [file_entries(p) for p in paths]
+    fingerprint = digest({"inputs": inputs, "settings": settings})
+    root = cache_root(cache_dir, "crystal_graphs")
+    sidecar = root / f"{fingerprint}.json"
+    meta = read_meta(sidecar)
+    if meta is not None and meta.get("shards") and all((root / s).exists() for s in meta["shards"]):
+        report = CrystalReport(fingerprint, meta["records"], meta["kept"], meta["skipped"], cache_hit=True)
+    else:
+        if records is None:
+            records = list(iter_crystals(paths, **read_kwargs))
+        n_read = len(records) + sum(skipped.values())
+        if not records:
+            raise CrystalDataError(", ".join(map(str, paths)) or "<in-memory>", None, None, "records", "no_records",
+                                   f"no valid records ({dict(skipped)} skipped)")
+        features = _features_for(records)
+        n_shards = max(1, min(num_proc or 1, len(records) // MIN_SHARD_RECORDS))
+        bounds = np.linspace(0, len(records), n_shards + 1).round().astype(int)
+        shards = [f"{fingerprint}-{k:05d}-of-{n_shards:05d}.arrow" for k in range(n_shards)]
+        jobs = [(_write_graph_rows, (records[bounds[k]:bounds[k + 1]], graph, features, on_invalid), root / shards[k])
+                for k in range(n_shards)]
+        try:
+            shard_skips = build_shards(jobs, num_proc=n_shards)
+        except BaseException:
+            # build_shards removed the temp files; shards that other workers completed are orphans now
+            for name in shards:
+                (root / name).unlink(missing_ok=True)
+            raise
+        for s in shard_skips:
+            skipped.update(s)
+        kept = len(records) - sum(sum(s.values()) for s in shard_skips)
+        write_meta(sidecar, {"fingerprint": fingerprint, "shards": shards, "records": n_read, "kept": kept,
+                             "skipped": dict(skipped), "settings": settings, "inputs": inputs})
+        meta = {"shards": shards}
+        report = CrystalReport(fingerprint, n_read, kept, dict(skipped), cache_hit=False)
+    log_skips(Counter(report.skipped), report.records, f"crystal dataset {fingerprint[:8]}")
+    ds = load_arrow([root / s for s in meta["shards"]], fingerprint)
+    ds.crystal_report = report
+    return ds
+
+
+# --------------------------------------------------------------------------------------------------
+# fast rows, sizes, batches
+
+
+def _flat_view(arr: pa.Array) -> tuple[np.ndarray, Any, tuple[int, ...]]:
+    """(flat values, element->flat start map, element shape) of an Arrow array, zero-copy.
+
+    The map is an int (affine: element k starts at k * map) or an array of starts (list levels).
+    """
+    if isinstance(arr, pa.FixedSizeListArray):
+        flat, mapping, inner = _flat_view(arr.flatten())
+        width = arr.type.list_size
+        mapping = mapping * width if isinstance(mapping, int) else mapping[::width]
+        return flat, mapping, (width,) + inner
+    if isinstance(arr, (pa.ListArray, pa.LargeListArray)):
+        flat, mapping, inner = _flat_view(arr.values)
+        offsets = arr.offsets.to_numpy().astype(np.int64)
+        starts = offsets * mapping if isinstance(mapping, int) else mapping[offsets]
+        return flat, starts, (-1,) + inner
+    return arr.to_numpy(zero_copy_only=False), 1, ()
+
+
+class _ChunkColumn:
+    """Per-row numpy views of one column of one Arrow chunk."""
+
+    def __init__(self, arr: pa.Array):
+        self.is_string = pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
+        if self.is_string:
+            self.arr = arr
+            return
+        self.flat, mapping, self.shape = _flat_view(arr)
+        if not self.shape:
+            self.starts = None
+        elif isinstance(mapping, int):  # fixed-size rows (cell): element k spans [k*m, (k+1)*m)
+            self.starts = None
+            self.size = mapping
+        else:
+            self.starts = mapping
+
+    def row(self, k: int) -> Any:
+        if self.is_string:
+            return self.arr[k].as_py()
+        if not self.shape:
+            return self.flat[k]
+        if self.starts is None:
+            return self.flat[k * self.size:(k + 1) * self.size].reshape(self.shape)
+        return self.flat[self.starts[k]:self.starts[k + 1]].reshape(self.shape)
+
+
+class CrystalRows(torch.utils.data.Dataset):
+    """Rows of a crystal dataset as dicts of numpy views straight from the memory-mapped Arrow data.
+
+    `datasets`' numpy formatter spends ~100 µs per nested column per row on [n][3] lists; this
+    slices the Arrow buffers (about 1-2 µs per column per row) and gives shaped arrays
+    (`positions` [n, 3], `edge_shift` [E, 3], `cell` [3, 3]), ready for `collate_graphs`. Honors
+    `select`ed / shuffled datasets; pickles as the underlying dataset. With `row_index`, each row
+    also has `row`: its position in this dataset (the task maps test predictions back to ids by it).
+    """
+
+    def __init__(self, dataset: datasets.Dataset, columns: Sequence[str] | None = None, row_index: bool = False):
+        self.dataset = dataset
+        self.columns = list(columns) if columns is not None else [c for c in dataset.column_names if c != "source"]
+        self.row_index = row_index
+        self._chunks: list[dict[str, _ChunkColumn]] | None = None
+
+    def _prepare(self) -> None:
+        table = self.dataset.data.table.select(self.columns)
+        batches = table.to_batches()
+        self._chunks = [{name: _ChunkColumn(b.column(name)) for name in self.columns} for b in batches]
+        self._chunk_starts = np.cumsum([0] + [b.num_rows for b in batches])
+        self._indices = selected_rows(self.dataset)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "columns": self.columns, "row_index": self.row_index, "_chunks": None}
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        if self._chunks is None:
+            self._prepare()
+        positions = np.asarray(indices, dtype=np.int64)
+        if len(positions) and (positions.min() < -len(self) or positions.max() >= len(self)):
+            raise IndexError(f"index out of range for {len(self)} rows")
+        positions = positions % max(len(self), 1)
+        rows = positions if self._indices is None else self._indices[positions]
+        chunk_of = np.searchsorted(self._chunk_starts, rows, side="right") - 1
+        out = []
+        for p, r, c in zip(positions.tolist(), rows.tolist(), chunk_of.tolist()):
+            cols, k = self._chunks[c], r - self._chunk_starts[c]
+            row = {name: col.row(k) for name, col in cols.items()}
+            if self.row_index:
+                row["row"] = p
+            out.append(row)
+        return out
+
+
+def _sizes(dataset: Any, column: str) -> np.ndarray:
+    if isinstance(dataset, CrystalRows):
+        dataset = dataset.dataset
+    return selected_column(dataset, column).to_numpy()
+
+
+def atom_counts(dataset: datasets.Dataset | CrystalRows) -> np.ndarray:
+    """Atoms per row (int32 numpy, from the `num_atoms` column without decoding any structure)."""
+    return _sizes(dataset, "num_atoms")
+
+
+def edge_counts(dataset: datasets.Dataset | CrystalRows) -> np.ndarray:
+    """Edges per row (int32 numpy, from the `num_edges` column)."""
+    return _sizes(dataset, "num_edges")
+
+
+# Columns collate_graphs handles by name; every other `atom_*` column is concatenated over atoms and
+# every other numeric column stacked over structures (float32).
+_NOT_BATCHED = ("id", "source", "index", "num_atoms", "num_edges")
+_NODE_KEYS = {"atomic_numbers": np.int64, "positions": np.float32}
+_EDGE_KEYS = {"edge_shift": np.float32}
+_FIXED_GRAPH_KEYS = {"cell": np.float32, "lattice_coeffs": np.int64}
+_SHAPES = {"positions": (3,), "edge_shift": (3,), "cell": (3, 3), "lattice_coeffs": (3, 3)}
+_HANDLED = set(_NOT_BATCHED) | set(_NODE_KEYS) | set(_EDGE_KEYS) | set(_FIXED_GRAPH_KEYS) | {"edge_src", "edge_dst"}
+
+
+def collate_graphs(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """A sparse graph batch from rows (`CrystalRows` or numpy-formatted dataset rows).
+
+    `atomic_numbers` Long [N], `positions` Float [N, 3], `cell` Float [B, 3, 3], `batch` Long [N]
+    (graph of each atom), `num_atoms` / `num_edges` Long [B], `edge_src` / `edge_dst` Long [E]
+    (offset to batch-global atom indices), `edge_shift` Float [E, 3], `lattice_coeffs` Long
+    [B, 3, 3] (ComFormer's lat1..3 by the family's one rule; computed from `cell` for rows that
+    lack them), `target` Float [B] or [B, T], `row` Long [B] when the rows have it; per-atom columns
+    (`atom_*`) are concatenated ([N, ...]), other numeric columns stacked ([B, ...]). Edge vectors:
+    `positions[edge_src] + edge_shift @ cell[batch[edge_dst]] - positions[edge_dst]`.
+    """
+    first = rows[0]
+    if "lattice_coeffs" not in first:  # rows built elsewhere: the model must still get the one rule's vectors
+        rows = [dict(r, lattice_coeffs=canonical_lattice_coeffs(np.asarray(r["cell"], np.float64).reshape(3, 3)))
+                for r in rows]
+    node_keys = dict(_NODE_KEYS)
+    graph_keys: dict[str, Any] = dict(_FIXED_GRAPH_KEYS)
+    for key in first:
+        if key in _HANDLED:
+            continue
+        if key.startswith("atom_"):
+            node_keys[key] = np.float32
+        else:
+            graph_keys[key] = np.int64 if key == "row" else np.float32
+    return collate_sparse_graphs(rows, size_key="atomic_numbers", node_keys=node_keys, edge_keys=_EDGE_KEYS,
+                                 graph_keys=graph_keys, shapes=_SHAPES, num_nodes_key="num_atoms")
+
+
+# --------------------------------------------------------------------------------------------------
+# splits
+
+
+def build_crystal_splits(train: Any, *, test: Any = None, validation: Any = None,
+                         fractions: dict[str, float] | None = None, seed: int = 0,
+                         **kwargs: Any) -> dict[str, datasets.Dataset]:
+    """Named splits: given files (e.g. mlearn training.json / test.json) and/or id-hashed fractions.
+
+    `train` is built with `build_crystal_dataset(**kwargs)`; `test` / `validation`, if given, are
+    built the same way. `fractions` (e.g. {"train": 0.9, "validation": 0.1}) splits the `train`
+    source by `trainer.data.splits.split_indices` (each id by its own hash, keyed by `seed`: sizes
+    are close to the fractions, not exact); without it the train source is the "train" split.
+    """
+    base = build_crystal_dataset(train, **kwargs)
+    out: dict[str, datasets.Dataset] = {}
+    if fractions:
+        ids = selected_column(base, "id").to_pylist()
+        for name, idx in split_indices(ids, fractions, key=seed).items():
+            out[name] = base.select(idx)
+            out[name].crystal_report = base.crystal_report
+    else:
+        out["train"] = base
+    for name, src in (("validation", validation), ("test", test)):
+        if src is not None:
+            if name in out:
+                raise ValueError(f"split {name!r} given both as a source and as a fraction")
+            out[name] = build_crystal_dataset(src, **kwargs)
+    return out

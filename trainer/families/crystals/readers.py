@@ -1,0 +1,632 @@
+"""Crystal readers: files and in-memory structures in, validated records out.
+
+Formats (each yields records, see `iter_crystals`): extended XYZ via ASE, a folder of POSCAR/CIF
+files with `id_prop.csv` (the CGCNN/ALIGNN layout), mlearn JSON (pymatgen `Structure.as_dict()`
+records, parsed without pymatgen; `.json.gz` too) and in-memory `ase.Atoms` / pymatgen
+`Structure` lists. A record is a dict: `id`, `source`, `index`, `atomic_numbers` [n],
+`positions` [n, 3] (Cartesian Å), `cell` [3, 3] (rows are lattice vectors, Å), `pbc` [3],
+`target` (float, or list of floats) and, if asked for, `atom_target` / extra columns
+(`atom_forces`, `stress`, ...). Geometry comes as numpy arrays. Columns holding one row per atom
+are named `atom_*`, which is how `collate_graphs` tells them from per-structure columns.
+
+Bad input (missing / NaN / inf target, singular or near-singular cell, atoms closer than
+`MIN_DISTANCE` including periodic images, unknown elements, disordered sites, empty structures,
+non-periodic structures, missing or unreadable files, duplicate ids) raises `CrystalDataError`
+naming the file, the record (index and id), the field and the reason; with `on_invalid="skip"` the
+record is skipped and counted by reason (a logged warning and `CrystalReport.skipped`). Nothing is
+dropped silently.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from trainer.data.graphs import neighbor_pairs
+from trainer.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+MIN_DISTANCE = 0.1
+"""Å: atoms (or periodic images) closer than this are 'overlapping atoms'."""
+MIN_VOLUME_PER_ATOM = 1e-3
+"""Å^3: a cell with less volume per atom is 'singular'."""
+PARSE_CALLS = 0
+"""Number of files / in-memory lists opened for parsing (tests use it to prove cache hits)."""
+
+MLEARN_SAMPLES = {"mlearn_Si_training": "mlearn_Si_training.json.gz", "mlearn_Si_test": "mlearn_Si_test.json.gz"}
+_SAMPLES = Path(__file__).resolve().parent / "samples"
+_MLEARN_ALIASES = {"stress": "virial_stress"}
+
+
+def bundled_crystal_path(name: str = "mlearn_Si_training") -> Path:
+    """Path of a bundled crystal file: "mlearn_Si_training" or "mlearn_Si_test" (file name also accepted).
+
+    Provenance: trainer/families/crystals/samples/README.md.
+    """
+    key = name.removesuffix(".json.gz").removesuffix(".json")
+    if key not in MLEARN_SAMPLES:
+        raise KeyError(f"no bundled crystal set {name!r}; have {sorted(MLEARN_SAMPLES)}")
+    return _SAMPLES / MLEARN_SAMPLES[key]
+
+
+# --------------------------------------------------------------------------------------------------
+# errors and reports
+
+
+class CrystalDataError(DataError):
+    """A record that cannot be used; names the file, the record (index and id), the field and why."""
+
+    def __init__(self, source: str, index: int | None, record_id: str | None, field: str, reason: str,
+                 detail: str):
+        self.source, self.index, self.record_id = source, index, record_id
+        self.field, self.reason, self.detail = field, reason, detail
+        where = f"record {index}" if index is not None else "file"
+        if record_id is not None:
+            where += f" (id {record_id!r})"
+        super().__init__(f"{source}: {where}, field {field!r}: {reason}: {detail}")
+
+    def __reduce__(self):  # picklable across worker processes despite the custom __init__
+        return (type(self), (self.source, self.index, self.record_id, self.field, self.reason, self.detail))
+
+
+@dataclass
+class CrystalReport:
+    """What a build read and kept; `skipped` counts records by reason (see `CrystalDataError.reason`)."""
+
+    fingerprint: str = ""
+    records: int = 0
+    """Records read (kept + skipped)."""
+    kept: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    cache_hit: bool = False
+
+    def summary(self) -> str:
+        skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
+        return f"{self.kept} of {self.records} records kept; skipped: {skipped}"
+
+
+def skip_or_raise(err: CrystalDataError, on_invalid: str, skipped: Counter) -> None:
+    if on_invalid == "error":
+        raise err
+    skipped[err.reason] += 1
+    logger.debug("skipped: %s", err)
+
+
+def log_skips(skipped: Counter, total: int, what: str) -> None:
+    if skipped:
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items()))
+        logger.warning("%s: skipped %d of %d records (%s)", what, sum(skipped.values()), total, counts)
+
+
+# --------------------------------------------------------------------------------------------------
+# validation
+
+
+def _elements_table() -> tuple[dict[str, int], int]:
+    from ase.data import atomic_numbers, chemical_symbols
+    return atomic_numbers, len(chemical_symbols) - 1
+
+
+def _check_geometry(numbers: np.ndarray, positions: np.ndarray, cell: np.ndarray,
+                    pbc: np.ndarray) -> tuple[str, str, str] | None:
+    """(field, reason, detail) of the first problem of a structure, or None (overlaps: `_check_overlap`)."""
+    n = len(numbers)
+    if n == 0:
+        return "atomic_numbers", "empty_structure", "no atoms"
+    _, max_z = _elements_table()
+    bad = np.flatnonzero((numbers < 1) | (numbers > max_z))
+    if len(bad):
+        k = int(bad[0])
+        return "atomic_numbers", "unknown_element", (f"unknown element at atom {k}: atomic number {int(numbers[k])} "
+                                                     f"is not a chemical element (1-{max_z})")
+    if positions.shape != (n, 3):
+        return "positions", "bad_value", f"positions must be {n} rows of 3, got shape {positions.shape}"
+    nonfinite = np.flatnonzero(~np.isfinite(positions).all(axis=1))
+    if len(nonfinite):
+        k = int(nonfinite[0])
+        return "positions", "bad_value", (f"non-finite position {positions[k].tolist()} of atom {k} "
+                                          f"({len(nonfinite)} atoms with NaN/inf coordinates)")
+    if not np.all(pbc):
+        return "pbc", "non_periodic", f"pbc={pbc.tolist()}: a periodic graph needs periodic boundaries on all 3 axes"
+    if cell.shape != (3, 3) or not np.isfinite(cell).all():
+        return "cell", "bad_value", f"cell must be a finite 3x3 matrix, got {cell.tolist()}"
+    volume = abs(float(np.linalg.det(cell)))
+    if volume < MIN_VOLUME_PER_ATOM * n:
+        return "cell", "singular_cell", (f"cell volume {volume:.3g} Å^3 < {MIN_VOLUME_PER_ATOM} Å^3 per atom "
+                                         f"x {n} atoms (singular lattice)")
+    return None
+
+
+def overlap_detail(i: np.ndarray, j: np.ndarray, S: np.ndarray, d: np.ndarray) -> str | None:
+    """Description of the closest pair below MIN_DISTANCE in a neighbour list, or None."""
+    close = np.flatnonzero(d < MIN_DISTANCE)
+    if not len(close):
+        return None
+    e = close[np.argmin(d[close])]
+    return (f"atoms {int(i[e])} and {int(j[e])} (image shift {S[e].tolist()}) are {float(d[e]):.4f} Å apart "
+            f"(< {MIN_DISTANCE} Å)")
+
+
+def _check_overlap(positions: np.ndarray, cell: np.ndarray) -> str | None:
+    # 1 Å search radius: vesin's cell list at a 0.1 Å radius would have V / 0.001 bins.
+    i, j, S, d = neighbor_pairs(positions, cell, 1.0)
+    return overlap_detail(i, j, S, d)
+
+
+def _scalar_or_vector(value: Any) -> np.ndarray:
+    arr = np.asarray(value, dtype=np.float64)
+    if arr.ndim > 1:
+        raise ValueError(f"expected a number or a list of numbers, got shape {arr.shape}")
+    return arr
+
+
+# --------------------------------------------------------------------------------------------------
+# records
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """Which quantities become `target` / `atom_target` / extra columns (see `iter_crystals`)."""
+
+    keys: tuple[str, ...] = ("energy",)
+    atom_target: Literal["sum", "keep"] = "sum"
+    per_atom: bool = False
+    keep: tuple[str, ...] = ()
+
+    @classmethod
+    def make(cls, target: str | Sequence[str] | None, atom_target: str, per_atom: bool,
+             keep: str | Sequence[str]) -> TargetSpec:
+        keys = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        keep_t = (keep,) if isinstance(keep, str) else tuple(keep)
+        if atom_target not in ("sum", "keep"):
+            raise ValueError(f"atom_target must be 'sum' or 'keep', got {atom_target!r}")
+        return cls(keys, atom_target, bool(per_atom), keep_t)
+
+
+def _record(source: str, index: int, record_id: str, numbers: Any, positions: Any, cell: Any, pbc: Any,
+            lookup: Callable[[str], tuple[np.ndarray, bool] | None], spec: TargetSpec,
+            check_overlap: bool) -> dict[str, Any] | CrystalDataError:
+    """A validated record, or the error describing why it is not one.
+
+    `lookup(key)` returns (value, is_per_atom) or None if the record has no such quantity.
+    """
+    def err(field_: str, reason: str, detail: str) -> CrystalDataError:
+        return CrystalDataError(source, index, record_id, field_, reason, detail)
+
+    try:
+        numbers = np.asarray(numbers, dtype=np.int64).reshape(-1)
+        positions = np.asarray(positions, dtype=np.float64).reshape(-1, 3) if len(numbers) else np.zeros((0, 3))
+        cell = np.asarray(cell, dtype=np.float64)
+        pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
+    except (TypeError, ValueError) as e:
+        return err("structure", "bad_value", str(e))
+    problem = _check_geometry(numbers, positions, cell, pbc)
+    if problem is not None:
+        return err(*problem)
+    n = len(numbers)
+    graph_parts, atom_parts = [], []
+    atom_ndim1 = False
+    for key in spec.keys:
+        try:
+            found = lookup(key)
+        except Exception as e:  # noqa: BLE001 -- a calculator may raise anything; report it as the field's problem
+            return err(key, "bad_value", f"{type(e).__name__}: {e}")
+        if found is None:
+            return err(key, "missing_target", "no such quantity in this record")
+        value, is_atom = found
+        value = np.asarray(value, dtype=np.float64)
+        if not np.isfinite(value).all():
+            return err(key, "nan_target", f"non-finite value {value.tolist() if value.size < 10 else '(array)'}")
+        if is_atom:
+            if value.shape[:1] != (n,) or value.ndim > 2:
+                return err(key, "bad_value", f"per-atom value of shape {value.shape} for {n} atoms")
+            if spec.atom_target == "keep":
+                atom_ndim1 = value.ndim == 1
+                atom_parts.append(value.reshape(n, -1))
+                continue
+            value = value.sum(axis=0)
+        if value.ndim > 1:
+            return err(key, "bad_value", f"expected a number or a list of numbers, got shape {value.shape}")
+        graph_parts.append(value)
+    rec: dict[str, Any] = {"id": record_id, "source": source, "index": index, "atomic_numbers": numbers,
+                           "positions": positions, "cell": cell, "pbc": pbc}
+    if graph_parts:
+        target = np.concatenate([p.reshape(-1) for p in graph_parts])
+        if spec.per_atom:
+            target = target / n
+        # A single plain number stays a float (target [B] after collate); anything else is a list ([B, T]).
+        rec["target"] = float(target[0]) if len(graph_parts) == 1 and graph_parts[0].ndim == 0 else target.tolist()
+    if atom_parts:
+        at = np.concatenate(atom_parts, axis=1)
+        rec["atom_target"] = at[:, 0] if len(atom_parts) == 1 and atom_ndim1 else at
+    for key in spec.keep:
+        try:
+            found = lookup(key)
+        except Exception as e:  # noqa: BLE001
+            return err(key, "bad_value", f"{type(e).__name__}: {e}")
+        if found is None:
+            return err(key, "missing_value", "no such quantity in this record (asked for by keep)")
+        value, is_atom = found
+        value = np.asarray(value, dtype=np.float64)
+        if not np.isfinite(value).all():
+            return err(key, "bad_value", "non-finite value")
+        if is_atom:
+            if value.shape[:1] != (n,) or value.ndim > 2:
+                return err(key, "bad_value", f"per-atom value of shape {value.shape} for {n} atoms")
+            rec[f"atom_{key}"] = value
+        else:
+            if value.ndim > 1:
+                value = value.reshape(-1)
+            rec[key] = value
+    if check_overlap:
+        detail = _check_overlap(positions, cell)
+        if detail is not None:
+            return err("positions", "overlapping_atoms", detail)
+    return rec
+
+
+
+def _ase_lookup(atoms: Any) -> Callable[[str], tuple[np.ndarray, bool] | None]:
+    """Quantities of an `ase.Atoms`: info (per structure), arrays (per atom), then its calculator."""
+    def lookup(key: str) -> tuple[np.ndarray, bool] | None:
+        if key in atoms.info:
+            return _scalar_or_vector(atoms.info[key]), False
+        if key in atoms.arrays:
+            return np.asarray(atoms.arrays[key], dtype=np.float64), True
+        calc = atoms.calc
+        if calc is not None:
+            results = getattr(calc, "results", {})
+            if key in ("energy", "free_energy") and key in results:
+                return np.asarray(atoms.get_potential_energy(force_consistent=key == "free_energy")), False
+            if key == "forces" and "forces" in results:
+                return np.asarray(atoms.get_forces()), True
+            if key == "stress" and "stress" in results:
+                return np.asarray(atoms.get_stress()), False
+            if key in results:
+                value = np.asarray(results[key], dtype=np.float64)
+                return value, value.ndim >= 1 and value.shape[0] == len(atoms) and key not in ("stress", "dipole")
+        return None
+    return lookup
+
+
+def _iter_extxyz(path: Path, spec: TargetSpec, id_key: str | None, check_overlap: bool) -> Iterator[Any]:
+    import ase.io
+
+    global PARSE_CALLS
+    PARSE_CALLS += 1
+    source = str(path)
+    index = -1
+    try:
+        # iread rather than read(":"): a broken frame is reported with its index.
+        for index, atoms in enumerate(ase.io.iread(str(path), index=":", format="extxyz")):
+            rid = str(atoms.info[id_key]) if id_key and id_key in atoms.info else f"{_short(path)}#{index}"
+            yield _record(source, index, rid, atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc,
+                          _ase_lookup(atoms), spec, check_overlap)
+    except KeyError as e:
+        # ASE looks each species symbol up in its table: a KeyError names a symbol it does not know.
+        # The frame cannot be parsed, so this is an error even with on_invalid="skip".
+        raise CrystalDataError(source, index + 1, None, "species", "unknown_element",
+                               f"frame {index + 1} has a site of unknown element {e.args[0]!r} (ASE cannot read it)"
+                               ) from e
+    except Exception as e:  # noqa: BLE001 -- ASE raises many types on malformed files
+        # The reader cannot resynchronise after a malformed frame: always an error, never a skip.
+        raise CrystalDataError(source, index + 1, None, "file", "unreadable",
+                               f"cannot read frame {index + 1}: {type(e).__name__}: {e}") from e
+
+
+def _short(path: Path) -> str:
+    """Record-id prefix: the parent folder and file name (Si/training.json), unique enough across sets."""
+    return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic == b"\x1f\x8b":
+        return gzip.open(path, "rt", encoding="utf-8")  # type: ignore[return-value]
+    return open(path, encoding="utf-8")
+
+
+def _iter_mlearn(path: Path, spec: TargetSpec, check_overlap: bool) -> Iterator[Any]:
+    """mlearn JSON: a list of {structure: Structure.as_dict(), outputs: {energy, forces, virial_stress}}."""
+    global PARSE_CALLS
+    PARSE_CALLS += 1
+    source = str(path)
+    try:
+        with _open_text(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError, EOFError) as e:
+        raise CrystalDataError(source, None, None, "file", "unreadable", f"{type(e).__name__}: {e}") from e
+    if not isinstance(data, list):
+        raise CrystalDataError(source, None, None, "file", "unreadable", "expected a JSON list of records")
+    table, _ = _elements_table()
+    prefix = _short(path)
+    for index, item in enumerate(data):
+        rid = f"{prefix}#{index}"
+
+        def err(field_: str, reason: str, detail: str, index: int = index, rid: str = rid) -> CrystalDataError:
+            return CrystalDataError(source, index, rid, field_, reason, detail)
+
+        try:
+            structure = item["structure"]
+            matrix = structure["lattice"]["matrix"]
+            sites = structure["sites"]
+        except (KeyError, TypeError) as e:
+            yield err("structure", "bad_record", f"missing {e}")
+            continue
+        numbers, positions, bad = [], [], None
+        for k, site in enumerate(sites):
+            species = site.get("species") or []
+            if len(species) != 1 or abs(float(species[0].get("occu", 1.0)) - 1.0) > 1e-6:
+                bad = err(f"structure.sites[{k}].species", "disordered_site",
+                          f"{species!r}: only ordered sites (one species, occupancy 1) are supported")
+                break
+            symbol = species[0].get("element")
+            z = table.get(symbol, 0)
+            if z == 0:
+                bad = err(f"structure.sites[{k}].species", "unknown_element", f"unknown element {symbol!r}")
+                break
+            numbers.append(z)
+            if "xyz" in site:
+                positions.append(site["xyz"])
+            elif "abc" in site:
+                positions.append(np.asarray(site["abc"], dtype=np.float64) @ np.asarray(matrix, dtype=np.float64))
+            else:
+                bad = err(f"structure.sites[{k}]", "bad_record", "site without xyz or abc coordinates")
+                break
+        if bad is not None:
+            yield bad
+            continue
+        outputs = item.get("outputs") or {}
+
+        def lookup(key: str, outputs=outputs, item=item, n=len(numbers)) -> tuple[np.ndarray, bool] | None:
+            name = key if key in outputs else _MLEARN_ALIASES.get(key, key)
+            value = outputs.get(name, item.get(name))
+            if value is None:
+                return None
+            arr = np.asarray(value, dtype=np.float64)
+            return arr, name == "forces" or (arr.ndim == 2 and arr.shape[0] == n)
+
+        yield _record(source, index, rid, numbers, positions, matrix, True, lookup, spec, check_overlap)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return text.strip().lower() in ("nan", "na", "inf", "-inf")
+    return True
+
+
+def _iter_id_prop(folder: Path, spec: TargetSpec, id_prop: str, check_overlap: bool) -> Iterator[Any]:
+    """A folder of POSCAR/CIF files with id_prop.csv rows `filename,value[,value...]` (no header)."""
+    import ase.io
+
+    global PARSE_CALLS
+    PARSE_CALLS += 1
+    csv_path = folder / id_prop
+    if not csv_path.exists():
+        raise CrystalDataError(str(folder), None, None, "file", "missing_file", f"no {id_prop} in the folder")
+    with open(csv_path, newline="", encoding="utf-8") as f:
+        rows = [row for row in csv.reader(f) if row and any(c.strip() for c in row)]
+    # Tolerate one header row (its second field is not a number).
+    if rows and len(rows[0]) > 1 and not _is_number(rows[0][1]):
+        rows = rows[1:]
+    source = str(csv_path)
+    for index, row in enumerate(rows):
+        name = row[0].strip()
+        values = [c.strip() for c in row[1:]]
+
+        def err(field_: str, reason: str, detail: str, name=name, index=index) -> CrystalDataError:
+            return CrystalDataError(source, index, name, field_, reason, detail)
+
+        if not values or any(v == "" for v in values):
+            yield err("target", "missing_target", f"row {row!r} has no value after the file name")
+            continue
+        try:
+            numbers_ = [float(v) for v in values]
+        except ValueError:
+            yield err("target", "bad_value", f"not a number in {values!r}")
+            continue
+        path = folder / name
+        if not path.exists():
+            # CGCNN lists ids without the extension of `<id>.cif`.
+            path = next((folder / (name + ext) for ext in (".cif", ".vasp", ".poscar")
+                         if (folder / (name + ext)).exists()), path)
+        if not path.exists():
+            yield err("file", "missing_file", f"{path} does not exist")
+            continue
+        try:
+            atoms = ase.io.read(str(path))
+        except Exception as e:  # noqa: BLE001
+            yield err("file", "unreadable", f"{path}: {type(e).__name__}: {e}")
+            continue
+        value = np.asarray(numbers_[0] if len(numbers_) == 1 else numbers_)
+
+        def lookup(key: str, value=value) -> tuple[np.ndarray, bool] | None:
+            return (value, False) if key == "target" else None
+
+        file_spec = TargetSpec(("target",), spec.atom_target, spec.per_atom, ())
+        yield _record(f"{source} -> {path.name}", index, name, atoms.numbers, atoms.positions, atoms.cell.array,
+                      atoms.pbc, lookup, file_spec, check_overlap)
+
+
+def _iter_objects(structures: Sequence[Any], labels: Sequence[Any] | None, ids: Sequence[str] | None,
+                  spec: TargetSpec, check_overlap: bool) -> Iterator[Any]:
+    """In-memory `ase.Atoms` or pymatgen `Structure`s (duck-typed: pymatgen is never imported here)."""
+    global PARSE_CALLS
+    PARSE_CALLS += 1
+    if labels is not None and len(labels) != len(structures):
+        raise ValueError(f"{len(structures)} structures but {len(labels)} labels")
+    if ids is not None and len(ids) != len(structures):
+        raise ValueError(f"{len(structures)} structures but {len(ids)} ids")
+    source = "<in-memory>"
+    for index, obj in enumerate(structures):
+        rid = str(ids[index]) if ids is not None else f"structure#{index}"
+        if hasattr(obj, "lattice") and hasattr(obj, "cart_coords"):  # pymatgen Structure
+            if not obj.is_ordered:
+                yield CrystalDataError(source, index, rid, "species", "disordered_site",
+                                       "only ordered structures are supported")
+                continue
+            # By symbol, not `Z`: a pymatgen DummySpecies ("Xx") has a `Z` that is a salted hash.
+            table, _ = _elements_table()
+            symbols = [str(getattr(sp, "symbol", sp)) for sp in obj.species]
+            numbers = [table.get(sym, 0) for sym in symbols]
+            if 0 in numbers:
+                k = numbers.index(0)
+                yield CrystalDataError(source, index, rid, f"species[{k}]", "unknown_element",
+                                       f"unknown element {symbols[k]!r} at site {k}")
+                continue
+            positions, cell, pbc = obj.cart_coords, obj.lattice.matrix, getattr(obj.lattice, "pbc", True)
+            props: dict[str, Any] = dict(getattr(obj, "properties", {}) or {})
+            site_props: dict[str, Any] = dict(getattr(obj, "site_properties", {}) or {})
+
+            def lookup(key: str, props=props, site_props=site_props) -> tuple[np.ndarray, bool] | None:
+                if key in props:
+                    return _scalar_or_vector(props[key]), False
+                if key in site_props:
+                    return np.asarray(site_props[key], dtype=np.float64), True
+                return None
+        elif hasattr(obj, "get_positions") and hasattr(obj, "numbers"):  # ase.Atoms
+            numbers, positions, cell, pbc = obj.numbers, obj.positions, obj.cell.array, obj.pbc
+            lookup = _ase_lookup(obj)
+        else:
+            raise TypeError(f"structure {index} is a {type(obj).__name__}, not an ase.Atoms or pymatgen Structure")
+        if labels is not None:
+            label = labels[index]
+            if label is None:
+                yield CrystalDataError(source, index, rid, "target", "missing_target", "the label is None")
+                continue
+            if isinstance(label, (bool, np.bool_)):  # float(True) is 1.0: almost surely not a target
+                yield CrystalDataError(source, index, rid, "target", "bad_value", f"the label is a bool ({label})")
+                continue
+
+            # The label is the target; `keep` extras still come from the structure.
+            def labelled(key: str, label=label, inner=lookup) -> tuple[np.ndarray, bool] | None:
+                if key != "target":
+                    return inner(key)
+                return np.asarray(label, dtype=np.float64), False
+
+            lookup = labelled
+            item_spec = TargetSpec(("target",), spec.atom_target, spec.per_atom, spec.keep)
+        else:
+            item_spec = spec
+        yield _record(source, index, rid, numbers, positions, cell, pbc, lookup, item_spec, check_overlap)
+
+
+def _source_kind(path: Path) -> str:
+    name = path.name.lower()
+    if path.is_dir():
+        return "id_prop"
+    if name.endswith((".json", ".json.gz")):
+        return "mlearn"
+    if name.endswith((".xyz", ".extxyz", ".xyz.gz", ".extxyz.gz")):
+        return "extxyz"
+    raise ValueError(f"{path}: unknown crystal source (expected a folder with id_prop.csv, mlearn .json[.gz] "
+                     f"or extended XYZ .xyz/.extxyz[.gz])")
+
+
+def as_sources(source: Any) -> tuple[list[Path], list[Any] | None]:
+    """(paths, in-memory structures): exactly one of them is non-empty."""
+    if isinstance(source, (str, os.PathLike)):
+        return [Path(source)], None
+    items = list(source)
+    if items and all(isinstance(s, (str, os.PathLike)) for s in items):
+        return [Path(s) for s in items], None
+    return [], items
+
+
+def _iter_items(source: Any, spec: TargetSpec, *, labels: Sequence[Any] | None = None,
+                ids: Sequence[str] | None = None, id_key: str | None = None, id_prop: str = "id_prop.csv",
+                check_overlap: bool = True) -> Iterator[Any]:
+    """Records and `CrystalDataError`s of every input, in order."""
+    paths, objects = as_sources(source)
+    if objects is not None:
+        yield from _iter_objects(objects, labels, ids, spec, check_overlap)
+        return
+    if labels is not None or ids is not None:
+        raise ValueError("labels / ids are for in-memory structures; files carry their own")
+    for path in paths:
+        if not path.exists():
+            raise CrystalDataError(str(path), None, None, "file", "missing_file", "no such file or folder")
+        kind = _source_kind(path)
+        if kind == "id_prop":
+            yield from _iter_id_prop(path, spec, id_prop, check_overlap)
+        elif kind == "mlearn":
+            yield from _iter_mlearn(path, spec, check_overlap)
+        else:
+            yield from _iter_extxyz(path, spec, id_key, check_overlap)
+
+
+def iter_crystals(source: Any, *, target: str | Sequence[str] | None = "energy", atom_target: str = "sum",
+                  per_atom: bool = False, keep: str | Sequence[str] = (), labels: Sequence[Any] | None = None,
+                  ids: Sequence[str] | None = None, id_key: str | None = None, id_prop: str = "id_prop.csv",
+                  on_invalid: str = "error", skipped: Counter | None = None,
+                  check_overlap: bool = True) -> Iterator[dict[str, Any]]:
+    """Valid records of `source`: a path (or list of paths) or a list of ase.Atoms / pymatgen Structures.
+
+    Paths: a folder with `id_prop` (`filename,value[,value...]`, the value(s) are the target:
+    `target` is ignored), an mlearn `.json`/`.json.gz` (target keys from `outputs`: `energy`,
+    `forces`, `virial_stress` alias `stress`), or an extended XYZ `.xyz`/`.extxyz` (gzip allowed;
+    keys from `atoms.info`, `atoms.arrays` or the calculator ASE attaches: `energy`, `forces`,
+    `stress`). In-memory structures take `labels` (one number or list per structure) or, for
+    ase.Atoms without labels, `target` keys like extxyz.
+
+    `target`: a key or a list of keys (a list, or a vector value, gives a list target). Per-atom
+    arrays are summed over atoms (`atom_target="sum"`) or kept as the per-atom `atom_target`
+    column (`"keep"`, e.g. forces). `per_atom=True` divides the structure target by the number of
+    atoms. `keep`: extra quantities stored as columns (`atom_<key>` when per atom, e.g.
+    `atom_forces`; `<key>` otherwise, e.g. `stress`). `on_invalid`: "error" raises
+    `CrystalDataError`, "skip" counts the reason into `skipped` and goes on (unreadable files and
+    malformed extxyz always raise).
+    """
+    if on_invalid not in ("error", "skip"):
+        raise ValueError(f"on_invalid must be 'error' or 'skip', got {on_invalid!r}")
+    spec = TargetSpec.make(target, atom_target, per_atom, keep)
+    skipped = skipped if skipped is not None else Counter()
+    seen: set[str] = set()
+    for item in _iter_items(source, spec, labels=labels, ids=ids, id_key=id_key, id_prop=id_prop,
+                            check_overlap=check_overlap):
+        if isinstance(item, CrystalDataError):
+            skip_or_raise(item, on_invalid, skipped)
+            continue
+        if item["id"] in seen:
+            skip_or_raise(CrystalDataError(item["source"], None, item["id"], "id", "duplicate_id",
+                                            "an earlier record has the same id"), on_invalid, skipped)
+            continue
+        seen.add(item["id"])
+        yield item
+
+
+def read_extxyz(path: str | Path, **kwargs: Any) -> Iterator[dict[str, Any]]:
+    """Records of an extended XYZ file (see `iter_crystals` for the options)."""
+    return iter_crystals(Path(path), **kwargs)
+
+
+def read_id_prop_folder(folder: str | Path, **kwargs: Any) -> Iterator[dict[str, Any]]:
+    """Records of a POSCAR/CIF folder with id_prop.csv (see `iter_crystals`)."""
+    return iter_crystals(Path(folder), **kwargs)
+
+
+def read_mlearn_json(path: str | Path, **kwargs: Any) -> Iterator[dict[str, Any]]:
+    """Records of an mlearn JSON / JSON.gz file (see `iter_crystals`)."""
+    return iter_crystals(Path(path), **kwargs)
+
+
+def read_structures(structures: Sequence[Any], labels: Sequence[Any] | None = None, **kwargs: Any
+                    ) -> Iterator[dict[str, Any]]:
+    """Records of in-memory ase.Atoms / pymatgen Structures with their labels (see `iter_crystals`)."""
+    return iter_crystals(list(structures), labels=labels, **kwargs)
+
