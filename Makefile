@@ -13,15 +13,17 @@ CONFIG     ?= configs/protein_sedd/sedd_tiny.yaml
 SAMPLES    ?= 64
 RUN_DIR    ?= runs/main
 PYTEST_ARGS ?=
+# Every family's extra, so the main job and the whole test suite run from one environment.
+EXTRAS     ?= test,protein_sedd,crystals
 
-.PHONY: setup train test bench readme-config clean
+.PHONY: setup train test lint bench readme-config clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	# deepspeed's setup imports torch: build it against the torch installed above.
-	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -34,11 +36,14 @@ train: setup
 		-m trainer sample $(RUN_DIR) num_samples=$(SAMPLES) out=$(RUN_DIR)/samples.fasta
 	$(VENV)/bin/trainer plot $(RUN_DIR)
 
+lint: setup
+	$(VENV)/bin/ruff check trainer tests benchmarks scripts
+
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 bench: setup
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench]"
+	$(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS),bench]"
 	$(PY) benchmarks/overhead.py --out BENCHMARKS.md
 	$(PY) benchmarks/ingest.py --out BENCHMARKS.md
 	$(PY) benchmarks/throughput.py --device cpu --out BENCHMARKS.md

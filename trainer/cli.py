@@ -133,6 +133,7 @@ def _run_experiments(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainer", description=__doc__)
+    parser.set_defaults(overrides=None)  # commands that take key=value overrides set a list
     parser.add_argument("--debug", action="store_true", help="show tracebacks of config, data and checkpoint errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -186,11 +187,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line; `key=value` overrides may sit anywhere, also after launcher-added flags
     such as `--deepspeed ds.json` (argparse alone stops at the first optional)."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    legacy: list[str] = []
+    if "sample" in argv:  # old flags may sit anywhere, even before RUN_DIR: take them out first
+        at = argv.index("sample") + 1
+        legacy, rest = legacy_sample_overrides(argv[at:])
+        argv = argv[:at] + rest
     args, extra = parser.parse_known_args(argv)
-    if args.command == "sample":
-        legacy, extra = legacy_sample_overrides(extra)
-        args.overrides = [*args.overrides, *legacy]
-    if hasattr(args, "overrides"):
+    args.overrides = [*args.overrides, *legacy] if args.overrides is not None else None
+    if args.overrides is not None:
         overrides = [a for a in extra if "=" in a and not a.startswith("-")]
         args.overrides = [*args.overrides, *overrides]
         extra = [a for a in extra if a not in overrides]
@@ -203,11 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("accelerate", "deepspeed", "DeepSpeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    args = parse_args(argv)
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
     try:
+        args = parse_args(argv)
         return args.func(args)
     except TrainerError as err:
-        if args.debug:
+        if debug:
             raise
         kind = "config error" if isinstance(err, ConfigError) else "error"
         print(f"trainer: {kind}: {err}", file=sys.stderr)

@@ -159,9 +159,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-_SECTIONS = ("run", "data", "task", "optim", "train", "eval", "ckpt", "log")
 
-_CHOICES = {
     ("optim", "name"): ("adamw", "adam", "sgd"),
     ("optim", "scale_lr"): ("none", "linear", "sqrt"),
     ("train", "mixed_precision"): ("no", "bf16", "fp16"),
@@ -280,8 +278,9 @@ def load_yaml(path: str | Path) -> dict:
 
 def _check_sections(layer: dict, source: str) -> None:
     """Each known section must be a mapping (`task: regression` or `task: null` is a common slip)."""
+    sections = {f.name for f in dataclasses.fields(Config)}
     for name, value in layer.items():
-        if name in _SECTIONS and not isinstance(value, dict):
+        if name in sections and not isinstance(value, dict):
             example = f"{name}:\n  name: {value}" if name == "task" and isinstance(value, str) else f"{name}:\n  key: value"
             raise ConfigError(f"section '{name}' (from {source}) must be a mapping of keys, got "
                               f"{type(value).__name__} {value!r}; write it as\n{example}")

@@ -104,6 +104,9 @@ def get_task(name: str) -> type[Task]:
         _load(name)
     if name not in _REGISTRY:
         names = available_tasks()
+        if _UNAVAILABLE:  # the task may live in a family whose dependencies are missing: say so
+            missing = "; ".join(_UNAVAILABLE.values())
+            raise ConfigError(f"unknown task '{name}'; available tasks: {', '.join(names)}. Not importable: {missing}")
         close = difflib.get_close_matches(name, names, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"unknown task '{name}'; available tasks: {', '.join(names)}.{hint}")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.errors import DataError
+
 
 @dataclass(frozen=True)
 class RunDir:
@@ -74,19 +76,23 @@ class RunDir:
         return self.root / ".lock"
 
     def read_metrics(self, missing_ok: bool = False) -> list[dict[str, Any]]:
-        """Every record of metrics.jsonl in order; a line cut short by a crash is skipped."""
+        """Every record of metrics.jsonl in order. Only the last line may be cut short (by a crash: it is
+        skipped); a bad line anywhere else is a DataError naming it."""
         if not self.metrics.is_file():
             if missing_ok:
                 return []
             raise FileNotFoundError(f"no metrics.jsonl in {self.root}")
+        lines = self.metrics.read_text().splitlines()
         records = []
-        for line in self.metrics.read_text().splitlines():
+        for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
                 records.append(json.loads(line))
-            except json.JSONDecodeError:  # the last line of a killed run
-                continue
+            except json.JSONDecodeError as err:
+                if number == len(lines):  # the last line of a killed run
+                    continue
+                raise DataError(f"{self.metrics}: line {number} is not JSON ({err})") from None
         return records
 
     def final_metrics(self) -> dict[str, Any]:

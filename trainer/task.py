@@ -3,8 +3,10 @@
 A task is a small spec registered by name (`trainer.registry`). It builds its data (`build_data`)
 and then a single-device model from the statistics of that data (`build_model(stats)`), collates
 samples, computes the loss of a micro-batch and per-sample eval values, and names a `tiny` preset.
-Nothing here knows about processes, devices or sharding: the core does that, and it hands every
-hook the unwrapped model (a task never walks `.module`).
+Nothing here knows about processes, devices or sharding: the core does that. `loss` and `eval_step`
+receive the model as the core prepared it (DDP / DeepSpeed may wrap it: call it, never walk
+`.module`); `generate` receives the plain single-device module. Statistics a hook needs come from
+`self.stats`, never from model attributes read through a wrapper.
 
 Order of calls the core guarantees: `build_data()` first; then `attach_stats(data.stats)`; then
 `build_model(data.stats)`. Sampling and export skip `build_data`: they read the statistics back from

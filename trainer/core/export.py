@@ -76,6 +76,10 @@ def export_run(run_dir: str | Path, out: str | Path | None = None, checkpoint: s
         shutil.copyfile(config, out.with_name(out.stem + ".config.yaml"))
     for artifact in state.get("artifacts", []):  # what the manifest lists (task_stats.json, Task.save_artifacts)
         source = ckpt_dir / artifact
+        # Checkpoint contents are not trusted: an artifact is a plain name inside the checkpoint.
+        if Path(artifact).name != artifact or artifact in ("", ".", "..") or not source.exists():
+            raise CheckpointError(f"checkpoint {ckpt_dir} lists the artifact {artifact!r}, which is not a file or "
+                                  f"folder directly inside it")
         if source.is_dir():
             shutil.copytree(source, out.parent / artifact, dirs_exist_ok=True)
         else:
@@ -84,9 +88,12 @@ def export_run(run_dir: str | Path, out: str | Path | None = None, checkpoint: s
 
 
 def read_task_stats(directory: Path) -> dict:
-    """The task statistics saved beside a checkpoint's or an export's weights ({} for runs before them)."""
+    """The task statistics saved beside a checkpoint's or an export's weights (`TaskData.stats`)."""
     path = Path(directory) / TASK_STATS
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no {TASK_STATS} (the task statistics the model is built from); "
+                              f"it was written by an older version: export the run again")
+    return json.loads(path.read_text())
 
 
 def load_exported(path: str | Path) -> tuple[torch.nn.Module, "object"]:
@@ -99,7 +106,7 @@ def load_exported(path: str | Path) -> tuple[torch.nn.Module, "object"]:
     path = Path(path)
     cfg = config_from_dict(yaml.safe_load(path.with_name(path.stem + ".config.yaml").read_text()))
     task = get_task(cfg.task.name)(cfg.task, seed=cfg.run.seed)
-    stats = read_task_stats(path.parent) or task.stats
+    stats = read_task_stats(path.parent)
     task.attach_stats(stats)
     model = task.build_model(stats)
     model.load_state_dict(load_file(path), strict=True)

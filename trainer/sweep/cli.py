@@ -96,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
         from trainer.sweep.slurm import make_executor, slurm_parameters, submit_slurm
 
         if importlib.util.find_spec("submitit") is None:
-            raise ExperimentsError("--slurm needs submitit: pip install 'trainer[slurm]'")
+            raise ExperimentsError("--slurm needs submitit: pip install 'sciml-trainer[slurm]'")
         params = slurm_parameters(experiments, job_name=Path(args.experiments_file).stem,
                                   partition=args.slurm_partition, time=args.slurm_time,
                                   gpus_per_task=args.slurm_gpus_per_task, cpus_per_task=args.slurm_cpus_per_task,

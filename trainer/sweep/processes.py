@@ -21,6 +21,8 @@ from typing import IO, Any
 
 import psutil
 
+from trainer.core.watchdog import set_parent_death_signal
+
 RUN_TOKEN_ENV = "TRAINER_RUN_TOKEN"
 LEFTOVER_WAIT_S = 5.0
 
@@ -28,12 +30,7 @@ LEFTOVER_WAIT_S = 5.0
 def _die_with_runner() -> None:
     """In the child before exec: SIGTERM when the runner dies (Linux), so a runner killed by SIGKILL or
     the OOM killer leaves no unsupervised runs holding GPUs. (Its own session shields it otherwise.)"""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -41,6 +41,7 @@ from trainer.families.crystals.dataset import (
 )
 from trainer.families.crystals.graphs import GraphSpec
 from trainer.families.crystals.readers import bundled_crystal_path
+from trainer.errors import DataError
 from trainer.registry import register_task
 from trainer.task import LossOutput, Task, TaskConfig, TaskData
 
@@ -60,6 +61,9 @@ def crystal_data_path(relative: str = "") -> str:
     `../../../shared/data/crystals` relative to a config in `configs/crystals/`.
     """
     root = os.environ.get(DATA_ENV) or str(Path(__file__).resolve().parents[3].parent / "shared" / "data" / "crystals")
+    if DATA_ENV not in os.environ and not Path(root).is_dir():  # an installed package, far from a checkout
+        raise DataError(f"crystal data folder {root} does not exist; set {DATA_ENV} to the folder that holds "
+                        f"mlearn/ and jarvis_bandgap_50/, or give task.data_path as a plain path")
     return str(Path(root) / relative) if relative else root
 
 
@@ -105,7 +109,8 @@ class CrystalPropertyConfig(TaskConfig):
     max_neighbors: int = 25
     """k of the knn graph (the published ComFormer runs use 25)."""
     use_lattice: bool = True
-    """Add the lattice self-loop edges and give iComFormer its lattice-aware edge layer."""
+    """Add the lattice self-loop edges to the graph (the lattice-aware edge layer of iComFormer runs either way:
+    it reads the three lattice vectors every batch carries)."""
     variant: str = "icomformer"
     """Model: `icomformer` (invariant, default) or `ecomformer` (equivariant, e3nn)."""
     model_preset: str = "tiny"

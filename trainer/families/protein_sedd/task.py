@@ -242,6 +242,9 @@ class ProteinSEDDTask(Task):
             reference = train = tokenize_dataset(select_split(records, "train"))
             train_set = (PackedBlocks(train, c.max_length, self.seed) if c.packing
                          else ProteinCrops(train, c.max_length, self.seed, random_crop=True))
+            if isinstance(train_set, PackedBlocks):
+                logger.info("packing: %d training blocks of %d states; the last %d states (shorter than a block) "
+                            "are left out", len(train_set), c.max_length, train_set.dropped_tokens)
         counts = residue_counts(reference)
         lengths, length_counts = np.unique(np.minimum(np.asarray(reference["length"]), c.max_length),
                                            return_counts=True)

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from trainer.registry import register_task
+from trainer.seeding import derive_seed
 from trainer.task import LossOutput, Task, TaskConfig, TaskData
 
 
@@ -89,7 +90,7 @@ class StreamedRegression(IterableDataset):
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         shard, shards = self.rank * workers + worker, self.world_size * workers
-        order = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        order = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(derive_seed(self.seed, "stream", self.epoch)))
         for k in order[shard::shards].tolist():
             yield self.data[k]
 
