@@ -159,7 +159,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-
+_CHOICES = {
     ("optim", "name"): ("adamw", "adam", "sgd"),
     ("optim", "scale_lr"): ("none", "linear", "sqrt"),
     ("train", "mixed_precision"): ("no", "bf16", "fp16"),
