@@ -13,7 +13,8 @@ import difflib
 import importlib
 import importlib.metadata
 import pkgutil
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from trainer.errors import ConfigError
 

@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, child_env, run_cmd
+
 from trainer.errors import ConfigError
 from trainer.registry import available_tasks, get_task
 

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import BIN, ROOT, TINY, child_env, read_jsonl
+
 from trainer.core.checkpoint import latest_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

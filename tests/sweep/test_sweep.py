@@ -15,10 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-
 from conftest import ROOT, TINY, child_env
-from trainer.sweep import (ExperimentsError, expand_grid, free_port, load_experiments,
-                                 parse_experiments, run_experiments)
+
+from trainer.sweep import ExperimentsError, expand_grid, free_port, load_experiments, parse_experiments, run_experiments
 
 JOB = textwrap.dedent("""
     import json, os, signal, subprocess, sys, time

@@ -17,8 +17,9 @@ import hashlib
 import json
 import multiprocessing
 import os
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 

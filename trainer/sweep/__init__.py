@@ -15,8 +15,7 @@ from trainer.sweep.record import FINAL_STATUSES, STATUSES, RunRecord, read_final
 from trainer.sweep.results import read_results
 from trainer.sweep.scheduler import INTERRUPTED_EXIT, Scheduler, run_experiments
 from trainer.sweep.slurm import collect_results, make_executor, run_array_task, slurm_parameters, submit_slurm
-from trainer.sweep.spec import (Experiment, ExperimentsError, expand_grid, free_port, load_experiments,
-                                parse_experiments)
+from trainer.sweep.spec import Experiment, ExperimentsError, expand_grid, free_port, load_experiments, parse_experiments
 
 __all__ = ["FINAL_STATUSES", "INTERRUPTED_EXIT", "STATUSES", "Experiment", "ExperimentsError", "RunRecord",
            "Scheduler", "SlotPool", "StatusDisplay", "collect_results", "expand_grid", "free_port",

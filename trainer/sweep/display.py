@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Mapping, Sequence, TextIO
+from collections.abc import Mapping, Sequence
+from typing import TextIO
 
 from trainer.sweep.record import RunRecord
 from trainer.sweep.results import counts

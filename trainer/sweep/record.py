@@ -6,9 +6,10 @@ import dataclasses
 import datetime
 import os
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from trainer.rundir import RunDir
 from trainer.sweep.spec import Experiment

@@ -6,8 +6,9 @@ import csv
 import datetime
 import io
 import json
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from trainer.atomic_io import atomic_write_text
 from trainer.sweep.record import STATUSES, RunRecord

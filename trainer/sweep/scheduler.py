@@ -8,9 +8,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Sequence, TextIO
+from typing import IO, Any, TextIO
 
 from trainer.sweep.devices import SlotPool, gpu_memory_by_pid
 from trainer.sweep.display import StatusDisplay, count_line

@@ -12,8 +12,9 @@ import math
 import os
 import socket
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TextIO
+from typing import Any, TextIO
 
 from trainer.sweep.devices import SlotPool
 from trainer.sweep.display import render_table

@@ -31,6 +31,7 @@ from torch.utils.data import Dataset
 from trainer.atomic_io import atomic_write_json, atomic_write_text
 from trainer.data.arrow_cache import selected_column
 from trainer.data.splits import split_indices
+from trainer.errors import DataError
 from trainer.families.crystals.comformer import build_comformer, comformer_config
 from trainer.families.crystals.dataset import (
     CrystalRows,
@@ -41,7 +42,6 @@ from trainer.families.crystals.dataset import (
 )
 from trainer.families.crystals.graphs import GraphSpec
 from trainer.families.crystals.readers import bundled_crystal_path
-from trainer.errors import DataError
 from trainer.registry import register_task
 from trainer.task import LossOutput, Task, TaskConfig, TaskData
 

@@ -90,7 +90,8 @@ class StreamedRegression(IterableDataset):
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         shard, shards = self.rank * workers + worker, self.world_size * workers
-        order = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(derive_seed(self.seed, "stream", self.epoch)))
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, "stream", self.epoch))
+        order = torch.randperm(len(self.data), generator=generator)
         for k in order[shard::shards].tolist():
             yield self.data[k]
 
