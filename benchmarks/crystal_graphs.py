@@ -4,10 +4,10 @@ All structures of /work/shared/data/crystals (mlearn Si and Mo, training + test,
 JARVIS crystals of jarvis_bandgap_50: 506 structures, 2 to 108 atoms) are parsed once (untimed);
 then, in one process, median of `--repeats` interleaved repeats after one untimed warm-up:
 
-  (a) baseline  `build_graph(..., backend="ase")`: `ase.neighborlist.primitive_neighbor_list`
+  (a) baseline  `build_crystal_graph(..., backend="ase")`: `ase.neighborlist.primitive_neighbor_list`
                 (ASE's numpy neighbour search, what `neighbor_list("ijSd", atoms, r)` calls) and
                 the same k-nearest selection, symmetrisation, lattice loops and de-duplication.
-  (b) ours      `build_graph(...)` with vesin's neighbour list.
+  (b) ours      `build_crystal_graph(...)` with vesin's neighbour list.
   (b1)          the vesin calls inside (b) alone, for the breakdown.
 
 for the ComFormer k-NN graph (k=25, lattice self-loops, as in the published runs) and a radius
@@ -31,9 +31,13 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+from bench_report import command_line, cpu_model, utc_now, write_section
 
-from bench_report import command_line, cpu_model, utc_now
-from trainer.families.crystals import data as C
+import trainer.data.graphs as shared_graphs
+import trainer.families.crystals.graphs as crystal_graphs
+from trainer.families.crystals.dataset import build_crystal_dataset
+from trainer.families.crystals.graphs import GraphSpec, build_crystal_graph
+from trainer.families.crystals.readers import bundled_crystal_path, iter_crystals
 
 DATA = Path("/work/shared/data/crystals")
 
@@ -44,17 +48,17 @@ def sources(root: Path) -> list[Path]:
 
 
 def load(root: Path) -> list[dict]:
-    return list(C.iter_crystals(sources(root), check_overlap=False))
+    return list(iter_crystals(sources(root), check_overlap=False))
 
 
-def build_all(structures: list[dict], spec: C.GraphSpec, backend: str) -> list[dict]:
-    return [C.build_graph(r["positions"], r["cell"], spec, backend=backend) for r in structures]
+def build_all(structures: list[dict], spec: GraphSpec, backend: str) -> list[dict]:
+    return [build_crystal_graph(r["positions"], r["cell"], spec, backend=backend) for r in structures]
 
 
-def timed_search(structures: list[dict], spec: C.GraphSpec) -> float:
+def timed_search(structures: list[dict], spec: GraphSpec) -> float:
     """Seconds spent inside the vesin calls of one (b) run."""
     spent = 0.0
-    inner = C.neighbor_pairs
+    inner = shared_graphs.neighbor_pairs
 
     def wrapper(*args, **kwargs):
         nonlocal spent
@@ -63,11 +67,12 @@ def timed_search(structures: list[dict], spec: C.GraphSpec) -> float:
         spent += time.perf_counter() - t0
         return out
 
-    C.neighbor_pairs = wrapper
+    # the k-NN search (trainer.data.graphs) and the radius graph (the family's graphs.py) both call it
+    shared_graphs.neighbor_pairs = crystal_graphs.neighbor_pairs = wrapper
     try:
         build_all(structures, spec, "vesin")
     finally:
-        C.neighbor_pairs = inner
+        shared_graphs.neighbor_pairs = crystal_graphs.neighbor_pairs = inner
     return spent
 
 
@@ -75,15 +80,15 @@ def same_graphs(a: list[dict], b: list[dict]) -> bool:
     return all(all(np.array_equal(x[k], y[k]) for k in ("edge_src", "edge_dst", "edge_shift")) for x, y in zip(a, b))
 
 
-def end_to_end(root: Path, spec: C.GraphSpec, num_proc: int) -> float:
+def end_to_end(root: Path, spec: GraphSpec, num_proc: int) -> float:
     with tempfile.TemporaryDirectory(prefix="crystal-bench-") as cache:
         t0 = time.perf_counter()
         # One dataset of all 5 inputs (jarvis's id_prop value is its target whatever `target` says).
-        C.build_crystal_dataset(sources(root), graph=spec, cache_dir=cache, num_proc=num_proc)
+        build_crystal_dataset(sources(root), graph=spec, cache_dir=cache, num_proc=num_proc)
         return time.perf_counter() - t0
 
 
-def profile_top(structures: list[dict], spec: C.GraphSpec, backend: str, n: int = 8) -> str:
+def profile_top(structures: list[dict], spec: GraphSpec, backend: str, n: int = 8) -> str:
     prof = cProfile.Profile()
     prof.enable()
     build_all(structures, spec, backend)
@@ -114,16 +119,21 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per method; median reported")
     p.add_argument("--radius", type=float, default=5.0, help="cutoff of the radius graph, Å")
     p.add_argument("--profile", action="store_true", help="print the top functions of (a) and (b)")
-    p.add_argument("--out", help="append a dated section with machine, command and table to this markdown file")
+    p.add_argument("--out", help="replace this benchmark's section (machine, command, table) in this markdown file")
+    p.add_argument("--smoke", action="store_true", help="10 bundled structures, each graph kind and backend once, "
+                   "nothing written: checks the script runs")
     a = p.parse_args()
+    if a.smoke:
+        smoke()
+        return
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     root = Path(a.data)
     started = time.perf_counter()
     structures = load(root)
     n, atoms = len(structures), sum(len(r["atomic_numbers"]) for r in structures)
-    specs = {"knn (k=25, lattice loops)": C.GraphSpec(kind="knn", k=25, use_lattice=True),
-             f"radius ({a.radius:g} Å)": C.GraphSpec(kind="radius", cutoff=a.radius, use_lattice=False)}
+    specs = {"knn (k=25, lattice loops)": GraphSpec(kind="knn", k=25, use_lattice=True),
+             f"radius ({a.radius:g} Å)": GraphSpec(kind="radius", cutoff=a.radius, use_lattice=False)}
     rows = ["| graph | edges | (a) ASE baseline s | (b) ours s | (b1) vesin calls in (b) s | structures/s (a) "
             "| structures/s (b) | b/a |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     ratios = {}
@@ -163,14 +173,28 @@ def main() -> None:
     if profiles:
         print("\n".join(profiles))
     if a.out:
-        with open(a.out, "a") as f:
-            f.write(f"\n## Crystal graph construction benchmark, {utc_now()}\n\n- Machine: {machine()}\n"
+        write_section(a.out, (f"## Crystal graph construction benchmark, {utc_now()}\n\n- Machine: {machine()}\n"
                     f"- Command: `{command_line()}`\n"
                     f"- Data: `{root}` (mlearn Si + Mo training + test, jarvis_bandgap_50): {n} structures, "
                     f"{atoms:,} atoms; median of {a.repeats} interleaved repeats after one untimed warm-up, "
                     f"one process; both backends give identical edge sets\n"
                     f"- Target: b/a >= 10 for both graph kinds\n\n{table}\n\n{verdict}\n\n{e2e_line}\n"
-                    + ("\nProfile (cumulative share of the run):\n\n" + "\n".join(profiles) + "\n" if profiles else ""))
+                    + ("\nProfile (cumulative share of the run):\n\n" + "\n".join(profiles) + "\n"
+                       if profiles else "")))
+
+
+def smoke(count: int = 10) -> None:
+    """Both backends on a few structures of the bundled sample (edge sets compared), and one dataset build."""
+    path = bundled_crystal_path("mlearn_Si_test")
+    structures = list(iter_crystals([path], check_overlap=False))[:count]
+    for spec in (GraphSpec(kind="knn", k=25, use_lattice=True),
+                 GraphSpec(kind="radius", cutoff=5.0, use_lattice=False)):
+        if not same_graphs(build_all(structures, spec, "ase"), build_all(structures, spec, "vesin")):
+            sys.exit(f"{spec}: the ASE and vesin backends disagree")
+        timed_search(structures, spec)
+    with tempfile.TemporaryDirectory(prefix="crystal-bench-") as cache:
+        build_crystal_dataset([path], graph=spec, cache_dir=cache, num_proc=1)
+    print(f"{len(structures)} structures, both graph kinds and backends agree; smoke run: nothing written")
 
 
 if __name__ == "__main__":

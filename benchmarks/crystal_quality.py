@@ -1,8 +1,9 @@
 """Crystal property quality and CPU training throughput: test MAE of `crystal_property` next to the
 per-element linear baseline, and atoms/s of training.
 
-Datasets (from ../shared/data/crystals): mlearn Si and Mo (energy per atom, the given training.json /
-test.json files) and jarvis_bandgap_50 (OptB88vdW band gap, 80/10/10 split by id hash). Each runs
+Datasets (from $TRAINER_CRYSTALS_DATA, default ../shared/data/crystals): mlearn Si and Mo (energy per
+atom, the given training.json / test.json files) and jarvis_bandgap_50 (OptB88vdW band gap, 80/10/10
+split by id hash). Each runs
 `trainer train configs/crystals/comformer_tiny.yaml` in-process with the dataset's overrides, one
 process; the test MAE is what the run writes to RUN_DIR/test/metrics.json. Throughput is atoms/s
 over the logged training steps (structures/s x mean atoms per training structure).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -25,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_report import command_line, cpu_model, utc_now  # noqa: E402
 
-CRYSTALS = ROOT.parent / "shared" / "data" / "crystals"
+# the shared data sets: $TRAINER_CRYSTALS_DATA, else the checkout's sibling shared/data/crystals (as the configs)
+CRYSTALS = Path(os.environ.get("TRAINER_CRYSTALS_DATA") or ROOT.parent / "shared" / "data" / "crystals")
 DATASETS = {
     "mlearn Si (energy/atom, eV)": [f"task.data_path={CRYSTALS / 'mlearn/Si/training.json'}",
                                     f"task.test_path={CRYSTALS / 'mlearn/Si/test.json'}"],
@@ -69,7 +72,15 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=150)
     parser.add_argument("--preset", default="tiny", choices=["tiny", "paper"])
     parser.add_argument("--out", default=None, help="run directories (default: a temp folder)")
+    parser.add_argument("--smoke", action="store_true", help="one epoch on the bundled mlearn Si sample: checks the "
+                        "script runs (its MAE means nothing)")
     args = parser.parse_args()
+    if args.smoke:
+        args.epochs, args.preset, args.out = 1, "tiny", None
+        samples = ROOT / "trainer" / "families" / "crystals" / "samples"
+        DATASETS.clear()
+        DATASETS["bundled mlearn Si (smoke)"] = [f"task.data_path={samples / 'mlearn_Si_training.json.gz'}",
+                                                 f"task.test_path={samples / 'mlearn_Si_test.json.gz'}"]
     logging.basicConfig(level=logging.WARNING)
     work = Path(args.out or tempfile.mkdtemp(prefix="crystal-bench-"))
     rows = [run_one(name, overrides, args, work) for name, overrides in DATASETS.items()]
@@ -83,6 +94,8 @@ def main() -> None:
     for r in rows:
         print(f"| {r['name']} | {r['train']} / {r['test']} | {r['mae']:.4f} | {r['baseline_mae']:.4f} | "
               f"{r['mae'] / r['baseline_mae']:.2f} | {r['steps']} | {r['wall_s']:.0f} s | {r['atoms_per_s']:.0f} |")
+    if args.smoke:
+        print("smoke run: nothing written")
 
 
 if __name__ == "__main__":

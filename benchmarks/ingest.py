@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 import os
 import platform
 import shutil
@@ -38,11 +39,11 @@ import time
 
 import datasets
 import numpy as np
+from bench_report import command_line, cpu_model, utc_now, write_section
 
-from bench_report import command_line, cpu_model, utc_now
 from trainer.families.protein_sedd import fasta
-from trainer.families.protein_sedd.fasta import iter_fasta_tables
 from trainer.families.protein_sedd.dataset import build_fasta_dataset, tokenize_dataset
+from trainer.families.protein_sedd.fasta import iter_fasta_tables
 from trainer.families.protein_sedd.tokenizer import UNK_ID, VOCAB
 
 DEFAULT_FILE = "/work/shared/data/proteins/uniprot_random_16k.fasta.gz"
@@ -135,8 +136,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--file", default=DEFAULT_FILE, help="FASTA(.gz) file to ingest")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per method; median reported")
-    p.add_argument("--out", help="append a dated section with machine, command and table to this markdown file")
+    p.add_argument("--out", help="replace this benchmark's section (machine, command, table) in this markdown file")
+    p.add_argument("--smoke", action="store_true", help="200 records of the bundled sample, one repeat, nothing "
+                   "written (the baseline only if biopython is installed): checks the script runs")
     a = p.parse_args()
+    if a.smoke:
+        smoke(a.file if a.file != DEFAULT_FILE else None)
+        return
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
     started = time.perf_counter()
@@ -192,13 +198,34 @@ def main() -> None:
     print(f"\n{verdict}\n{n:,} sequences, median of {a.repeats}; total {elapsed:.0f} s")
     if a.out:
         now, command = utc_now(), command_line()
-        with open(a.out, "a") as f:
-            f.write(f"\n## Ingest benchmark, {now}\n\n- Machine: {machine()}\n- Command: `{command}`\n"
+        write_section(a.out, (f"## Ingest benchmark, {now}\n\n- Machine: {machine()}\n- Command: `{command}`\n"
                     f"- File: `{a.file}` ({os.path.getsize(a.file) / 1e6:.1f} MB, {n:,} sequences); median of "
                     f"{a.repeats} interleaved repeats after one untimed warm-up, one process (ours: plus one "
                     f"decompression thread, except b2)\n"
                     f"- Targets: b/a >= 5, c/b <= 3, streaming peak RSS {CONCAT}x/1x within 10 %\n\n"
-                    f"{table}\n\n{verdict}\n")
+                    f"{table}\n\n{verdict}\n"))
+
+
+def smoke(path: str | None, records: int = 200) -> None:
+    """Each method once on a small FASTA.gz (the bundled sample's first `records`), and the stream child."""
+    from trainer.families.protein_sedd.dataset import default_protein_fasta
+
+    datasets.disable_progress_bars()
+    with tempfile.TemporaryDirectory(prefix="ingest-smoke-") as workdir:
+        small = os.path.join(workdir, "small.fasta.gz")
+        with gzip.open(path or default_protein_fasta(), "rt") as src:
+            text = src.read().split("\n>")
+        with gzip.open(small, "wt") as dst:
+            dst.write("\n>".join(text[:records]) + "\n")
+        for key, fn in METHODS.items():
+            if key == "a" and importlib.util.find_spec("Bio") is None:
+                print("(a) skipped: biopython is not installed (pip install .[bench])", file=sys.stderr)
+                continue
+            t0 = time.perf_counter()
+            n = fn(small, workdir)
+            print(f"({key}) {n} records, {time.perf_counter() - t0:.3f} s", file=sys.stderr)
+        n, rss0, top, peak = stream_peak(small)
+        print(f"stream: {n} records, RSS {rss0:.0f} -> {top:.0f} MiB; smoke run: nothing written")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from bench_report import command_line, cpu_model, utc_now
+
 from trainer.sweep import parse_experiments, run_experiments
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "runner_utilisation.md"
@@ -50,7 +51,11 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=2.0, help="length of each job")
     p.add_argument("--repeats", type=int, default=3, help="median of this many runs is reported")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="write the Markdown result block here ('-': stdout only)")
+    p.add_argument("--smoke", action="store_true",
+                   help="2 jobs of 0.2 s, one repeat, nothing written: checks the script runs")
     a = p.parse_args()
+    if a.smoke:
+        a.jobs, a.seconds, a.repeats, a.out = 2, 0.2, 1, "-"
     results = []
     for r in range(a.repeats):
         results.append(measure(a.jobs, a.slots, a.seconds))
@@ -81,6 +86,8 @@ def main() -> None:
         "",
     ])
     print(block)
+    if a.smoke:
+        print("smoke run: nothing written")
     if a.out != "-":
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)

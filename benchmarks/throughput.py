@@ -29,7 +29,7 @@ import tempfile
 import time
 import warnings
 
-from bench_report import command_line, cpu_model, utc_now
+from bench_report import command_line, cpu_model, utc_now, write_section
 
 # (device, preset): (max_length, per-device batch, warm-up steps, timed steps)
 SETTINGS = {
@@ -63,8 +63,8 @@ def run(preset: str, device: str, workdir: str, threads: int) -> dict[str, float
     import torch
 
     from trainer.config import load_config
-    from trainer.families.protein_sedd.ddit import DDIT_PRESETS, count_flops_per_token
     from trainer.core.trainer import Trainer
+    from trainer.families.protein_sedd.ddit import DDIT_PRESETS, count_flops_per_token
 
     max_length, batch, warmup, steps = SETTINGS[(device, preset)]
     torch.set_num_threads(threads)
@@ -97,7 +97,7 @@ def run(preset: str, device: str, workdir: str, threads: int) -> dict[str, float
         return train_step(batches)
 
     trainer.train_step = timed_train_step
-    trainer.evaluate = lambda: {}
+    trainer.evaluate = lambda split="eval": {}
     trainer.save = lambda best=False: None
     trainer.fit()
     seconds = clock["end"] - clock["start"]
@@ -115,8 +115,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: one per core)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak for MFU (default: 989 bf16 dense on cuda, H100 SXM; an fp32 estimate on cpu)")
-    p.add_argument("--out", help="append a dated section with machine, command and table to this markdown file")
+    p.add_argument("--out", help="replace this benchmark's section (machine, command, table) in this markdown file")
+    p.add_argument("--smoke", action="store_true", help="the tiny preset for a few short steps on CPU, one repeat, "
+                   "nothing written: checks the script runs")
     a = p.parse_args()
+    if a.smoke:
+        a.device, a.presets, a.repeats, a.out = "cpu", "tiny", 1, None
+        SETTINGS[("cpu", "tiny")] = (32, 4, 1, 2)  # short sequences, a few steps
     if a.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the Trainer picks CUDA whenever it sees one
     import torch
@@ -162,15 +167,17 @@ def main() -> None:
     elapsed = time.perf_counter() - started
     print(table)
     print(f"\npeak {peak_note}; median of {a.repeats}; total {elapsed:.0f} s")
+    if a.smoke:
+        print("smoke run: nothing written")
     if a.out:
         now, command = utc_now(), command_line()
         versions = f"Python {platform.python_version()}, torch {torch.__version__}"
-        with open(a.out, "a") as f:
-            f.write(f"\n## Training throughput benchmark (protein_sedd, {a.device}), {now}\n\n- Machine: {hw}; {versions}\n"
-                    f"- Command: `{command}`\n- `Trainer.fit()` on the bundled 3k UniProt sample, one process, "
+        write_section(a.out, (f"## Training throughput benchmark (protein_sedd, {a.device}), {now}\n\n"
+                    f"- Machine: {hw}; {versions}\n- Command: `{command}`\n"
+                    f"- `Trainer.fit()` on the bundled 3k UniProt sample, one process, "
                     f"timed steps after warm-up steps, median of {a.repeats}; tokens = real residues (`num_tokens`); "
                     f"FLOPs from `count_flops_per_token` at the padded batch length; MFU peak = {peak_note}\n\n"
-                    f"{table}\n\nTotal wall time {elapsed:.0f} s (setup included).\n")
+                    f"{table}\n\nTotal wall time {elapsed:.0f} s (setup included).\n"))
 
 
 if __name__ == "__main__":

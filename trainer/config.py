@@ -14,9 +14,10 @@ import difflib
 import inspect
 import math
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
@@ -38,7 +39,11 @@ class RunConfig:
     seed: int = 0
     """Base seed; rank r uses seed + r for its own RNG streams, data order depends on seed only."""
     resume: str = "auto"
-    """`auto` (continue from the latest good checkpoint in output_dir if any), `none` (start over; old checkpoints are moved aside), or a checkpoint path."""
+    """`auto` (continue from the latest good checkpoint in output_dir if any), `none` (start over; old
+    checkpoints are moved aside), or a checkpoint path."""
+    allow_inexact_resume: bool = False
+    """Resume even when part of the saved state (a rank's RNG state) cannot be restored, with a warning;
+    by default that is an error naming the file."""
 
 
 @dataclass
@@ -323,7 +328,8 @@ def _validate(cfg: Config) -> None:
     for section, key in positive:
         if getattr(getattr(cfg, section), key) < 1:
             raise ConfigError(f"config key '{section}.{key}' must be >= 1")
-    non_negative = [("train", "epochs"), ("eval", "every_epochs"), ("ckpt", "every_epochs"), ("eval", "every_steps"), ("ckpt", "every_steps"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
+    non_negative = [("train", "epochs"), ("eval", "every_epochs"), ("ckpt", "every_epochs"), ("eval", "every_steps"),
+                    ("ckpt", "every_steps"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
                     ("data", "num_workers"), ("data", "max_units_per_batch"), ("data", "bucket_size"),
                     ("eval", "batch_size"), ("train", "grad_clip_norm")]
     for section, key in non_negative:

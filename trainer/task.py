@@ -153,8 +153,10 @@ class Task:
         """Metrics over the whole eval set; `values` holds each sample exactly once."""
         return {k: float(v.double().mean()) for k, v in values.items()}
 
-    def write_report(self, values: dict[str, torch.Tensor], metrics: dict[str, float], directory: Path) -> None:
-        """Main process, after the test evaluation: every per-sample value once (e.g. for a parity plot)."""
+    def write_report(self, values: dict[str, torch.Tensor], metrics: dict[str, float], directory: Path,
+                     dataset: Dataset) -> None:
+        """Main process, after the test evaluation: every per-sample value once (e.g. for a parity plot), and
+        the evaluated dataset (to name records, e.g. by an index the task put in the values)."""
 
     # ------------------------------------------------------------------ artifacts
     def save_artifacts(self, directory: Path) -> list[str]:

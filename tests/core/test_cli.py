@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import BIN, ROOT, TINY, read_jsonl, run_cmd
+
 from trainer.core.export import load_exported
 
 REFERENCE = Path(__file__).parent / "reference" / "regression_tiny.json"

@@ -3,8 +3,7 @@ import dataclasses
 import pytest
 import yaml
 
-from trainer.config import ConfigError, describe_config, field_docs, load_config, save_config, config_from_dict
-from trainer.config import Config
+from trainer.config import Config, ConfigError, config_from_dict, describe_config, field_docs, load_config, save_config
 from trainer.registry import get_task
 
 

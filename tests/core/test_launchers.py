@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import BIN, ROOT, TINY, TRAIN, accelerate_cmd, child_env, free_port, read_jsonl, run_cmd, train_losses
 from safetensors.torch import load_file
 
-from conftest import (BIN, ROOT, TINY, TRAIN, accelerate_cmd, child_env, free_port, read_jsonl, run_cmd,
-                      train_losses)
 from trainer.core.export import export_run, load_exported
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer.core.checkpoint import CheckpointError
 from trainer.config import load_config
+from trainer.core.checkpoint import CheckpointError
 from trainer.core.distributed import scale_factor
 from trainer.core.ema import ema_decay
 from trainer.core.trainer import NonFiniteLossError, Trainer
@@ -60,7 +60,7 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
         assert torch.equal(a, b)
     state = trainer.optimizer.optimizer.state
     assert all(float(s["step"]) == 0 for s in state.values())  # Adam's step counter did not advance
-    assert trainer._nonfinite_counts() == (1, 1)
+    assert trainer.guard.read() == (1, 1)  # (skipped since the last read, longest run)
     trainer.task.loss = good_loss
     trainer.train_step([batch(0, 8, trainer)])
     assert any(not torch.equal(a, b) for a, b in zip(params(trainer), before))
@@ -128,7 +128,7 @@ def test_no_host_sync_between_logging_steps(tmp_path, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, spy)
     original_write = trainer._log_train
     monkeypatch.setattr(trainer, "_log_train", lambda *a: (syncs.append(("log",)), original_write(*a))[1])
-    micro = trainer._micro_batches(0)
+    micro = trainer.data.micro_batches(0)
     batches = [[next(micro) for _ in range(2)] for _ in range(7)]
     syncs.clear()
     for b in batches:  # seven non-logging steps: no tensor may be read on the host
@@ -246,11 +246,27 @@ def test_deepspeed_json_must_agree_with_trainer_config():
 def test_epochs_resolve_to_steps_and_are_saved(tmp_path):
     import yaml
 
-    cfg = load_config(None, ["task.preset=tiny", f"run.output_dir={tmp_path}", "train.epochs=2.5", "eval.every_epochs=1",
-                             "ckpt.every_epochs=2", "train.per_device_batch_size=16", "log.progress_bar=false"])
+    cfg = load_config(None, ["task.preset=tiny", f"run.output_dir={tmp_path}", "train.epochs=2.5",
+                             "eval.every_epochs=1", "ckpt.every_epochs=2", "train.per_device_batch_size=16",
+                             "log.progress_bar=false"])
     trainer = Trainer(cfg)
-    per_epoch = len(trainer.batch_sampler)
+    per_epoch = trainer.data.batches_per_epoch
     assert cfg.train.max_steps == math.ceil(2.5 * per_epoch)
     assert (cfg.eval.every_steps, cfg.ckpt.every_steps) == (per_epoch, 2 * per_epoch)
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert saved["train"]["max_steps"] == cfg.train.max_steps
+
+
+def test_summary_at_the_end_of_a_run(tmp_path, caplog):
+    import logging
+
+    trainer = make(tmp_path, "train.max_steps=4", "eval.every_steps=2", "optim.lr=0.2")
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        assert trainer.fit() == "completed"
+    summary = caplog.records[-1].getMessage()
+    best = trainer.state.best_step
+    assert summary.startswith("run completed at step 4 of 4")
+    assert "final eval (step 4): loss " in summary and f"best eval  (step {best}, loss min): loss " in summary
+    assert f"run directory: {tmp_path}" in summary
+    assert f"best {tmp_path / 'checkpoints' / f'step_{best:08d}'}" in summary
+    assert f"trainer export {tmp_path}" in summary and f"trainer plot {tmp_path}" in summary

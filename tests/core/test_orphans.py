@@ -11,12 +11,11 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import ROOT, TINY, accelerate_cmd, child_env, run_cmd
+
 from trainer.core.run_lock import RunLockedError, acquire_run_lock
 from trainer.core.watchdog import started_by_launcher
 from trainer.rundir import RunDir

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import BIN, ROOT, TINY, TRAIN, accelerate_cmd, child_env, run_cmd, train_losses
 from safetensors.torch import load_file
 
-from conftest import BIN, ROOT, TINY, TRAIN, accelerate_cmd, child_env, run_cmd, train_losses
 from trainer.core.checkpoint import latest_checkpoint
 from trainer.core.distributed import PREEMPTED_EXIT_CODE
 from trainer.core.export import load_model_weights

@@ -1,9 +1,13 @@
 """Atomic, verifiable checkpoints in `RUN_DIR/checkpoints/`.
 
 A checkpoint is written into `.tmp-step_N/`, completed with `trainer_state.json` and a
-`manifest.json` (size and sha256 of every file), then renamed to `step_N/`; only after that is
-the `latest` pointer replaced (write-temp + os.replace). A crash at any moment leaves either the
-previous complete checkpoint or the new one as `latest`, never a half-written one.
+`manifest.json` (size and sha256 of every file, and when it was completed), then renamed to
+`step_N/`; only after that are the `best` and then the `latest` pointers replaced (write-temp +
+os.replace). A crash at any moment leaves complete checkpoints and at worst stale pointers, never a
+half-written checkpoint under a step name. The pointers are therefore hints: `latest_checkpoint` and
+`resume_candidates` go by the completion time in the manifests (a kill between the rename and the
+pointer leaves `latest` one checkpoint behind), and `best_checkpoint` by the best step recorded in the
+newest checkpoint's `trainer_state.json`; `repair_pointers` rewrites them on resume.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +29,6 @@ MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 TASK_STATS = "task_stats.json"
 """The task's training-data statistics (`TaskData.stats`), an artifact of every checkpoint and export."""
-
-
 
 
 def step_dir_name(step: int) -> str:
@@ -49,7 +52,8 @@ def write_manifest(ckpt_dir: Path, state: dict[str, Any], with_hashes: bool) -> 
         files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path) if with_hashes else None}
         with open(path, "rb") as f:  # on disk before the rename makes the checkpoint visible
             os.fsync(f.fileno())
-    atomic_write_text(ckpt_dir / MANIFEST, json.dumps({"files": files}, indent=1))
+    # written_at orders checkpoints by completion: step numbers do not when a run went back to an older one.
+    atomic_write_text(ckpt_dir / MANIFEST, json.dumps({"files": files, "written_at": time.time()}, indent=1))
 
 
 def verify_checkpoint(ckpt_dir: Path, check_hashes: bool = True) -> dict[str, Any]:
@@ -81,37 +85,93 @@ def verify_checkpoint(ckpt_dir: Path, check_hashes: bool = True) -> dict[str, An
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete-looking step directories, oldest first."""
+    """Complete-looking step directories, oldest first (by step)."""
+    root = Path(root)
     if not root.is_dir():
         return []
     dirs = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / MANIFEST).is_file()]
     return sorted(dirs, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
+def _completed_at(ckpt_dir: Path) -> float:
+    """When a checkpoint was completed: its manifest's `written_at` (older manifests: the file's mtime)."""
+    manifest = ckpt_dir / MANIFEST
+    try:
+        written = json.loads(manifest.read_text()).get("written_at")
+        if isinstance(written, (int, float)):
+            return float(written)
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        return manifest.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def newest_first(root: Path) -> list[Path]:
+    """Complete-looking step directories, the most recently completed first."""
+    return sorted(list_checkpoints(root), key=lambda p: (_completed_at(p), int(STEP_DIR.match(p.name).group(1))),
+                  reverse=True)
+
+
 def read_pointer(root: Path, name: str) -> Path | None:
-    pointer = root / name
+    pointer = Path(root) / name
     if not pointer.is_file():
         return None
-    target = root / pointer.read_text().strip()
+    target = Path(root) / pointer.read_text().strip()
     return target if target.is_dir() else None
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The `latest` pointer's target, else the newest complete step directory."""
-    target = read_pointer(root, "latest")
-    if target is not None:
-        return target
-    found = list_checkpoints(root)
-    return found[-1] if found else None
+    """The most recently completed checkpoint (`latest` may lag one behind after a kill), else `latest`."""
+    found = newest_first(root)
+    return found[0] if found else read_pointer(root, "latest")
+
+
+def _recorded_best(ckpt_dir: Path) -> Path | None:
+    """The best checkpoint that `ckpt_dir`'s trainer_state.json names, if it is there and complete."""
+    try:
+        step = json.loads((ckpt_dir / STATE).read_text()).get("best_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(step, int):
+        return None
+    target = ckpt_dir.parent / step_dir_name(step)
+    return target if (target / MANIFEST).is_file() else None
+
+
+def best_checkpoint(root: Path) -> Path | None:
+    """The best checkpoint as the newest checkpoint that records one names it, else the `best` pointer.
+
+    Every checkpoint's trainer_state.json carries the run's best step so far, so a kill before the
+    `best` pointer was written (or a lost pointer) loses nothing."""
+    for ckpt_dir in newest_first(root):
+        found = _recorded_best(ckpt_dir)
+        if found is not None:
+            return found
+    return read_pointer(root, "best")
 
 
 def resume_candidates(root: Path) -> list[Path]:
-    """Checkpoints to try for run.resume=auto, best first: `latest`, then older complete ones."""
-    found = list_checkpoints(root)[::-1]
-    latest = read_pointer(root, "latest")
-    if latest is not None:
-        found = [latest] + [p for p in found if p != latest]
-    return found
+    """Checkpoints to try for run.resume=auto, best first: the most recently completed, then older ones.
+
+    Not the `latest` pointer: a kill between a checkpoint's rename and the pointer leaves it behind."""
+    return newest_first(root)
+
+
+def repair_pointers(root: Path, resumed: Path) -> list[str]:
+    """After resuming from `resumed` (run.resume=auto): point `latest` at it and `best` at the best
+    checkpoint its state records, where a kill during finalisation left them stale or missing.
+    Returns what was repaired (main process only)."""
+    root, repaired = Path(root), []
+    if read_pointer(root, "latest") != resumed:
+        atomic_write_text(root / "latest", resumed.name + "\n")
+        repaired.append(f"latest -> {resumed.name}")
+    best = _recorded_best(resumed)
+    if best is not None and read_pointer(root, "best") != best:
+        atomic_write_text(root / "best", best.name + "\n")
+        repaired.append(f"best -> {best.name}")
+    return repaired
 
 
 def resolve_checkpoint(path_or_run: str | Path, which: str = "latest") -> Path:
@@ -120,30 +180,37 @@ def resolve_checkpoint(path_or_run: str | Path, which: str = "latest") -> Path:
     if (path / MANIFEST).is_file() or STEP_DIR.match(path.name):
         return path
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    target = read_pointer(root, which) if which == "best" else latest_checkpoint(root)
+    target = best_checkpoint(root) if which == "best" else latest_checkpoint(root)
     if target is None:
         raise CheckpointError(f"no {which} checkpoint under {root}")
     return target
 
 
 def finalize(tmp_dir: Path, final_dir: Path, root: Path, best: bool) -> None:
-    """Rename a completed temp checkpoint into place and move the pointers (main process only)."""
+    """Rename a completed temp checkpoint into place and move the pointers (main process only).
+
+    Order matters for a kill at any point: an older checkpoint of the same step is first renamed aside
+    (never a moment without a complete `step_N`), `latest` is written last (its move means the whole
+    save is done), and whatever a kill leaves stale is recovered on resume (`repair_pointers`)."""
+    old = root / f".old-{final_dir.name}"
     if final_dir.exists():
-        shutil.rmtree(final_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final_dir, old)
     os.rename(tmp_dir, final_dir)
     fsync_dir(root)
-    atomic_write_text(root / "latest", final_dir.name + "\n")
     if best:
         atomic_write_text(root / "best", final_dir.name + "\n")
+    atomic_write_text(root / "latest", final_dir.name + "\n")
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def rotate(root: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` checkpoints and the best one; remove stale temp dirs."""
-    for stale in root.glob(".tmp-step_*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    keep = set(list_checkpoints(root)[-keep_last:]) if keep_last > 0 else set()
-    for name in ("best", "latest"):
-        target = read_pointer(root, name)
+    for pattern in (".tmp-step_*", ".old-step_*"):
+        for stale in root.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
+    keep = set(newest_first(root)[:keep_last]) if keep_last > 0 else set()
+    for target in (read_pointer(root, "best"), read_pointer(root, "latest"), best_checkpoint(root)):
         if target is not None:
             keep.add(target)
     removed = []

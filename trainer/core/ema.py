@@ -9,7 +9,7 @@ consolidated copy gathers.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -96,7 +96,7 @@ def read_task_stats(directory: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def load_exported(path: str | Path) -> tuple[torch.nn.Module, "object"]:
+def load_exported(path: str | Path) -> tuple[torch.nn.Module, object]:
     """Rebuild the task's model from an export (weights + config) on one device, no DeepSpeed."""
     import yaml
 

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on clusters
 import matplotlib.pyplot as plt  # noqa: E402
 
-from trainer.core.metrics_log import read_metrics  # noqa: E402
+from trainer.rundir import RunDir  # noqa: E402
 
 
 def _series(records: list[dict], keys: list[str]) -> dict[str, tuple[list, list]]:
@@ -40,10 +40,10 @@ def _figure(series: dict[str, tuple[list, list]], keys: list[str], path: Path, l
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Write train.png (loss, lr, grad norm, throughput) and eval.png (every eval/* metric)."""
-    run_dir = Path(run_dir)
-    out_dir = Path(out_dir) if out_dir else run_dir / "plots"
+    run = RunDir(run_dir)
+    out_dir = Path(out_dir) if out_dir else run.plots
     out_dir.mkdir(parents=True, exist_ok=True)
-    records = read_metrics(run_dir)
+    records = run.read_metrics()
     written = []
     train_keys = ["loss", "lr", "grad_norm", "samples_per_s"]
     series = _series(records, train_keys)

@@ -1,4 +1,5 @@
-"""One live run per output directory: `RunDir(output_dir).lock`, held by the main process until it exits.
+"""One live run per output directory: `RunDir(output_dir).lock`, held by the main process until the end
+of `Trainer.fit()` (`release_run_lock`) or until it exits.
 
 Two runs writing the same checkpoints and metrics.jsonl corrupt each other's resume state, so a
 second run on a held directory refuses to start, naming the holder's host and pid. The holder keeps

@@ -18,8 +18,10 @@ import contextlib
 import importlib
 import pickle
 import re
+import sys
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -46,9 +48,14 @@ def _resolve(name: str) -> Any | None:
 
 
 def safe_globals() -> list[Any]:
-    """Everything weights-only loading may construct besides tensors and builtins."""
+    """Everything weights-only loading may construct besides tensors and builtins.
+
+    DeepSpeed's types only once DeepSpeed is imported (the code that reads its files imports it):
+    importing it for a plain checkpoint would print its "Setting accelerator to CPU" warning."""
     from accelerate.utils.other import TORCH_SAFE_GLOBALS  # numpy arrays and dtypes of the RNG states
 
+    if "deepspeed" not in sys.modules:
+        return list(TORCH_SAFE_GLOBALS)
     extra = [obj for obj in map(_resolve, DEEPSPEED_TYPES) if obj is not None]
     return [*TORCH_SAFE_GLOBALS, *extra]
 
@@ -58,12 +65,11 @@ def weights_only_loading() -> Iterator[None]:
     """Within the block, `torch.load` always loads weights-only with `safe_globals()`; a file that
     needs anything else raises CheckpointError instead of running its code."""
     original = torch.load
-    allowed = safe_globals()
 
     def load(f: Any, *args: Any, **kwargs: Any) -> Any:
         kwargs["weights_only"] = True  # overrides DeepSpeed's explicit weights_only=False
         try:
-            with torch.serialization.safe_globals(allowed):
+            with torch.serialization.safe_globals(safe_globals()):  # per call: DeepSpeed may be imported since
                 return original(f, *args, **kwargs)
         except pickle.UnpicklingError as err:
             # torch names the offending global in one of its middle paragraphs

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 """Set for each rank by torch elastic (torchrun, accelerate launch) and the deepspeed launcher."""

@@ -197,8 +197,6 @@ class CrystalPropertyTask(Task):
                              ("on_invalid", ("error", "skip")), ("model_preset", ("tiny", "paper"))):
             if getattr(cfg, key) not in choices:
                 raise ValueError(f"task.{key} must be one of {list(choices)}, got {getattr(cfg, key)!r}")
-        self.report: dict[str, Any] = {}
-        self.test_ids: list[str] = []  # ids of the test rows: build_data sets them, write_report names predictions
         self.attach_stats({"num_targets": 1, "target_mean": [0.0], "target_std": [1.0],
                            "baseline_coef": np.zeros((NUM_ELEMENTS, 1)).tolist()})
 
@@ -215,10 +213,7 @@ class CrystalPropertyTask(Task):
         ds = build_crystal_dataset(source, graph=spec, target=target, per_atom=per_atom, on_invalid=c.on_invalid,
                                    id_key=c.id_key or None, num_proc=c.num_proc or None,
                                    cache_dir=c.cache_dir or None)
-        report = getattr(ds, "crystal_report", None)
-        if report is not None:
-            logger.info("%s: %s", source, report.summary())
-            self.report[str(source)] = {"kept": report.kept, "records": report.records, "skipped": report.skipped}
+        logger.info("%s: %s", source, ds.crystal_report.summary())
         return ds
 
     def _sources(self) -> tuple[Any, Any]:
@@ -246,12 +241,14 @@ class CrystalPropertyTask(Task):
             test = self._build(test_source, test_target, test_per_atom)
         else:
             test = full.select(parts["test"]) if len(parts["test"]) else None
-        # write_report maps each test prediction back to its structure id through the `row` column
-        self.test_ids = selected_column(test, "id").to_pylist() if test is not None else []
         val = full.select(parts["validation"]) if len(parts["validation"]) else None
+        reports = {str(train_source): full.crystal_report}
+        if test_source is not None:
+            reports[str(test_source)] = test.crystal_report
+        data_report = {src: {"kept": r.kept, "records": r.records, "skipped": r.skipped} for src, r in reports.items()}
         return TaskData(train=CrystalRows(train), eval=CrystalRows(val) if val is not None else None,
                         test=CrystalRows(test, row_index=True) if test is not None else None,
-                        stats=self._statistics(train))
+                        stats={**self._statistics(train), "data_report": data_report})
 
     def _statistics(self, train) -> dict[str, Any]:
         """Target mean/std (standardisation) and the per-element baseline, fit on the training split."""
@@ -334,7 +331,8 @@ class CrystalPropertyTask(Task):
             metrics[f"baseline_mae{suffix}"] = float(base.abs().mean())
         return metrics
 
-    def write_report(self, values: dict[str, torch.Tensor], metrics: dict[str, float], directory: Path) -> None:
+    def write_report(self, values: dict[str, torch.Tensor], metrics: dict[str, float], directory: Path,
+                     dataset: CrystalRows) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -356,16 +354,18 @@ class CrystalPropertyTask(Task):
             fig.tight_layout()
             fig.savefig(directory / f"parity{suffix}.png", dpi=120)
             plt.close(fig)
-        atomic_write_json(directory / "metrics.json", {**metrics, "data": self.report}, durable=False)
+        atomic_write_json(directory / "metrics.json", {**metrics, "data": self.stats.get("data_report", {})},
+                          durable=False)
         pred_key = next(k for k in values if k.startswith("pred"))
         suffix = pred_key[len("pred"):]
-        rows = values["row"].round().long().tolist() if "row" in values else [None] * len(values[pred_key])
-        test_ids = self.test_ids
+        rows = values["row"].round().long().tolist()
+        # each prediction back to its structure id through the `row` column of the evaluated rows
+        test_ids = selected_column(dataset.dataset, "id").to_pylist()
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
         writer.writerow(["id", "pred", "target", "baseline", "num_atoms"])
         for r, p, t, b, n in zip(rows, values[pred_key].tolist(), values[f"target{suffix}"].tolist(),
                                  values[f"baseline{suffix}"].tolist(), values["num_atoms"].tolist()):
-            rid = test_ids[r] if r is not None and r < len(test_ids) else ""
+            rid = test_ids[r]
             writer.writerow([rid, f"{p:.8g}", f"{t:.8g}", f"{b:.8g}", int(n)])
         atomic_write_text(directory / "predictions.csv", buffer.getvalue(), durable=False)

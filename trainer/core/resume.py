@@ -1,0 +1,295 @@
+"""Saving a run's checkpoints and resuming from them: the orchestration around `checkpoint.py`.
+
+`save_checkpoint` writes `.tmp-step_N/` on every rank (accelerate's state, the EMA, the task's
+artifacts), completes it with `trainer_state.json` and the manifest, renames it into place and only
+then moves `latest`. `resume` picks a checkpoint (run.resume), has every rank verify it and agree,
+and restores model, optimizer, RNGs, schedule, EMA, the guard's counters and a stream's position.
+The data position of map-style data is not saved: it follows from the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from accelerate.utils import gather_object
+from accelerate.utils import load as accelerate_load
+from safetensors.torch import load_file, save_file
+
+from trainer.core import checkpoint as ckpt
+from trainer.core.distributed import unwrap_model
+from trainer.core.safe_load import weights_only_loading
+from trainer.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from trainer.core.trainer import Trainer
+
+logger = logging.getLogger("trainer")
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint records besides model/optimizer/scheduler/RNG (the data position is step x accum)."""
+
+    step: int = 0
+    best_metric: float | None = None
+    best_step: int | None = None
+    nonfinite_skipped: int = 0
+    world_size: int = 1
+    backend: str = ""
+    grad_accum_steps: int = 1
+
+
+def save_checkpoint(trainer: Trainer, best: bool = False) -> Path:
+    """Write a complete checkpoint of `trainer` atomically (every rank takes part) and rotate old ones."""
+    acc, root = trainer.accelerator, trainer.run_dir.checkpoints
+    name = ckpt.step_dir_name(trainer.state.step)
+    tmp, final = root / f".tmp-{name}", root / name
+    errors = _SaveErrors(acc, root, tmp)
+    if acc.is_main_process:
+        with errors.record():
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+    errors.agree()
+    with errors.record():
+        acc.save_state(str(tmp), safe_serialization=True)
+    if trainer.ema is not None:
+        full = trainer.ema.full_state(unwrap_model(acc, trainer.model), acc.gather)  # fp32, collective
+        if acc.is_main_process:
+            with errors.record():
+                save_file(full, str(tmp / "ema.safetensors"))
+    errors.agree()
+    positions = [list(trainer.data.position)]
+    if trainer.data.streaming and acc.num_processes > 1:
+        positions = gather_object(positions)  # collective: every rank is in save()
+    if acc.is_main_process:
+        with errors.record():
+            (tmp / ckpt.TASK_STATS).write_text(json.dumps(trainer.task.stats, indent=1))
+            artifacts = [ckpt.TASK_STATS, *trainer.task.save_artifacts(tmp)]
+            state = {**dataclasses.asdict(trainer.state), "scheduler": trainer.scheduler.state_dict(),
+                     "data_positions": positions, "artifacts": artifacts}
+            ckpt.write_manifest(tmp, state, with_hashes=trainer.cfg.ckpt.verify)
+            ckpt.finalize(tmp, final, root, best=best)
+        if errors.error is None:
+            try:
+                ckpt.rotate(root, trainer.cfg.ckpt.keep_last)
+            except OSError as err:  # the new checkpoint is complete: old ones left behind are no error
+                logger.warning("could not remove old checkpoints under %s: %s", root, err)
+    errors.agree()
+    return final
+
+
+class _SaveErrors:
+    """The first error of this rank's part of a save; `agree()` (a barrier) makes every rank raise the same
+    one-line CheckpointError, so a full disk or a read-only directory on one rank leaves no rank waiting,
+    and removes the unfinished temp directory. Earlier checkpoints are never touched by a failed save."""
+
+    def __init__(self, acc: Accelerator, root: Path, tmp: Path):
+        self.acc, self.root, self.tmp = acc, root, tmp
+        self.previous = ckpt.latest_checkpoint(root)  # before this save: what a failure leaves as the latest
+        self.error: str | None = None
+        self.cause: Exception | None = None
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[None]:
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 - disk errors surface as OSError, RuntimeError, SafetensorError
+            if self.error is None:
+                what = (f"{err.filename}: {err.strerror}" if isinstance(err, OSError) and err.filename
+                        else f"{type(err).__name__}: {err}")
+                self.error = f"rank {self.acc.process_index}: {what}"
+                self.cause = err
+
+    def agree(self) -> None:
+        problems = [self.error] if self.error else []
+        if self.acc.num_processes > 1:
+            problems = [p for p in gather_object([self.error]) if p is not None]
+        if not problems:
+            return
+        if self.acc.is_main_process:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        kept = f"the previous checkpoint {self.previous} is intact" if self.previous else "no earlier checkpoint exists"
+        raise CheckpointError(f"could not save checkpoint {self.tmp.name.removeprefix('.tmp-')} "
+                              f"({'; '.join(problems)}); {kept}") from self.cause
+
+
+def resume(trainer: Trainer) -> Path | None:
+    """Restore `trainer` from the checkpoint run.resume names; returns it, or None for a fresh start."""
+    cfg, acc, root = trainer.cfg, trainer.accelerator, trainer.run_dir.checkpoints
+    mode = cfg.run.resume
+    if mode == "none":
+        set_aside_old_checkpoints(acc, root)
+        return None
+    if mode == "auto":
+        candidates = ckpt.resume_candidates(root)
+        if not candidates:
+            return None
+    else:
+        candidates = [ckpt.resolve_checkpoint(mode)]
+    for i, path in enumerate(candidates):
+        saved, problem = verify_everywhere(acc, path, check_hashes=cfg.ckpt.verify)
+        if problem is None:
+            break
+        if mode != "auto" or i == len(candidates) - 1:
+            raise CheckpointError(problem)
+        logger.warning("%s; falling back to the previous checkpoint", problem)
+    _check_compatible(trainer, path, saved)
+    rng_states = _saved_rng_states(trainer, path, saved.get("world_size"))
+    try:
+        with weights_only_loading():  # DeepSpeed unpickles its own files with weights_only=False
+            acc.load_state(str(path))
+    except CheckpointError:  # a pickle that weights-only loading refuses
+        raise
+    except Exception as err:  # a checkpoint that passed its manifest but will not load
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {err}") from err
+    if rng_states is not None:  # accelerate restores them too, but ignores any failure
+        _restore_rng(rng_states)
+    acc.step = 0  # accumulation boundaries restart with each optimizer step, whatever accum was
+    trainer.scheduler.load_state_dict(saved.pop("scheduler"))
+    _restore_stream_position(trainer, saved.pop("data_positions", None))
+    fields = {f.name for f in dataclasses.fields(TrainState)}
+    trainer.state = TrainState(**{k: v for k, v in saved.items() if k in fields})
+    trainer.state.world_size, trainer.state.backend = acc.num_processes, str(acc.distributed_type.value)
+    trainer.state.grad_accum_steps = cfg.train.grad_accum_steps
+    trainer.guard.resume(trainer.model)
+    if trainer.ema is not None:
+        ema_file = path / "ema.safetensors"
+        if not ema_file.is_file():
+            raise CheckpointError(f"checkpoint {path} has no ema.safetensors but train.ema_decay > 0")
+        trainer.ema.load_full(unwrap_model(acc, trainer.model), load_file(ema_file), acc.process_index,
+                              num_updates=trainer.state.step)
+    if mode == "auto" and acc.is_main_process:
+        _repair_pointers(root, path)
+    return path
+
+
+def _repair_pointers(root: Path, path: Path) -> None:
+    """A kill while a save was finalised can leave `latest` one behind or `best` stale: set them right."""
+    try:
+        repaired = ckpt.repair_pointers(root, path)
+    except OSError as err:  # a read-only directory: the next save reports it
+        logger.warning("could not repair the checkpoint pointers under %s: %s", root, err)
+        return
+    if repaired:
+        logger.warning("checkpoint pointers repaired (a save was interrupted while it was finalised): %s",
+                       ", ".join(repaired))
+
+
+RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
+"""What accelerate saves in `random_states_<rank>.pkl` and a resume restores (plus the CUDA states on GPUs)."""
+
+
+def _saved_rng_states(trainer: Trainer, path: Path, saved_world_size: int | None) -> dict[str, Any] | None:
+    """This rank's RNG states, loaded and checked before `load_state`, which swallows any error there
+    (logging it at INFO) and resumes with other random streams. Every rank agrees: an unloadable state
+    on any rank is a CheckpointError naming the file, or with run.allow_inexact_resume a warning (None).
+    A rank beyond the world size that wrote the checkpoint (DDP may grow) starts fresh streams (None)."""
+    acc = trainer.accelerator
+    name = f"random_states_{acc.process_index}.pkl"
+    states, problem = None, None
+    if isinstance(saved_world_size, int) and acc.process_index >= saved_world_size:
+        logger.warning("rank %d has no saved RNG state (the checkpoint was written by %d processes): it "
+                       "continues with fresh random streams", acc.process_index, saved_world_size)
+    else:
+        try:
+            states = _load_rng_states(path / name)
+        except Exception as err:  # noqa: BLE001 - whatever it is, the random streams cannot be restored
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]  # torch's are paragraphs long
+            problem = (f"checkpoint {path}: {name} (rank {acc.process_index}'s RNG state) cannot be restored "
+                       f"({reason})")
+    problems = [problem] if problem else []
+    if acc.num_processes > 1:
+        problems = [p for p in gather_object([problem]) if p is not None]
+    if not problems:
+        return states
+    if not trainer.cfg.run.allow_inexact_resume:
+        raise CheckpointError(f"{'; '.join(problems)}; the resume would not be exact. Set "
+                              f"run.allow_inexact_resume=true to resume with fresh random streams anyway")
+    if problem is not None:
+        logger.warning("INEXACT RESUME (run.allow_inexact_resume=true): %s; this rank continues with fresh "
+                       "random streams, so dropout and noise differ from an uninterrupted run", problem)
+    return None
+
+
+def _load_rng_states(file: Path) -> dict[str, Any]:
+    with weights_only_loading():
+        states = accelerate_load(file)
+    keys = RNG_KEYS + (("torch_cuda_manual_seed",) if torch.cuda.is_available() else ())
+    missing = [k for k in keys if k not in states] if isinstance(states, dict) else list(keys)
+    if missing:
+        raise ValueError(f"it lacks {', '.join(missing)}")
+    # Applied to throwaway generators: a state of the wrong shape fails here, not after load_state.
+    random.Random().setstate(states["random_state"])
+    np.random.RandomState().set_state(states["numpy_random_seed"])
+    torch.Generator().set_state(states["torch_manual_seed"])
+    return states
+
+
+def _restore_rng(states: dict[str, Any]) -> None:
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available():  # per visible device, as saved (fewer devices now: those there are)
+        for device, state in enumerate(states["torch_cuda_manual_seed"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, device)
+
+
+def _check_compatible(trainer: Trainer, path: Path, saved: dict[str, Any]) -> None:
+    acc, accum = trainer.accelerator, trainer.cfg.train.grad_accum_steps
+    deepspeed = trainer.is_deepspeed or "DEEPSPEED" in saved.get("backend", "")
+    if saved.get("world_size") != acc.num_processes and deepspeed:
+        raise CheckpointError(f"checkpoint {path} was written by {saved.get('world_size')} DeepSpeed "
+                              f"processes; resume it with the same number (now {acc.num_processes})")
+    if saved.get("grad_accum_steps", accum) != accum:
+        logger.warning("train.grad_accum_steps changed from %s to %s: the data position counts optimizer steps, "
+                       "so the sample order differs from the original run", saved["grad_accum_steps"], accum)
+
+
+def _restore_stream_position(trainer: Trainer, positions: list | None) -> None:
+    acc = trainer.accelerator
+    if not trainer.data.streaming:
+        return
+    if positions is None or len(positions) != acc.num_processes:
+        logger.warning("the stream's position was saved for another world size: restarting the data "
+                       "from the start of epoch 0 (weights, optimizer and schedule are restored)")
+    else:
+        trainer.data.position = tuple(positions[acc.process_index])
+
+
+def verify_everywhere(acc: Accelerator, path: Path, check_hashes: bool) -> tuple[dict, str | None]:
+    """Verify on every rank (hashes on each node's main rank) and agree: one bad rank fails all.
+
+    Returns (the saved trainer state, None) or ({}, the problem)."""
+    saved, problem = {}, None
+    try:
+        saved = ckpt.verify_checkpoint(path, check_hashes=check_hashes and acc.is_local_main_process)
+    except CheckpointError as err:
+        problem = str(err)
+    if acc.num_processes > 1:
+        failed = acc.reduce(torch.tensor(float(problem is not None), device=acc.device), reduction="sum")
+        if problem is None and float(failed) > 0:
+            problem = f"checkpoint {path} failed verification on another rank"
+    return saved, problem
+
+
+def set_aside_old_checkpoints(acc: Accelerator, root: Path) -> None:
+    """run.resume=none in a directory with checkpoints: keep them, but out of this run's way."""
+    if acc.is_main_process and ckpt.list_checkpoints(root):
+        aside = root.with_name(f"checkpoints.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        root.rename(aside)
+        logger.warning("run.resume=none: the existing checkpoints were moved to %s", aside)
+    acc.wait_for_everyone()
