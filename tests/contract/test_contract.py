@@ -59,7 +59,9 @@ def test_tiny_preset_train_resume_eval_export_sample(name, tmp_path):
     _reset_accelerate()
 
     if issubclass(task_cls, GenerativeTask):
-        samples = tmp_path / "samples" / "out"
+        samples = tmp_path / "samples" / "out.json"  # a .json out must not be overwritten by the statistics
         stats = sample_run(run, ["num_samples=2", f"out={samples}", "batch_size=2"])
         assert stats["num_samples"] == 2
-        assert (tmp_path / "samples" / "out.stats.json").is_file()
+        stats_file = tmp_path / "samples" / "out.json.stats.json"
+        assert json.loads(stats_file.read_text())["num_samples"] == 2
+        assert samples.exists() and samples.read_bytes() != stats_file.read_bytes()
