@@ -11,6 +11,7 @@ from conftest import accelerate_cmd, run_cmd
 
 from trainer.core import checkpoint as ckpt
 from trainer.core.export import consolidated_weights, export_run
+from trainer.core.safe_load import weights_only_loading
 from trainer.errors import CheckpointError
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -30,7 +31,10 @@ class Payload:
 def plant(step_dir, marker):
     """Add the payload to the model-states file and re-sign the manifest."""
     target = next((step_dir / "pytorch_model").glob("*model_states.pt"))
-    state = torch.load(target, map_location="cpu", weights_only=False)  # our own fresh file, in the test
+    import deepspeed  # noqa: F401  (its data types join the allow-list once imported)
+
+    with weights_only_loading():  # the file is still clean: weights-only loading reads it
+        state = torch.load(target, map_location="cpu")
     state["payload"] = Payload(str(marker))
     torch.save(state, target)
     saved = json.loads((step_dir / ckpt.STATE).read_text())
