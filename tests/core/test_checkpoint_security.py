@@ -34,7 +34,7 @@ def plant(step_dir, marker):
     import deepspeed  # noqa: F401  (its data types join the allow-list once imported)
 
     with weights_only_loading():  # the file is still clean: weights-only loading reads it
-        state = torch.load(target, map_location="cpu")
+        state = torch.load(target, map_location="cpu", weights_only=True)
     state["payload"] = Payload(str(marker))
     torch.save(state, target)
     saved = json.loads((step_dir / ckpt.STATE).read_text())
