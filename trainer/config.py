@@ -120,8 +120,8 @@ class EvalConfig:
     """When > 0, replaces every_steps by this many epochs' worth of optimizer steps."""
     batch_size: int = 0
     """Per-device eval batch size (0: train.per_device_batch_size)."""
-    metric: str = "loss"
-    """Metric that selects the best checkpoint."""
+    metric: str = ""
+    """Metric that selects the best checkpoint (empty: the task's first metric, e.g. `loss`; resolved at start)."""
     mode: str = "min"
     """`min` or `max`: whether a lower or higher `metric` is better."""
 
@@ -304,7 +304,10 @@ def _check_scheduler(name: str) -> None:
 
 def _check_metric(cfg: Config, task_cls: type) -> None:
     """eval.metric must be one the task reports (a vector target adds _0, _1, ... suffixes)."""
-    metric, known = cfg.eval.metric, tuple(task_cls.metrics)
+    known = tuple(task_cls.metrics)
+    if not cfg.eval.metric:
+        cfg.eval.metric = known[0]
+    metric = cfg.eval.metric
     base, _, suffix = metric.rpartition("_")
     if metric in known or (suffix.isdigit() and base in known):
         return
@@ -364,6 +367,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     _validate(cfg)
     _check_scheduler(cfg.optim.scheduler)
     _check_metric(cfg, task_cls)
+    try:  # a task checks its own options when built (cheap: no data, no model): fail here, not later
+        task_cls(cfg.task, seed=cfg.run.seed)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"task '{task_cls.name}': {err}") from None
     return cfg
 
 

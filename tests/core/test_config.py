@@ -108,3 +108,10 @@ def test_missing_resume_path_fails_at_config_time(tmp_path):
 def test_unknown_task_key_lists_the_tasks_real_keys():
     with pytest.raises(ConfigError, match=r"unknown config key 'task.train_file'.*Valid keys in 'task':.*data_path"):
         load_config(None, ["task.name=protein_sedd", "task.train_file=x.fasta"])
+
+
+def test_task_options_are_checked_at_config_time_and_metric_defaults_to_the_tasks():
+    with pytest.raises(ConfigError, match=r"task 'crystal_property': task.graph must be one of"):
+        load_config(None, ["task.name=crystal_property", "task.graph=knm"])
+    assert load_config(None, ["task.name=crystal_property"]).eval.metric == "mae"
+    assert load_config(None, []).eval.metric == "loss"

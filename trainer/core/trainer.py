@@ -247,7 +247,7 @@ class Trainer:
         return metrics
 
     def _track_best(self, metrics: dict[str, float]) -> bool:
-        name = self.cfg.eval.metric
+        name = self.cfg.eval.metric or self.task.metrics[0]  # load_config resolves it; a hand-built Config may not
         if name not in metrics:
             if metrics:
                 logger.warning("eval.metric '%s' is not among the eval metrics %s", name, sorted(metrics))
