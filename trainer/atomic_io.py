@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,16 @@ def fsync_dir(path: str | Path) -> None:
 
 
 def temp_path(path: str | Path) -> Path:
-    """A temp name beside `path`, unique per process (several ranks may write the same cache)."""
+    """A temp name beside `path`, unique per host, process and thread (ranks on several nodes, with the
+    same small container pids, may write into one shared folder)."""
     path = Path(path)
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    return path.with_name(f".{path.name}.{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}.tmp")
+
+
+def temp_paths_of(path: str | Path) -> list[Path]:
+    """Every temp file `temp_path` may have made for `path` (by any host, process or thread)."""
+    path = Path(path)
+    return sorted(path.parent.glob(f".{path.name}.*.tmp"))
 
 
 def atomic_write_bytes(path: str | Path, data: bytes, durable: bool = True) -> None:

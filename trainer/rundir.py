@@ -94,10 +94,3 @@ class RunDir:
                     continue
                 raise DataError(f"{self.metrics}: line {number} is not JSON ({err})") from None
         return records
-
-    def final_metrics(self) -> dict[str, Any]:
-        """The last value of every metric (train, eval/*, test/*) in metrics.jsonl ({} if none)."""
-        final: dict[str, Any] = {}
-        for record in self.read_metrics(missing_ok=True):
-            final.update({k: v for k, v in record.items() if k not in ("event",)})
-        return final

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.atomic_io import atomic_write_json
+from trainer.atomic_io import atomic_write_json, temp_path, temp_paths_of
 
 
 def digest(obj: Any) -> str:
@@ -60,14 +60,10 @@ def arrow_writer(features: Any, path: str) -> Any:
     return ArrowWriter(features=features, path=path)
 
 
-def _tmp_name(final: str) -> str:
-    return f"{final}.{os.getpid()}.tmp"
-
-
 def _run_shard(job: tuple[Callable[..., Any], tuple, str]) -> Any:
     """Run `fn(*args, tmp_path)`, then rename the temp file to its final name; remove it on failure."""
     fn, args, final = job
-    tmp = _tmp_name(final)
+    tmp = str(temp_path(final))
     try:
         result = fn(*args, tmp)
         os.replace(tmp, final)
@@ -92,7 +88,7 @@ def build_shards(jobs: Sequence[tuple[Callable[..., Any], tuple, str | Path]], n
         return [_run_shard(job) for job in todo]
     except BaseException:
         for _, _, final in todo:  # a pool worker killed mid-write leaves its temp file behind
-            for stale in Path(final).parent.glob(Path(final).name + ".*.tmp"):
+            for stale in temp_paths_of(final):
                 stale.unlink(missing_ok=True)
         raise
 

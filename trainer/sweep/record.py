@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.errors import DataError
 from trainer.rundir import RunDir
 from trainer.sweep.spec import Experiment
 
@@ -140,7 +141,7 @@ def read_final_metrics(run_dir: str | Path) -> tuple[dict[str, Any] | None, dict
     """(last value of every key, last record with eval/ keys) from RUN_DIR/metrics.jsonl, or (None, None)."""
     try:
         records = RunDir(run_dir).read_metrics(missing_ok=True)
-    except (OSError, UnicodeDecodeError):  # a command experiment may write anything there
+    except (OSError, UnicodeDecodeError, DataError):  # a command experiment may write anything there
         return None, None
     final: dict[str, Any] = {}
     last_eval = None
