@@ -298,8 +298,10 @@ def test_train_from_list_reads_test_files_in_the_training_formats(tmp_path):
     for name, kw in (("mlearn", dict(test_path=str(MLEARN / "Si" / "test.json"), test_per_atom=True)),
                      ("extxyz", dict(test_path=str(tmp_path / "test.extxyz"), test_target="energy_per_atom"))):
         out = tmp_path / name
-        res = train_from_list(atoms, labels, output_dir=str(out), **quick, **kw)
+        res = train_from_list(atoms, labels, output_dir=str(out), cache_graphs=name == "mlearn", **quick, **kw)
         assert res["test"]["num_structures"] == 25, name
+        # cache_graphs=False keeps its graph cache inside the run and removes it afterwards
+        assert (out / "cache").is_dir() == (name == "mlearn") and not (out / ".graph_cache_tmp").exists()
         targets = sorted(float(r["target"]) for r in read_predictions(out))
         np.testing.assert_allclose(targets, sorted(test_labels), rtol=1e-6, err_msg=name)
 

@@ -19,9 +19,9 @@ import io
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,6 +78,10 @@ def write_structures_extxyz(structures: Sequence[Any], labels: Sequence[Any], pa
     return path
 
 
+TEMPORARY_CACHE = ".graph_cache_tmp"
+"""The graph cache of a `cache_graphs=False` run (under output_dir; removed when the run ends)."""
+
+
 def _under_launcher() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
@@ -91,7 +95,8 @@ def _build_config(*, data_path: str, target: str, per_atom: bool, batch_size: in
             "task.use_lattice": use_lattice, "train.per_device_batch_size": batch_size, "train.epochs": n_epochs,
             "optim.lr": learning_rate, "data.num_workers": num_workers, "run.seed": random_seed,
             "run.output_dir": output_dir, "log.progress_bar": False}
-    opts["task.cache_dir"] = str(Path(output_dir) / "cache") if cache_graphs else tempfile.mkdtemp(prefix="graphs-")
+    # cache_graphs=False: a cache inside the run, the same path on every rank, removed after the run
+    opts["task.cache_dir"] = str(Path(output_dir) / ("cache" if cache_graphs else TEMPORARY_CACHE))
     opts.update({f"task.{k}": v for k, v in task_options.items() if v is not None})  # None: the task's default
     cli = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in opts.items()]
     return load_config(config, [*cli, *overrides])
@@ -123,6 +128,15 @@ def _run(cfg: Config, num_processes: int, distributed: bool, deepspeed: str | No
         if not trainer.accelerator.is_main_process:
             return {}
     return read_results(out)
+
+
+def _run_and_clean(cfg: Config, num_processes: int, distributed: bool, deepspeed: str | None,
+                   cache_graphs: bool) -> dict[str, Any]:
+    try:
+        return _run(cfg, num_processes, distributed, deepspeed)
+    finally:
+        if not cache_graphs and int(os.environ.get("RANK", "0")) == 0:
+            shutil.rmtree(Path(cfg.run.output_dir) / TEMPORARY_CACHE, ignore_errors=True)
 
 
 def read_results(run_dir: str | Path) -> dict[str, Any]:
@@ -170,7 +184,7 @@ def train_from_list(strucs: Sequence[Any], labels: Sequence[Any], *, ids: Sequen
                         n_epochs=n_epochs, learning_rate=learning_rate, num_workers=num_workers,
                         random_seed=random_seed, output_dir=output_dir, cache_graphs=cache_graphs,
                         use_lattice=use_lattice, config=config, overrides=overrides, task_options=task_options)
-    return _run(cfg, num_processes, distributed, deepspeed)
+    return _run_and_clean(cfg, num_processes, distributed, deepspeed, cache_graphs)
 
 
 def train_from_extxyz(extxyz_file: str | Path, target_property: str, *, batch_size: int = 32,
@@ -189,4 +203,4 @@ def train_from_extxyz(extxyz_file: str | Path, target_property: str, *, batch_si
                         num_workers=num_workers, random_seed=random_seed, output_dir=output_dir,
                         cache_graphs=cache_graphs, use_lattice=use_lattice, config=config, overrides=overrides,
                         task_options=task_options)
-    return _run(cfg, num_processes, distributed, deepspeed)
+    return _run_and_clean(cfg, num_processes, distributed, deepspeed, cache_graphs)
