@@ -226,3 +226,17 @@ def wait_for_text(path: Path, text: str, proc: subprocess.Popen) -> None:
             raise AssertionError(f"ended with {proc.returncode} before {text!r}: {path.read_text()[-3000:]}")
         time.sleep(0.05)
     raise AssertionError(f"no {text!r} within {LIVENESS_S} s: {path.read_text()[-3000:]}")
+
+
+def test_resume_keeps_the_checkpoints_task_statistics(tmp_path, caplog):
+    """The weights were trained with the checkpoint's statistics (e.g. target mean/std): a resume on data
+    whose statistics changed keeps those, with a warning, instead of silently mixing the two."""
+    make(tmp_path, "train.max_steps=2").fit()
+    reset()
+    step = ckpt.latest_checkpoint(tmp_path / "checkpoints")
+    (step / ckpt.TASK_STATS).write_text(json.dumps({"target_mean": [1.5]}))
+    ckpt.write_manifest(step, json.loads((step / ckpt.STATE).read_text()), with_hashes=True)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        resumed = make(tmp_path, "train.max_steps=3")
+    assert resumed.task.stats == {"target_mean": [1.5]}
+    assert "keeps the checkpoint's" in caplog.text

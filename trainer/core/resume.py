@@ -160,6 +160,13 @@ def resume(trainer: Trainer) -> Path | None:
         _restore_rng(rng_states)
     acc.step = 0  # accumulation boundaries restart with each optimizer step, whatever accum was
     trainer.scheduler.load_state_dict(saved.pop("scheduler"))
+    stats_file = path / ckpt.TASK_STATS
+    if stats_file.is_file():  # the model was trained with the checkpoint's statistics: keep using them
+        saved_stats = json.loads(stats_file.read_text())
+        if saved_stats != trainer.task.stats:
+            logger.warning("the training data's statistics (%s) differ from those of checkpoint %s: the resumed "
+                           "run keeps the checkpoint's, which its weights were trained with", ckpt.TASK_STATS, path)
+            trainer.task.attach_stats(saved_stats)
     _restore_stream_position(trainer, saved.pop("data_positions", None))
     fields = {f.name for f in dataclasses.fields(TrainState)}
     trainer.state = TrainState(**{k: v for k, v in saved.items() if k in fields})
