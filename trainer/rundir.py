@@ -81,7 +81,7 @@ class RunDir:
         if not self.metrics.is_file():
             if missing_ok:
                 return []
-            raise FileNotFoundError(f"no metrics.jsonl in {self.root}")
+            raise DataError(f"no metrics.jsonl in {self.root}: not a run directory, or the run has not logged yet")
         lines = self.metrics.read_text().splitlines()
         records = []
         for number, line in enumerate(lines, start=1):

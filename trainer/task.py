@@ -61,6 +61,13 @@ class SampleConfig:
     weights: str = "auto"
     """`auto` (EMA weights when the run kept an EMA), `ema` or `model`."""
 
+    def validate(self) -> None:
+        """Raise ValueError for values no sampler can use (a subclass adds its own checks)."""
+        if self.num_samples < 1 or self.batch_size < 1:
+            raise ValueError(f"num_samples and batch_size must be >= 1, got {self.num_samples} and {self.batch_size}")
+        if self.weights not in ("auto", "ema", "model"):
+            raise ValueError(f"weights must be auto, ema or model, got {self.weights!r}")
+
 
 @dataclass
 class LossOutput:

@@ -51,7 +51,9 @@ def test_tiny_preset_train_resume_eval_export_sample(name, tmp_path):
     out = export_run(run)
     for artifact in manifest_state["artifacts"]:
         assert (out.parent / artifact).exists(), artifact
-    # The export rebuilds the model from its artifacts alone (no build_data) and loads strictly.
+    # The export rebuilds the model from its own file alone (no build_data) and loads strictly, even when
+    # another export into the same folder replaced the task_stats.json beside it.
+    (out.parent / "task_stats.json").write_text('{"from": "another export"}')
     model, _ = load_exported(out)
     weights, _ = consolidated_weights(run)
     for key, value in model.state_dict().items():

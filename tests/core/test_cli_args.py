@@ -51,3 +51,16 @@ def test_errors_print_one_line_and_debug_shows_traceback(tmp_path, capsys):
 
     with pytest.raises(ConfigError):
         main(["--debug", "train", str(bad)])
+
+
+@pytest.mark.parametrize("option", ["sampler=ddpm", "steps=-1", "num_samples=0", "batch_size=0", "weights=foo",
+                                    "length=-5", "length=100000"])
+def test_bad_sample_values_are_one_line_errors_before_loading(tmp_path, capsys, option):
+    (tmp_path / "config.yaml").write_text("task:\n  name: protein_sedd\n")  # no checkpoint: must fail before
+    assert main(["sample", str(tmp_path), option]) == 2
+    assert capsys.readouterr().err.startswith("trainer: config error: trainer sample:")
+
+
+def test_plot_without_metrics_is_one_line(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err

@@ -240,3 +240,11 @@ def test_resume_keeps_the_checkpoints_task_statistics(tmp_path, caplog):
         resumed = make(tmp_path, "train.max_steps=3")
     assert resumed.task.stats == {"target_mean": [1.5]}
     assert "keeps the checkpoint's" in caplog.text
+
+
+def test_resuming_with_changed_task_settings_warns_loudly(tmp_path, caplog):
+    make(tmp_path, "train.max_steps=2").fit()
+    reset()
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        make(tmp_path, "train.max_steps=3", "task.noise=0.5")
+    assert "RESUMING A CHANGED RUN" in caplog.text and "task.noise" in caplog.text and "0.1 -> 0.5" in caplog.text

@@ -69,8 +69,11 @@ def export_run(run_dir: str | Path, out: str | Path | None = None, checkpoint: s
     out = Path(out) if out else run_dir / "export" / "model.safetensors"
     out.parent.mkdir(parents=True, exist_ok=True)
     used_ema = weights != "model" and (ckpt_dir / "ema.safetensors").is_file()
+    # The statistics the model is built from travel inside the file too: another export into the same
+    # folder may replace the task_stats.json beside it.
+    stats_text = (ckpt_dir / TASK_STATS).read_text() if (ckpt_dir / TASK_STATS).is_file() else "{}"
     save_file(state_dict, str(out), metadata={"checkpoint": str(ckpt_dir), "step": str(step),
-                                              "weights": "ema" if used_ema else "model"})
+                                              "weights": "ema" if used_ema else "model", "task_stats": stats_text})
     config = ckpt_dir.parent.parent / "config.yaml"
     if config.is_file():
         shutil.copyfile(config, out.with_name(out.stem + ".config.yaml"))
@@ -106,7 +109,11 @@ def load_exported(path: str | Path) -> tuple[torch.nn.Module, object]:
     path = Path(path)
     cfg = config_from_dict(yaml.safe_load(path.with_name(path.stem + ".config.yaml").read_text()))
     task = get_task(cfg.task.name)(cfg.task, seed=cfg.run.seed)
-    stats = read_task_stats(path.parent)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        embedded = (f.metadata() or {}).get("task_stats")
+    stats = json.loads(embedded) if embedded else read_task_stats(path.parent)
     task.attach_stats(stats)
     model = task.build_model(stats)
     model.load_state_dict(load_file(path), strict=True)

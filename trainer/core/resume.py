@@ -127,6 +127,23 @@ class _SaveErrors:
                               f"({'; '.join(problems)}); {kept}") from self.cause
 
 
+def _warn_changed_task(trainer: Trainer, path: Path) -> None:
+    """Resuming a run whose task settings (data, targets, model) changed mixes two experiments: say so loudly."""
+    saved_file = trainer.run_dir.config
+    if not saved_file.is_file():
+        return
+    import yaml
+
+    saved = (yaml.safe_load(saved_file.read_text()) or {}).get("task", {})
+    now = dataclasses.asdict(trainer.cfg.task)
+    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if changed:
+        logger.warning("RESUMING A CHANGED RUN: checkpoint %s was trained with other task settings (%s: %s); "
+                       "the resumed run mixes the two. Use run.resume=none or a new run.output_dir to start over",
+                       path, ", ".join(f"task.{k}" for k in changed),
+                       ", ".join(f"{saved.get(k)!r} -> {now.get(k)!r}" for k in changed))
+
+
 def resume(trainer: Trainer) -> Path | None:
     """Restore `trainer` from the checkpoint run.resume names; returns it, or None for a fresh start."""
     cfg, acc, root = trainer.cfg, trainer.accelerator, trainer.run_dir.checkpoints
@@ -148,6 +165,7 @@ def resume(trainer: Trainer) -> Path | None:
             raise CheckpointError(problem)
         logger.warning("%s; falling back to the previous checkpoint", problem)
     _check_compatible(trainer, path, saved)
+    _warn_changed_task(trainer, path)
     rng_states = _saved_rng_states(trainer, path, saved.get("world_size"))
     try:
         with weights_only_loading():  # DeepSpeed unpickles its own files with weights_only=False
@@ -155,7 +173,10 @@ def resume(trainer: Trainer) -> Path | None:
     except CheckpointError:  # a pickle that weights-only loading refuses
         raise
     except Exception as err:  # a checkpoint that passed its manifest but will not load
-        raise CheckpointError(f"checkpoint {path} could not be loaded: {err}") from err
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"checkpoint {path} could not be loaded into this run's model ({first}); if the "
+                              f"model or task settings changed, start over with run.resume=none or a new "
+                              f"run.output_dir") from err
     if rng_states is not None:  # accelerate restores them too, but ignores any failure
         _restore_rng(rng_states)
     acc.step = 0  # accumulation boundaries restart with each optimizer step, whatever accum was

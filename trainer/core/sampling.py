@@ -46,7 +46,12 @@ def sample_options(task: Task, overrides: Sequence[str] = ()) -> SampleConfig:
     """The task's sampling options from `key=value` strings (a non-generative task is an error)."""
     if not isinstance(task, GenerativeTask):
         raise ConfigError(f"task '{task.name}' cannot generate samples")
-    return parse_options(task.sample_config_cls, overrides)
+    options = parse_options(task.sample_config_cls, overrides)
+    try:
+        options.validate()
+    except ValueError as err:
+        raise ConfigError(f"trainer sample: {err}") from None
+    return options
 
 
 def sample_generator(seed: int, k: int, device: torch.device) -> torch.Generator:

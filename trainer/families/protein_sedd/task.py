@@ -83,6 +83,10 @@ class ProteinSEDDConfig(TaskConfig):
     """Read the training split as a stream (bounded memory, for the full UniRef50 file); validation stays Arrow."""
 
 
+MAX_SAMPLE_LENGTH = 4096
+"""Longest sequence `trainer sample` draws (the DDiT attends over the whole sequence at every step)."""
+
+
 @dataclass
 class ProteinSampleConfig(SampleConfig):
     steps: int = 0
@@ -91,6 +95,13 @@ class ProteinSampleConfig(SampleConfig):
     """`analytic` (Tweedie tau-leaping) or `euler`."""
     length: int = 0
     """Fixed sequence length (0: drawn from the training crops' length histogram, a run artifact)."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.sampler not in ("analytic", "euler"):
+            raise ValueError(f"sampler must be 'analytic' or 'euler', got {self.sampler!r}")
+        if self.steps < 0 or not 0 <= self.length <= MAX_SAMPLE_LENGTH:
+            raise ValueError(f"steps must be >= 0 and length in [0, {MAX_SAMPLE_LENGTH}], got {self.steps} and {self.length}")
 
 
 def residue_states(token_ids: np.ndarray) -> np.ndarray:
