@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import warnings
 
@@ -212,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         return args.func(args)
+    except BrokenPipeError:  # `trainer config-help | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except TrainerError as err:
         if debug:
             raise
