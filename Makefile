@@ -14,7 +14,7 @@ SAMPLES    ?= 64
 RUN_DIR    ?= runs/main
 PYTEST_ARGS ?=
 # Every family's extra, so the main job and the whole test suite run from one environment.
-EXTRAS     ?= test,protein_sedd,crystals
+EXTRAS     ?= test,protein_sedd,crystals,molecules_edm,perturbation_gears
 
 .PHONY: setup train test lint bench readme-config clean
 

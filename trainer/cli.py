@@ -8,6 +8,7 @@ one line; `--debug` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
@@ -27,10 +28,14 @@ def _train(args: argparse.Namespace) -> int:
     from trainer.config import load_config
     from trainer.core.distributed import PREEMPTED_EXIT_CODE
     from trainer.core.trainer import Trainer
+    from trainer.core.watchdog import arm_exit_guard, started_by_launcher
 
     cfg = load_config(args.config, args.overrides)
     status = Trainer(cfg, deepspeed_config=args.deepspeed).fit()
-    return PREEMPTED_EXIT_CODE if status == "preempted" else 0
+    code = PREEMPTED_EXIT_CODE if status == "preempted" else 0
+    if started_by_launcher():
+        arm_exit_guard(code)
+    return code
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -181,7 +186,32 @@ def build_parser() -> argparse.ArgumentParser:
                             help="run a grid of experiments over GPU/CPU slots or as a SLURM array")
     add_run_experiments_arguments(runexp)
     runexp.set_defaults(func=_run_experiments)
+
+    for name, entry in sorted(family_commands().items()):
+        command = sub.add_parser(name, add_help=False, help=f"{entry.value.split(':')[0]} (--help for its options)")
+        command.add_argument("args", nargs=argparse.REMAINDER)
+        command.set_defaults(func=_family_command, entry=entry)
     return parser
+
+
+COMMANDS_GROUP = "trainer.commands"
+"""Entry-point group of family subcommands (`name = package.module:main`, main(argv) -> exit status)."""
+
+
+def family_commands() -> dict[str, importlib.metadata.EntryPoint]:
+    """Subcommands a family adds (e.g. `evaluate-molecules`); imported only when run, so the core names none."""
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=COMMANDS_GROUP)}
+
+
+def _family_command(args: argparse.Namespace) -> int:
+    try:
+        main = args.entry.load()
+    except ModuleNotFoundError as err:
+        parts = args.entry.value.split(":")[0].split(".")
+        extra = parts[2] if len(parts) > 2 and parts[:2] == ["trainer", "families"] else ""  # our families' extras
+        hint = f"; install its extra: pip install 'sciml-trainer[{extra}]'" if extra else ""
+        raise ConfigError(f"`trainer {args.command}` needs a package that is not installed ({err}){hint}") from err
+    return int(main(args.args) or 0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -189,6 +219,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     such as `--deepspeed ds.json` (argparse alone stops at the first optional)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    first = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    commands = family_commands()
+    if first is not None and argv[first] in commands:  # a family command parses its own options (--help too)
+        return argparse.Namespace(command=argv[first], entry=commands[argv[first]], args=argv[first + 1:],
+                                  func=_family_command, overrides=None, debug="--debug" in argv[:first])
     legacy: list[str] = []
     if "sample" in argv:  # old flags may sit anywhere, even before RUN_DIR: take them out first
         at = argv.index("sample") + 1

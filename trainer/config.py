@@ -124,6 +124,10 @@ class EvalConfig:
     """Metric that selects the best checkpoint (empty: the task's first metric, e.g. `loss`; resolved at start)."""
     mode: str = "min"
     """`min` or `max`: whether a lower or higher `metric` is better."""
+    sample_every: int = 0
+    """Generative tasks: every K-th evaluation also draws `num_samples` samples and logs their metrics (0: never)."""
+    num_samples: int = 32
+    """Samples drawn (split over the ranks) at an evaluation with sample metrics."""
 
 
 @dataclass
@@ -227,12 +231,20 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _free_form(node: Any) -> bool:
+    """A field typed `dict` (e.g. a force field's keyword arguments): any keys go, the user's own."""
+    return OmegaConf.is_dict(node) and node._metadata.object_type in (None, dict)
+
+
 def _merge(schema: Any, layer: dict, source: str) -> Any:
     for key in _flatten(layer):
         try:
             OmegaConf.select(schema, key, throw_on_missing=False)
             parent = schema
             for part in key.split("."):
+                if _free_form(parent) and parent is not schema:
+                    OmegaConf.set_struct(parent, False)
+                    break
                 if not OmegaConf.is_dict(parent) or part not in parent:
                     raise _unknown_key_error(schema, key, source)
                 parent = parent._get_node(part)

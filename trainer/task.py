@@ -21,7 +21,7 @@ shards itself over ranks) and `EpochAwareStream`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -172,16 +172,27 @@ class Task:
         the checkpoint manifest and export copies exactly those."""
         return []
 
+    def eval_sample_config(self, num_samples: int, seed: int) -> SampleConfig:
+        """Sampling options of the small sample scored at evaluations (eval.sample_every): cheap defaults."""
+        return self.sample_config_cls(num_samples=num_samples, seed=seed)
+
+    def load_artifacts(self, directory: Path) -> None:
+        """Read back what `save_artifacts` wrote (sampling and export call it with the checkpoint folder)."""
+
 
 @runtime_checkable
 class GenerativeTask(Protocol):
     """A task that can draw samples (`trainer sample`); its options are its `sample_config_cls`."""
 
-    def generate(self, model: nn.Module, generators: list[torch.Generator], options: Any) -> list[Any]:
-        """One sample per generator; all randomness of sample k comes from generators[k]."""
+    def generate(self, model: nn.Module, generators: list[torch.Generator], options: Any,
+                 indices: Sequence[int]) -> list[Any]:
+        """One sample per generator; all randomness of sample k = indices[i] comes from generators[i]."""
 
     def write_samples(self, samples: list[Any], options: Any, out: Path) -> dict[str, Any]:
         """Main process: write all samples (in order) under `out`; return their statistics."""
+
+    def score_samples(self, samples: list[Any], options: Any) -> dict[str, float]:
+        """Main process: metrics of a set of samples, logged at evaluations with eval.sample_every."""
 
 
 @runtime_checkable

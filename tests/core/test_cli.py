@@ -44,7 +44,7 @@ def test_cli_reports_config_errors_clearly(tmp_path):
                    expect=2)
     assert "unknown config key 'train.max_stepz'" in proc.stderr and "train.max_steps" in proc.stderr
     proc = run_cmd([str(BIN / "python"), "-m", "trainer", "train", TINY, "task.name=protein"], expect=2)
-    assert "available tasks: crystal_property, protein_sedd, regression" in proc.stderr
+    assert "available tasks: crystal_property, molecules_edm, perturbation_gears, protein_sedd, regression" in proc.stderr
 
 
 def test_tasks_and_config_help():
@@ -64,3 +64,15 @@ def test_readme_documents_every_config_key():
     for line in lines:
         key = line.split("|")[1].strip()
         assert key in readme, f"README lacks {key}: run `make readme-config`"
+
+
+def test_family_commands_come_from_entry_points_and_parse_their_own_options(capsys):
+    """`trainer evaluate-molecules --help`: a family adds a subcommand through the `trainer.commands`
+    entry points; the core names no family and hands the whole rest of the line to it."""
+    from trainer.cli import family_commands, main
+
+    assert {"evaluate-molecules", "simulate-perturbations"} <= set(family_commands())
+    with pytest.raises(SystemExit) as exit_info:
+        main(["evaluate-molecules", "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: trainer evaluate-molecules" in capsys.readouterr().out

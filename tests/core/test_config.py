@@ -115,3 +115,25 @@ def test_task_options_are_checked_at_config_time_and_metric_defaults_to_the_task
         load_config(None, ["task.name=crystal_property", "task.graph=knm"])
     assert load_config(None, ["task.name=crystal_property"]).eval.metric == "mae"
     assert load_config(None, []).eval.metric == "loss"
+
+
+def test_dict_fields_take_any_keys_and_sections_stay_strict():
+    """A field typed `dict` holds the user's own keyword arguments (e.g. a force field's); a typo in a
+    section's own keys is still an error with a suggestion."""
+    from dataclasses import dataclass, field
+
+    from trainer.config import parse_options
+
+    @dataclass
+    class Inner:
+        name: str = "x"
+        kwargs: dict = field(default_factory=dict)
+
+    @dataclass
+    class Options:
+        inner: Inner = field(default_factory=Inner)
+
+    options = parse_options(Options, ["inner.kwargs={workers: 2}", "inner.kwargs.model=7net-0"])
+    assert options.inner.kwargs == {"workers": 2, "model": "7net-0"}
+    with pytest.raises(ConfigError, match="Did you mean: inner.name"):
+        parse_options(Options, ["inner.nme=y"])

@@ -135,3 +135,14 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
     assert not RunDir(out).lock.exists()
     assert started_by_launcher({"LOCAL_RANK": "0"}) and started_by_launcher({"TORCHELASTIC_RUN_ID": "x"})
     assert not started_by_launcher({})  # a plain `python` run gets no parent-death guard
+
+
+def test_exit_guard_ends_a_finished_rank_stuck_in_teardown():
+    """A rank whose run finished but whose exit hangs (a teardown stuck in a collective library) leaves
+    with the run's status and prints every thread's stack."""
+    code = ("import threading; from trainer.core.watchdog import arm_exit_guard; "
+            "arm_exit_guard(3, grace_s=0.5); threading.Event().wait()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert "did not exit within 0.5 s" in proc.stderr
+    assert "Thread" in proc.stderr and "wait" in proc.stderr  # the stuck main thread's stack

@@ -119,3 +119,19 @@ def test_budget_mode_resume_position_and_epochs():
 def test_budget_mode_rejects_samples_over_budget():
     with pytest.raises(ValueError, match="exceed max_units_per_batch=10"):
         BalancedBatchSampler([3, 11, 4], mode="budget", max_units=10, rank=0, world_size=1, seed=0)
+
+
+@pytest.mark.parametrize("num_samples,batch_size", [(1, 4), (5, 2), (17, 4), (64, 16)])
+def test_sampling_batches_are_world_size_independent_and_exact(num_samples, batch_size):
+    """`trainer sample` draws every index once at any world size, and a sample's batch-mates never change
+    (so batch-dependent floating point gives the same samples with 1 or N processes)."""
+    from trainer.core.sampling import rank_batches
+
+    single = [list(b) for b in rank_batches(num_samples, batch_size, 0, 1)]
+    for world in (1, 2, 3, 8):
+        per_rank = [[list(b) for b in rank_batches(num_samples, batch_size, r, world)] for r in range(world)]
+        batches = [b for rank in per_rank for b in rank]
+        assert sorted(batches) == single
+        assert sorted(i for b in batches for i in b) == list(range(num_samples))
+        sizes = [sum(map(len, rank)) for rank in per_rank]
+        assert max(sizes) - min(sizes) <= batch_size

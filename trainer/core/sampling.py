@@ -1,10 +1,11 @@
 """`trainer sample RUN_DIR key=value ...`: draw samples from a trained run with any number of processes.
 
 The options are the task's `SampleConfig` dataclass, parsed by the same override machinery as the
-training config. N samples are split across ranks with exact counts (the remainder to the first
-ranks). Sample k draws all its randomness from its own generator seeded by (seed, k), so the same N
-samples come out whatever the world size. Statistics the sampler needs come from the run artifact
-`task_stats.json` saved with the checkpoint, never from re-reading the training data. Results are
+training config. N samples are split across ranks with exact counts, in fixed batches of consecutive
+indices dealt round-robin (`rank_batches`). Sample k draws all its randomness from its own generator
+seeded by (seed, k), so the same N samples come out whatever the world size. Statistics the sampler
+needs come from the run artifact `task_stats.json` saved with the checkpoint, never from re-reading
+the training data. Results are
 gathered to the main process, which writes them through the task (`write_samples`) and writes their
 statistics to `OUT.stats.json`.
 """
@@ -12,12 +13,14 @@ statistics to `OUT.stats.json`.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+from tqdm.auto import tqdm
 
 from trainer.config import config_from_dict, parse_options
 from trainer.errors import ConfigError
@@ -26,11 +29,15 @@ from trainer.seeding import derive_seed
 from trainer.task import GenerativeTask, SampleConfig, Task
 
 
-def rank_slice(num_samples: int, rank: int, world_size: int) -> range:
-    """Sample indices of `rank`: contiguous, sizes differ by at most one, extras on the first ranks."""
-    base, extra = divmod(num_samples, world_size)
-    start = rank * base + min(rank, extra)
-    return range(start, start + base + (1 if rank < extra else 0))
+def rank_batches(num_samples: int, batch_size: int, rank: int, world_size: int) -> list[range]:
+    """The batches of `rank`: fixed blocks of `batch_size` consecutive sample indices, dealt round-robin.
+
+    A sample's batch-mates are the same whatever the world size, so even floating-point results that
+    depend on the batch (padding, kernel blocking) come out bit for bit the same with 1 or N processes.
+    Every index is drawn exactly once (no rounding up); ranks differ by at most one batch.
+    """
+    blocks = [range(start, min(start + batch_size, num_samples)) for start in range(0, num_samples, batch_size)]
+    return blocks[rank::world_size]
 
 
 def run_task(run_dir: str | Path) -> Task:
@@ -59,10 +66,36 @@ def sample_generator(seed: int, k: int, device: torch.device) -> torch.Generator
     return torch.Generator(device).manual_seed(derive_seed(seed, k))
 
 
+def generate_distributed(task: Task, model: torch.nn.Module, options: SampleConfig, rank: int, world_size: int,
+                         device: torch.device, progress: bool = False) -> list[Any] | None:
+    """Draw `options.num_samples` samples split over the ranks; all of them, in order, on the main
+    process (None elsewhere). Every rank must call it (the results are gathered)."""
+    from accelerate.utils import gather_object
+
+    mine = rank_batches(options.num_samples, options.batch_size, rank, world_size)
+    results: list[tuple[int, Any]] = []
+    # This rank's share; the ranks run in step, so the main process's bar shows the whole job's ETA.
+    bar = tqdm(total=sum(map(len, mine)), desc="sample", unit="sample", dynamic_ncols=True,
+               disable=not (progress and rank == 0))
+    for block in mine:
+        chunk = list(block)
+        generators = [sample_generator(options.seed, k, device) for k in chunk]
+        with torch.no_grad():
+            results.extend(zip(chunk, task.generate(model, generators, options, chunk)))
+        bar.update(len(chunk))
+    bar.close()
+    gathered = gather_object(results) if world_size > 1 else results
+    if rank != 0:
+        return None
+    samples = [s for _, s in sorted(gathered, key=lambda item: item[0])]
+    if len(samples) != options.num_samples:
+        raise RuntimeError(f"gathered {len(samples)} samples, expected {options.num_samples}")
+    return samples
+
+
 def sample_run(run_dir: str | Path, options: SampleConfig | Sequence[str] = ()) -> dict[str, Any] | None:
     """Sample from RUN_DIR's checkpoint; returns the statistics on the main process, None elsewhere."""
     from accelerate import PartialState
-    from accelerate.utils import gather_object
 
     from trainer.core.export import consolidated_weights, read_task_stats
 
@@ -74,35 +107,57 @@ def sample_run(run_dir: str | Path, options: SampleConfig | Sequence[str] = ()) 
     params, source = consolidated_weights(run_dir, checkpoint=options.checkpoint, weights=options.weights)
     stats = read_task_stats(source)
     task.attach_stats(stats)
+    task.load_artifacts(Path(source))
     model = task.build_model(stats)
     model.load_state_dict(params, strict=True)
     model.to(state.device).eval()
 
-    mine = list(rank_slice(options.num_samples, state.process_index, state.num_processes))
-    results: list[tuple[int, Any]] = []
-    for start in range(0, len(mine), options.batch_size):
-        chunk = mine[start:start + options.batch_size]
-        generators = [sample_generator(options.seed, k, state.device) for k in chunk]
-        with torch.no_grad():
-            results.extend(zip(chunk, task.generate(model, generators, options)))
-    gathered = gather_object(results) if state.num_processes > 1 else results
+    started = time.perf_counter()
+    samples = generate_distributed(task, model, options, state.process_index, state.num_processes, state.device,
+                                   progress=True)
+    sampling_s = time.perf_counter() - started
     summary = None
     if state.is_main_process:
-        samples = [s for _, s in sorted(gathered, key=lambda item: item[0])]
-        if len(samples) != options.num_samples:
-            raise RuntimeError(f"gathered {len(samples)} samples, expected {options.num_samples}")
         out = Path(options.out) if options.out else run_dir / "samples" / "samples"
         summary = task.write_samples(samples, options, out)
         summary.update(num_samples=options.num_samples, world_size=state.num_processes, seed=options.seed,
-                       checkpoint=str(source), options=_jsonable(options))
+                       checkpoint=str(source), options=_jsonable(options), sampling_seconds=round(sampling_s, 3))
         stats_path = out.with_name(out.name + ".stats.json")  # beside the samples, never over them
         stats_path.write_text(json.dumps(summary, indent=1))
         summary["stats_path"] = str(stats_path)
+    _log_to_trackers(run_dir, summary or {})
     # Every rank leaves together and tears the process group down: a rank that exits while gloo's
     # threads still serve the main process aborts ("terminate called without an active exception").
     state.wait_for_everyone()
     state.destroy_process_group()
     return summary
+
+
+def _log_to_trackers(run_dir: Path, summary: dict[str, Any]) -> None:
+    """The run's configured extra trackers (W&B, MLflow) get the sample statistics' scalars (every rank calls
+    it; accelerate's trackers act on the main process only)."""
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    trackers = (cfg.get("log") or {}).get("trackers") or []
+    if not trackers:
+        return
+    from accelerate import Accelerator
+
+    flat = _flat_scalars(summary)
+    acc = Accelerator(log_with=trackers, project_dir=str(run_dir))
+    acc.init_trackers((cfg.get("log") or {}).get("project", "trainer"), config={"run_dir": str(run_dir)})
+    acc.log({f"sample/{k}": v for k, v in flat.items()})
+    for tracker in acc.trackers:  # not end_training(): that also tears down the process group
+        tracker.finish()
+
+
+def _flat_scalars(tree: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat_scalars(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"{prefix}{key}"] = float(value)
+    return out
 
 
 def _jsonable(options: SampleConfig) -> dict[str, Any]:

@@ -32,9 +32,11 @@ from trainer.core.loaders import TrainBatches, agreed_start, build_eval_loader, 
 from trainer.core.metrics_log import MetricsLog, peak_memory_mb
 from trainer.core.resume import TrainState, resume, save_checkpoint
 from trainer.core.run_lock import release_run_lock
+from trainer.core.sampling import generate_distributed
 from trainer.core.step_guard import NonFiniteLossError, StepGuard
 from trainer.registry import get_task
 from trainer.rundir import RunDir
+from trainer.task import GenerativeTask
 
 __all__ = ["NonFiniteLossError", "TrainState", "Trainer", "build_optimizer"]
 
@@ -236,15 +238,44 @@ class Trainer:
                 out = acc.gather_for_metrics(self.task.eval_step(self.model, batch))
                 for key, value in out.items():
                     values[key].append(value.detach().float().cpu())
+            scores = self._sample_scores() if split == "eval" else {}
         self.model.train()
         joined = {k: torch.cat(v) for k, v in values.items()}
-        metrics = self.task.reduce_metrics(joined)
+        metrics = {**self.task.reduce_metrics(joined), **scores}
         if split == "eval":
             self.last_eval = metrics
         self._write({"step": self.state.step, **{f"{split}/{k}": v for k, v in metrics.items()}})
         if split == "test" and acc.is_main_process:
             self.task.write_report(joined, metrics, self.run_dir.test, loader.dataset)
         return metrics
+
+    def _sample_scores(self) -> dict[str, float]:
+        """At every eval.sample_every-th evaluation (and the final one) a generative task draws
+        eval.num_samples samples over the ranks (EMA weights where kept) and scores them: `sample_<name>`."""
+        every, step = self.cfg.eval.sample_every, self.state.step
+        if not every or not isinstance(self.task, GenerativeTask):
+            return {}
+        index = math.ceil(step / self.cfg.eval.every_steps) if self.cfg.eval.every_steps else 1
+        if index % every and step < self.cfg.train.max_steps:
+            return {}
+        acc = self.accelerator
+        if acc.distributed_type == DistributedType.FSDP or (self.is_deepspeed and self._zero_stage() == 3):
+            logger.warning("eval.sample_every: sample metrics need whole weights on every rank; skipped under "
+                           "FSDP / ZeRO-3 (run `trainer sample` on the checkpoint instead)")
+            return {}
+        options = self.task.eval_sample_config(self.cfg.eval.num_samples, self.cfg.run.seed)
+        samples = generate_distributed(self.task, unwrap_model(acc, self.model), options, acc.process_index,
+                                       acc.num_processes, acc.device)
+        scores = self.task.score_samples(samples, options) if acc.is_main_process else {}
+        if acc.num_processes > 1:  # every rank logs and may select the best checkpoint on the same numbers
+            from accelerate.utils import broadcast_object_list
+
+            scores = broadcast_object_list([scores])[0]
+        return {f"sample_{k}": float(v) for k, v in scores.items()}
+
+    def _zero_stage(self) -> int:
+        plugin = self.accelerator.state.deepspeed_plugin
+        return int(plugin.zero_stage) if plugin is not None else 0
 
     def _track_best(self, metrics: dict[str, float]) -> bool:
         name = self.cfg.eval.metric or self.task.metrics[0]  # load_config resolves it; a hand-built Config may not

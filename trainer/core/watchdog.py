@@ -74,3 +74,30 @@ def guard_against_orphaning(environ: Mapping[str, str] = os.environ) -> bool:
     _installed_for = parent
     threading.Thread(target=_watch_parent, args=(parent,), name="trainer-parent-watchdog", daemon=True).start()
     return True
+
+
+EXIT_GRACE_S = float(os.environ.get("TRAINER_EXIT_GRACE_S", "60"))
+"""Seconds a finished rank may spend in interpreter and process-group teardown before it leaves anyway."""
+
+
+def arm_exit_guard(status: int, grace_s: float = EXIT_GRACE_S) -> threading.Thread:
+    """After a run has finished (checkpoint written, process group torn down), make sure the rank exits.
+
+    Collective-library teardown at interpreter exit occasionally hangs (gloo and NCCL, pytorch#75097);
+    the work is already on disk, so a rank still alive `grace_s` later dumps every thread's stack to
+    stderr (for a bug report) and exits with the run's `status`.
+    """
+
+    def guard() -> None:
+        time.sleep(grace_s)
+        import faulthandler
+
+        sys.stderr.write(f"trainer: the run finished but this process did not exit within {grace_s:g} s "
+                         f"(teardown hang); its threads:\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(status)
+
+    thread = threading.Thread(target=guard, name="trainer-exit-guard", daemon=True)
+    thread.start()
+    return thread

@@ -127,3 +127,18 @@ def selected_column(ds: Any, name: str) -> Any:
 def selected_rows(ds: Any) -> np.ndarray | None:
     """Row numbers of a selection in the underlying table (None: no selection, all rows in order)."""
     return None if ds._indices is None else ds._indices.column(0).to_numpy()
+
+
+def list_array(parts: list[np.ndarray], dtype: Any, width: int | None = None) -> Any:
+    """A pyarrow list<item> (width None) or list<fixed_size_list<item, width>> column of per-record arrays,
+    built through numpy in one pass (no Python loop over elements)."""
+    import pyarrow as pa
+
+    counts = np.array([len(p) for p in parts], dtype=np.int64)
+    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    flat = np.concatenate([np.asarray(p, dtype=dtype).reshape(-1) for p in parts]) if parts else np.zeros(0, dtype)
+    values = pa.array(flat)
+    if width is not None:
+        values = pa.FixedSizeListArray.from_arrays(values, width)
+    return pa.ListArray.from_arrays(pa.array(offsets), values)

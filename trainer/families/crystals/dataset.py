@@ -29,6 +29,7 @@ from trainer.data.arrow_cache import (
     cache_root,
     digest,
     file_entries,
+    list_array,
     load_arrow,
     read_meta,
     selected_column,
@@ -115,18 +116,6 @@ def _features_for(records: list[dict[str, Any]]) -> datasets.Features:
     return datasets.Features(feats)
 
 
-def _list_array(parts: list[np.ndarray], dtype: Any, width: int | None) -> pa.Array:
-    """list<item> (width None) or list<fixed_size_list<item, width>> of per-record arrays."""
-    counts = np.array([len(p) for p in parts], dtype=np.int64)
-    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
-    np.cumsum(counts, out=offsets[1:])
-    flat = np.concatenate([np.asarray(p, dtype=dtype).reshape(-1) for p in parts]) if parts else np.zeros(0, dtype)
-    values: pa.Array = pa.array(flat)
-    if width is not None:
-        values = pa.FixedSizeListArray.from_arrays(values, width)
-    return pa.ListArray.from_arrays(pa.array(offsets), values)
-
-
 def _fixed_array(parts: list[np.ndarray], dtype: Any, shape: tuple[int, ...]) -> pa.Array:
     values: pa.Array = pa.array(np.concatenate([np.asarray(p, dtype=dtype).reshape(-1) for p in parts]))
     for width in reversed(shape):
@@ -143,7 +132,7 @@ def _column(name: str, feat: Any, parts: list[Any]) -> pa.Array:
         shape = (feat.length,) if isinstance(feat.feature, datasets.Value) else (feat.length, feat.feature.length)
         return _fixed_array(parts, dtype, shape)
     width = None if isinstance(feat.feature, datasets.Value) else feat.feature.length
-    return _list_array(parts, dtype, width)
+    return list_array(parts, dtype, width)
 
 
 # --------------------------------------------------------------------------------------------------

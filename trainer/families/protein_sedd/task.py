@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -309,7 +310,7 @@ class ProteinSEDDTask(Task):
         return ["tokenizer"]
 
     def generate(self, model: nn.Module, generators: list[torch.Generator],
-                 options: ProteinSampleConfig) -> list[str]:
+                 options: ProteinSampleConfig, indices: Sequence[int] = ()) -> list[str]:
         """One sequence per generator. Its length is `options.length`, or drawn from the training crops'
         length histogram with the same generator; all randomness of sample k comes from generators[k]."""
         from trainer.families.protein_sedd.sedd import sample_one_per_generator
@@ -346,6 +347,18 @@ class ProteinSEDDTask(Task):
                 f.write(f">sample_{k} length={len(seq)}\n")
                 for start in range(0, len(seq), 60):
                     f.write(seq[start:start + 60] + "\n")
+        return self.sample_statistics(sequences)
+
+    def score_samples(self, sequences: list[str], options: ProteinSampleConfig) -> dict[str, float]:
+        """Mean length and the KL of the samples' residue composition to the training one."""
+        stats = self.sample_statistics(sequences)
+        scores = {"mean_length": stats["lengths"]["mean"]}
+        if "kl_samples_to_training" in stats:
+            scores["kl_samples_to_training"] = stats["kl_samples_to_training"]
+        return scores
+
+    def sample_statistics(self, sequences: list[str]) -> dict[str, Any]:
+        """Lengths, residue composition and its KL divergence to the training composition."""
         counts = np.array([sum(seq.count(r) for seq in sequences) for r in RESIDUES], dtype=np.float64)
         composition = counts / max(counts.sum(), 1)
         stats: dict[str, Any] = {

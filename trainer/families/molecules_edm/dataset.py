@@ -1,0 +1,396 @@
+"""Molecule datasets: the cached Arrow build, fast rows, the dense batch collate, splits and sampling statistics.
+
+`build_molecule_dataset` reads a source (`readers.iter_molecules`) once per (input file's path, size
+and mtime, or in-memory content; reader options) into the shared fingerprinted Arrow cache
+(`trainer.data.arrow_cache`); later calls load the memory-mapped file without parsing. Columns: `id`,
+`numbers` (list<int8>), `positions` (list<[3] float32>, Angstrom), `num_atoms` (int32), `edm_smiles`
+(string, null when invalid: `metrics.molecule_smiles` of the geometry, so training SMILES and
+generated SMILES come from one function) and every per-molecule property of the records (nullable;
+a property named like a core column is stored as `info_<name>`).
+
+`MoleculeRows` serves rows as numpy arrays, `collate_molecules` pads them into EDM's dense batch, and
+`split_molecule_dataset` splits by id hash (`trainer.data.splits`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import torch
+
+from trainer.data.arrow_cache import (
+    arrow_writer,
+    build_shards,
+    cache_root,
+    digest,
+    file_entries,
+    list_array,
+    load_arrow,
+    read_meta,
+    selected_column,
+    write_meta,
+)
+from trainer.data.splits import split_indices
+from trainer.errors import DataError
+from trainer.families.molecules_edm.molecule import QM9_ELEMENTS, Molecule
+from trainer.families.molecules_edm.readers import (
+    MIN_DISTANCE,
+    MoleculeDataError,
+    ReadReport,
+    element_numbers,
+    is_path_source,
+    iter_molecules,
+    log_skips,
+)
+
+FORMAT_VERSION = "molecules-edm-v1"
+"""Bump when the reader or the columns change, so that old caches are not reused."""
+ARROW_BATCH = 1024
+"""Molecules per Arrow record batch."""
+CORE_COLUMNS = ("id", "numbers", "positions", "num_atoms", "edm_smiles")
+
+
+# --------------------------------------------------------------------------------------------------
+# the build
+
+
+def _property_type(values: list[Any]) -> pa.DataType:
+    """Arrow type of a property from its values (None = missing): bool, int64, float64, else string."""
+    present = [v for v in values if v is not None]
+    if present and all(isinstance(v, bool) for v in present):
+        return pa.bool_()
+    if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+        return pa.int64()
+    if present and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+        return pa.float64()
+    return pa.string()
+
+
+def _property_columns(props: list[dict[str, Any]]) -> dict[str, tuple[pa.DataType, list[Any]]]:
+    keys: list[str] = []
+    for p in props:
+        keys.extend(k for k in p if k not in keys and k != "id")
+    out = {}
+    for key in keys:
+        values = [p.get(key) for p in props]
+        kind = _property_type(values)
+        if kind == pa.string():
+            values = [None if v is None else str(v) for v in values]
+        elif kind == pa.float64():
+            values = [None if v is None else float(v) for v in values]
+        out[f"info_{key}" if key in CORE_COLUMNS else key] = (kind, values)
+    return out
+
+
+def _write_rows(molecules: list[Molecule], smiles: list[str | None] | None, path: str) -> dict[str, Any]:
+    """Write the molecules to the Arrow file `path` (a temp name `build_shards` renames into place)."""
+    props = _property_columns([m.info for m in molecules])
+    feats: dict[str, Any] = {
+        "id": datasets.Value("string"),
+        "numbers": datasets.List(datasets.Value("int8")),
+        "positions": datasets.List(datasets.List(datasets.Value("float32"), length=3)),
+        "num_atoms": datasets.Value("int32"),
+    }
+    if smiles is not None:
+        feats["edm_smiles"] = datasets.Value("string")
+    for name, (kind, _) in props.items():
+        feats[name] = datasets.Value({pa.bool_(): "bool", pa.int64(): "int64", pa.float64(): "float64"}.get(kind, "string"))
+    features = datasets.Features(feats)
+    with arrow_writer(features, path) as writer:
+        for start in range(0, len(molecules), ARROW_BATCH):
+            chunk = molecules[start:start + ARROW_BATCH]
+            cols = {
+                "id": pa.array([str(m.info["id"]) for m in chunk], pa.string()),
+                "numbers": list_array([m.numbers for m in chunk], np.int8, None),
+                "positions": list_array([m.positions for m in chunk], np.float32, 3),
+                "num_atoms": pa.array([m.num_atoms for m in chunk], pa.int32()),
+            }
+            if smiles is not None:
+                cols["edm_smiles"] = pa.array(smiles[start:start + ARROW_BATCH], pa.string())
+            for name, (kind, values) in props.items():
+                cols[name] = pa.array(values[start:start + ARROW_BATCH], kind)
+            writer.write_table(pa.Table.from_arrays([cols[n] for n in features], schema=features.arrow_schema))
+        writer.finalize()
+    return {"columns": list(features)}
+
+
+def _molecules_digest(molecules: list[Molecule]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for m in molecules:
+        h.update(np.ascontiguousarray(m.numbers, dtype=np.int64).tobytes())
+        h.update(np.ascontiguousarray(m.positions, dtype=np.float64).tobytes())
+        h.update(json.dumps(m.info, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def build_molecule_dataset(source: str | Path | Sequence[Any], elements: Sequence[str] = QM9_ELEMENTS,
+                           cache_dir: str | Path | None = None, *, min_distance: float = MIN_DISTANCE,
+                           on_invalid: str = "error", id_key: str | None = None, add_hydrogens: bool = True,
+                           compute_smiles: bool = True) -> datasets.Dataset:
+    """Read `source` (an .xyz/.extxyz/.sdf path, optionally .gz, or a list of `ase.Atoms` / `Molecule`)
+    into the shared Arrow cache and return it memory-mapped (no format set; use `MoleculeRows`).
+
+    The fingerprint covers the input file's absolute path, size and mtime (or the in-memory content),
+    `elements`, `min_distance`, `on_invalid`, `id_key`, `add_hydrogens` and `compute_smiles`; a repeated
+    call loads the cached file without parsing, any change rebuilds. `compute_smiles` stores
+    `edm_smiles` (EDM's SMILES of each geometry, for novelty). The result has a `molecule_report`
+    attribute (`readers.ReadReport`, the same on a cache hit) and `cache_hit` (bool).
+    """
+    elements = tuple(str(e) for e in elements)
+    element_numbers(elements)  # an unknown symbol fails here, before any parsing
+    settings = {"version": FORMAT_VERSION, "elements": list(elements), "min_distance": float(min_distance),
+                "on_invalid": on_invalid, "id_key": id_key, "add_hydrogens": bool(add_hydrogens),
+                "compute_smiles": bool(compute_smiles)}
+    read_kwargs = dict(elements=elements, min_distance=min_distance, on_invalid=on_invalid, id_key=id_key,
+                       add_hydrogens=add_hydrogens)
+    skipped: Counter = Counter()
+    molecules: list[Molecule] | None = None
+    if is_path_source(source):
+        path = Path(source)
+        if not path.is_file():
+            raise MoleculeDataError(str(path), None, None, "missing_file", "no such file")
+        inputs: Any = file_entries(path)
+        name = str(path)
+    else:
+        molecules = list(iter_molecules(list(source), skipped=skipped, **read_kwargs))  # type: ignore[arg-type]
+        inputs = {"in_memory": _molecules_digest(molecules), "skipped": dict(skipped)}
+        name = "<in-memory>"
+    fingerprint = digest({"inputs": inputs, "settings": settings})
+    root = cache_root(cache_dir, "molecules_edm")
+    sidecar = root / f"{fingerprint}.json"
+    meta = read_meta(sidecar)
+    if meta is not None and meta.get("shards") and all((root / s).exists() for s in meta["shards"]):
+        report, hit = ReadReport(meta["records"], meta["kept"], meta["skipped"]), True
+    else:
+        if molecules is None:
+            molecules = list(iter_molecules(Path(source), skipped=skipped, **read_kwargs))  # type: ignore[arg-type]
+        if not molecules:
+            raise MoleculeDataError(name, None, None, "no_records", f"no valid molecules ({dict(skipped)} skipped)")
+        smiles = None
+        if compute_smiles:
+            from trainer.families.molecules_edm.metrics import molecule_smiles
+
+            smiles = [molecule_smiles(m.numbers, m.positions) for m in molecules]
+        shard = f"{fingerprint}.arrow"
+        build_shards([(_write_rows, (molecules, smiles), root / shard)])
+        report = ReadReport(len(molecules) + sum(skipped.values()), len(molecules), dict(skipped))
+        write_meta(sidecar, {"fingerprint": fingerprint, "shards": [shard], "records": report.records,
+                             "kept": report.kept, "skipped": report.skipped, "settings": settings, "inputs": inputs})
+        meta, hit = {"shards": [shard]}, False
+        log_skips(Counter(report.skipped), report.records, f"molecule dataset {fingerprint[:8]}")
+    ds = load_arrow([root / s for s in meta["shards"]], fingerprint)
+    ds.molecule_report = report
+    ds.cache_hit = hit
+    return ds
+
+
+# --------------------------------------------------------------------------------------------------
+# rows
+
+
+def _list_parts(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets int64 [rows + 1], flat values) of a list column (a fixed-size-list inside is flattened)."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if arr.offset:  # a sliced array: rebuild it so that offsets start at 0
+        arr = pa.concat_arrays([arr])
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.values
+    if isinstance(values, pa.FixedSizeListArray):
+        values = values.flatten()
+    return offsets, values.to_numpy(zero_copy_only=False)
+
+
+class MoleculeRows(torch.utils.data.Dataset):
+    """Rows of a molecule dataset: {"id": str, "numbers": int64 [n], "positions": float32 [n, 3]
+    (Angstrom, as stored), "num_atoms": int, and the requested numeric `properties` as floats}.
+
+    Reads the Arrow buffers once (honouring `select`ed splits), then slices numpy arrays per row;
+    pickles as the underlying dataset.
+    """
+
+    def __init__(self, dataset: datasets.Dataset, properties: Sequence[str] = ()):
+        self.dataset = dataset
+        self.properties = tuple(properties)
+        missing = [p for p in self.properties if p not in dataset.column_names]
+        if missing:
+            raise DataError(f"molecule dataset has no property column(s) {missing}; it has {dataset.column_names}")
+        self._cache: dict[str, Any] | None = None
+
+    def _prepare(self) -> dict[str, Any]:
+        if self._cache is None:
+            n_offsets, numbers = _list_parts(selected_column(self.dataset, "numbers"))
+            p_offsets, positions = _list_parts(selected_column(self.dataset, "positions"))
+            self._cache = {
+                "ids": selected_column(self.dataset, "id").to_pylist(),
+                "offsets": n_offsets, "numbers": numbers.astype(np.int64),
+                "positions": positions.astype(np.float32).reshape(-1, 3),
+                "properties": {p: selected_column(self.dataset, p).to_numpy(zero_copy_only=False).astype(np.float64)
+                               for p in self.properties},
+            }
+            if not np.array_equal(p_offsets, n_offsets):
+                raise DataError("molecule dataset: numbers and positions disagree on atom counts (corrupt cache?)")
+        return self._cache
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "properties": self.properties, "_cache": None}
+
+    @property
+    def num_atoms(self) -> np.ndarray:
+        """Atoms per row (int64), from the `num_atoms` column without decoding any molecule."""
+        return selected_column(self.dataset, "num_atoms").to_numpy().astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        c = self._prepare()
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for {n} molecules")
+        index %= n
+        a, b = int(c["offsets"][index]), int(c["offsets"][index + 1])
+        row = {"id": c["ids"][index], "numbers": c["numbers"][a:b], "positions": c["positions"][a:b], "num_atoms": b - a}
+        for p, values in c["properties"].items():
+            row[p] = float(values[index])
+        return row
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        return [self[int(i)] for i in indices]
+
+    def molecule(self, index: int) -> Molecule:
+        """Row `index` as a `Molecule` (positions in float64, info with the id)."""
+        row = self[index]
+        return Molecule(row["numbers"], row["positions"], {"id": row["id"]})
+
+
+def dataset_molecules(dataset: datasets.Dataset | MoleculeRows) -> list[Molecule]:
+    """Every row as a `Molecule` with its id and properties in `info` (for evaluation and writers)."""
+    base = dataset.dataset if isinstance(dataset, MoleculeRows) else dataset
+    rows = MoleculeRows(base)
+    extra = [c for c in base.column_names if c not in CORE_COLUMNS]
+    values = {c: selected_column(base, c).to_pylist() for c in extra}
+    out = []
+    for k in range(len(rows)):
+        mol = rows.molecule(k)
+        mol.info.update({c: values[c][k] for c in extra if values[c][k] is not None})
+        out.append(mol)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# batches
+
+
+@functools.lru_cache(maxsize=16)
+def _type_index(elements: tuple[str, ...]) -> np.ndarray:
+    """[119] one-hot index by atomic number (-1: not in the vocabulary)."""
+    table = np.full(119, -1, dtype=np.int64)
+    for k, z in enumerate(element_numbers(elements)):
+        table[z] = k
+    return table
+
+
+def collate_molecules(rows: Sequence[dict[str, Any]], elements: Sequence[str] = QM9_ELEMENTS,
+                      max_atoms: int | None = None) -> dict[str, torch.Tensor]:
+    """EDM's dense batch from rows (`MoleculeRows` items, or dicts with `numbers` and `positions`).
+
+    `positions` Float [B, N, 3] (each molecule's mean over its atoms subtracted: zero centre of mass
+    with unit masses, as EDM; zero at padding), `one_hot` Float [B, N, F] (F = len(elements), the
+    vocabulary's order), `charges` Float [B, N] (atomic number), `node_mask` Bool [B, N], `num_atoms`
+    Long [B], and each numeric property the rows carry, Float [B]. N is the largest molecule, or
+    `max_atoms` when given.
+    """
+    table = _type_index(tuple(str(e) for e in elements))
+    sizes = [len(r["numbers"]) for r in rows]
+    width = max(sizes, default=0) if max_atoms is None else int(max_atoms)
+    if sizes and max(sizes) > width:
+        k = int(np.argmax(sizes))
+        raise DataError(f"molecule {rows[k].get('id', k)!r} has {sizes[k]} atoms, more than max_atoms={width}")
+    batch = len(rows)
+    positions = np.zeros((batch, width, 3), dtype=np.float32)
+    one_hot = np.zeros((batch, width, len(elements)), dtype=np.float32)
+    charges = np.zeros((batch, width), dtype=np.float32)
+    mask = np.zeros((batch, width), dtype=bool)
+    for b, row in enumerate(rows):
+        numbers = np.asarray(row["numbers"], dtype=np.int64).reshape(-1)
+        n = len(numbers)
+        types = table[np.clip(numbers, 0, 118)]
+        if (types < 0).any():
+            k = int(np.flatnonzero(types < 0)[0])
+            raise DataError(f"molecule {row.get('id', b)!r}: atom {k} has atomic number {int(numbers[k])}, "
+                            f"outside the element vocabulary {list(elements)}")
+        pos = np.asarray(row["positions"], dtype=np.float64).reshape(n, 3)
+        positions[b, :n] = pos - pos.mean(axis=0) if n else pos
+        one_hot[b, np.arange(n), types] = 1.0
+        charges[b, :n] = numbers
+        mask[b, :n] = True
+    out = {"positions": torch.from_numpy(positions), "one_hot": torch.from_numpy(one_hot),
+           "charges": torch.from_numpy(charges), "node_mask": torch.from_numpy(mask),
+           "num_atoms": torch.tensor(sizes, dtype=torch.long)}
+    skip = {"id", "numbers", "positions", "num_atoms"}
+    if rows:
+        for key, value in rows[0].items():
+            if key not in skip and isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+                out[key] = torch.tensor([float(r[key]) for r in rows], dtype=torch.float32)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# splits and statistics
+
+
+def split_molecule_dataset(dataset: datasets.Dataset, fractions: dict[str, float] | None = None,
+                           seed: int = 0) -> dict[str, datasets.Dataset]:
+    """Named splits by the id-hash rule (`trainer.data.splits.split_indices`, keyed by `seed`): each
+    molecule's split depends on its id alone, so sizes are close to, not exactly, the fractions.
+    Default {"train": 0.8, "validation": 0.1, "test": 0.1}."""
+    fractions = fractions or {"train": 0.8, "validation": 0.1, "test": 0.1}
+    ids = selected_column(dataset, "id").to_pylist()
+    out = {}
+    for name, idx in split_indices(ids, fractions, key=seed).items():
+        part = dataset.select(idx)
+        part.molecule_report = getattr(dataset, "molecule_report", None)
+        out[name] = part
+    return out
+
+
+def node_count_histogram(dataset: datasets.Dataset | MoleculeRows | Sequence[Molecule]) -> dict[int, int]:
+    """{number of atoms: number of molecules}, ascending, for drawing N at sampling time."""
+    if isinstance(dataset, MoleculeRows):
+        counts = dataset.num_atoms
+    elif isinstance(dataset, datasets.Dataset):
+        counts = selected_column(dataset, "num_atoms").to_numpy()
+    else:
+        counts = np.array([m.num_atoms for m in dataset], dtype=np.int64)
+    values, freq = np.unique(np.asarray(counts, dtype=np.int64), return_counts=True)
+    return {int(v): int(f) for v, f in zip(values, freq)}
+
+
+def training_smiles(dataset: datasets.Dataset | MoleculeRows | Sequence[Molecule]) -> list[str]:
+    """Sorted unique SMILES of the valid training molecules, for novelty.
+
+    Always EDM's SMILES of the geometry (`metrics.molecule_smiles`, as EDM's own `compute_qm9_smiles`):
+    the stored `edm_smiles` column when the dataset has it, else computed here. QM9's own `smiles`
+    property is not used: on the 10k shared QM9 molecules it differs from the geometry's SMILES for
+    2.6 % of the valid ones (EDM's bond table perceives some rings and charges differently), and a
+    generated copy of a training molecule would then count as novel.
+    """
+    if isinstance(dataset, MoleculeRows):
+        dataset = dataset.dataset
+    if isinstance(dataset, datasets.Dataset) and "edm_smiles" in dataset.column_names:
+        values = selected_column(dataset, "edm_smiles").to_pylist()
+    else:
+        from trainer.families.molecules_edm.metrics import molecule_smiles
+
+        molecules = dataset_molecules(dataset) if isinstance(dataset, datasets.Dataset) else list(dataset)
+        values = [molecule_smiles(m.numbers, m.positions) for m in molecules]
+    return sorted({s for s in values if s})

@@ -1,0 +1,196 @@
+"""EDM's metrics for any molecule file, and the molecule writers (extxyz with per-molecule info, one xyz each).
+
+`evaluate_file` reads an xyz/extxyz/SDF set (`readers.py`) and runs `metrics.evaluate_molecules`;
+`main` is `trainer evaluate-molecules FILE [options]`. On the QM9 molecules it gives EDM's data row:
+
+    trainer evaluate-molecules trainer/families/molecules_edm/samples/qm9_3k.extxyz.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.atomic_io import atomic_write_text
+from trainer.families.molecules_edm.molecule import QM9_ELEMENTS, Molecule
+from trainer.families.molecules_edm.readers import read_molecules, source_kind
+
+HEADLINE = ("atom_stability", "molecule_stability", "validity", "uniqueness", "valid_and_unique", "novelty")
+
+
+# --------------------------------------------------------------------------------------------------
+# writers
+
+
+def _info_for_extxyz(info: dict[str, Any]) -> dict[str, Any]:
+    """Info values ASE's extxyz writer round-trips: plain scalars and strings (None dropped; a backslash
+    doubled, since the reader treats it as an escape)."""
+    out: dict[str, Any] = {}
+    for key, value in info.items():
+        if value is None:
+            continue
+        if isinstance(value, (bool, np.bool_)):
+            out[key] = bool(value)
+        elif isinstance(value, (int, np.integer)):
+            out[key] = int(value)
+        elif isinstance(value, (float, np.floating)):
+            out[key] = float(value)
+        elif isinstance(value, str):
+            out[key] = value.replace("\\", "\\\\")
+        else:
+            out[key] = str(value).replace("\\", "\\\\")
+    return out
+
+
+def _extxyz_text(molecules: Sequence[Molecule]) -> str:
+    import ase
+    import ase.io
+
+    buf = io.StringIO()
+    for mol in molecules:
+        atoms = ase.Atoms(numbers=mol.numbers, positions=mol.positions, pbc=False)
+        atoms.info.update(_info_for_extxyz(mol.info))
+        ase.io.write(buf, atoms, format="extxyz")
+    return buf.getvalue()
+
+
+def write_molecules_extxyz(molecules: Sequence[Molecule], path: str | Path) -> Path:
+    """All molecules, each with its `info` on the comment line, to one extxyz file (atomically: a temp
+    file renamed into place; `.gz` compresses). Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = _extxyz_text(molecules)
+    if path.name.endswith(".gz"):
+        from trainer.atomic_io import atomic_write_bytes
+
+        atomic_write_bytes(path, gzip.compress(text.encode("utf-8"), mtime=0))
+    else:
+        atomic_write_text(path, text)
+    return path
+
+
+def write_xyz_per_molecule(molecules: Sequence[Molecule], folder: str | Path, prefix: str = "sample") -> list[Path]:
+    """One extxyz file per molecule, `folder/<prefix>_<k>.xyz` (k from 0; info on the comment line,
+    readable by any xyz viewer), each written atomically. Returns the paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for k, mol in enumerate(molecules):
+        path = folder / f"{prefix}_{k}.xyz"
+        atomic_write_text(path, _extxyz_text([mol]), durable=False)
+        paths.append(path)
+    return paths
+
+
+# --------------------------------------------------------------------------------------------------
+# evaluation
+
+
+def load_training_smiles(path: str | Path) -> set[str]:
+    """Training SMILES from a text file (one per line, optionally .gz: the run artifact
+    `training_smiles.txt.gz`) or from a molecule file (xyz/extxyz/SDF: EDM's SMILES of each geometry)."""
+    from trainer.families.molecules_edm.metrics import molecule_smiles
+
+    path = Path(path)
+    try:
+        source_kind(path)
+    except ValueError:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            return {line.strip() for line in f if line.strip()}
+    molecules, _ = read_molecules(path, elements=None, min_distance=0.0, on_invalid="skip")
+    return {s for s in (molecule_smiles(m.numbers, m.positions) for m in molecules) if s}
+
+
+def evaluate_file(path: str | Path, forcefield: Any = None, training_smiles_path: str | Path | None = None,
+                  elements: Sequence[str] | None = QM9_ELEMENTS, *, min_distance: float = 0.0, on_invalid: str = "error",
+                  batch_size: int = 64, write_extxyz: str | Path | None = None) -> dict[str, Any]:
+    """EDM's metrics (and force-field metrics with `forcefield`) of the molecules in `path`.
+
+    `forcefield`: a `ForceField`, a spec string for `forcefields.build_forcefield` (closed afterwards), or
+    None. `min_distance` defaults to 0 here: a generated molecule with clashing atoms is a result to
+    score (unstable), not a record to reject. Returns the `evaluate_molecules` summary plus `file`,
+    `records_read` and `skipped` (counts by reason); `write_extxyz` also writes every molecule with its
+    per-molecule metrics in `info`.
+    """
+    molecules, report = read_molecules(path, elements=elements, min_distance=min_distance, on_invalid=on_invalid)
+    return _evaluate(molecules, str(path), report.records, report.skipped, forcefield, training_smiles_path,
+                     batch_size, write_extxyz)
+
+
+def _evaluate(molecules: list[Molecule], name: str, records: int, skipped: dict[str, int], forcefield: Any,
+              training_smiles_path: str | Path | None, batch_size: int, write_extxyz: str | Path | None) -> dict[str, Any]:
+    from trainer.families.molecules_edm.metrics import evaluate_molecules
+
+    known = load_training_smiles(training_smiles_path) if training_smiles_path else None
+    owned = None
+    if isinstance(forcefield, str):
+        from trainer.families.molecules_edm.forcefields import build_forcefield
+
+        forcefield = owned = build_forcefield(forcefield)
+    try:
+        summary, per_molecule = evaluate_molecules(molecules, known, forcefield=forcefield, batch_size=batch_size)
+    finally:
+        if owned is not None:
+            owned.close()
+    if write_extxyz is not None:
+        scored = [Molecule(m.numbers, m.positions, {**m.info, **{k: v for k, v in row.items() if v is not None}})
+                  for m, row in zip(molecules, per_molecule)]
+        write_molecules_extxyz(scored, write_extxyz)
+    return {"file": name, "records_read": records, "skipped": dict(skipped), **summary}
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A short human-readable table of the headline rates (per cent) and counts."""
+    lines = [f"{summary.get('file', '')}: {summary['num_molecules']} molecules, {summary['num_atoms']} atoms"]
+    for key in HEADLINE:
+        if key in summary:
+            lines.append(f"  {key:20s} {100.0 * summary[key]:7.2f} %")
+    for key in ("force_rms_mean", "force_rms_median", "force_max_mean", "energy_per_atom_mean", "forcefield_failures"):
+        value = summary.get(key)
+        if value is not None and not (isinstance(value, float) and math.isnan(value)):
+            lines.append(f"  {key:20s} {value:10.4f}" if isinstance(value, float) else f"  {key:20s} {value}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`trainer evaluate-molecules FILE`: EDM's metrics of an xyz/extxyz/SDF set, printed and as JSON."""
+    parser = argparse.ArgumentParser(prog="trainer evaluate-molecules",
+                                     description="EDM's stability/validity/uniqueness/novelty metrics of a molecule file.")
+    parser.add_argument("file", help="molecules: .xyz/.extxyz/.sdf (optionally .gz)")
+    parser.add_argument("--training-smiles", default=None,
+                        help="training SMILES for novelty: a text file (one per line, .gz ok) or a molecule file")
+    parser.add_argument("--forcefield", default="gfn2",
+                        help="force field of the force and energy metrics: gfn2 (GFN2-xTB, default), ase:..., uma:..., none")
+    parser.add_argument("--forcefield-kwargs", default="{}", help="JSON object of force-field options")
+    parser.add_argument("--elements", default=",".join(QM9_ELEMENTS), help="allowed elements, comma-separated; 'any' for all")
+    parser.add_argument("--min-distance", type=float, default=0.0, help="reject molecules with atoms closer than this (A)")
+    parser.add_argument("--on-invalid", choices=("error", "skip"), default="error", help="unreadable records: error or skip")
+    parser.add_argument("--out", default=None, help="write the summary JSON here")
+    parser.add_argument("--write-extxyz", default=None, help="write the molecules with per-molecule metrics here")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    elements = None if args.elements.strip().lower() == "any" else tuple(e.strip() for e in args.elements.split(",") if e.strip())
+    forcefield = None
+    if args.forcefield.strip().lower() != "none":
+        from trainer.families.molecules_edm.forcefields import build_forcefield
+
+        forcefield = build_forcefield(args.forcefield, **json.loads(args.forcefield_kwargs))
+    try:
+        summary = evaluate_file(args.file, forcefield, args.training_smiles, elements, min_distance=args.min_distance,
+                                on_invalid=args.on_invalid, write_extxyz=args.write_extxyz)
+    finally:
+        if forcefield is not None:
+            forcefield.close()
+    print(format_summary(summary))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out, json.dumps(summary, indent=1))
+    return 0

@@ -1,0 +1,209 @@
+"""fairchem UMA (e.g. `uma-s-1p1`) as a batched force field: one `predict` per batch.
+
+Each molecule becomes fairchem's `AtomicData.from_ase(atoms, r_edges=False, task_name="omol")` with
+charge 0 and spin multiplicity 1 (neutral singlet), the batch is collated by fairchem's own
+`data_list_collater(..., otf_graph=True)` (the model builds its radius graph itself, so pymatgen is not
+needed), and one `predict` returns energies [B] (eV) and forces [atoms, 3] (eV/Angstrom).
+
+Needs the `fairchem-core` package (not a dependency of trainer: `pip install fairchem-core`) and the
+weights offline: a model name is looked up in the local Hugging Face hub cache only (HF_HUB_OFFLINE=1
+is set before fairchem is imported unless the user set HF_HUB_OFFLINE), or pass a local checkpoint
+file path. Either is missing -> ConfigError at construction, naming the package or the cache folder.
+
+Security: fairchem loads its checkpoints with `torch.load(weights_only=False)` (they hold pickled
+configuration objects), which can run code from the file: use trusted checkpoint files only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.errors import ConfigError
+from trainer.families.molecules_edm.forcefields import validate_batch
+from trainer.families.molecules_edm.forcefields.base import ForceResult
+
+logger = logging.getLogger(__name__)
+
+UMA_TASK = "omol"
+"""The UMA head for molecules (OMol25: DFT on molecules with charge and spin)."""
+
+
+def _fairchem_available() -> bool:
+    try:
+        return importlib.util.find_spec("fairchem.core") is not None
+    except ModuleNotFoundError:  # no `fairchem` namespace at all
+        return False
+
+
+def hub_cache_dirs() -> list[str]:
+    """The folders where a UMA checkpoint downloaded by fairchem may be cached (fairchem's own cache,
+    then the Hugging Face hub cache), from the same environment variables those libraries read."""
+    home = os.path.expanduser("~")
+    hf_home = os.environ.get("HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.join(home, ".cache")),
+                                                     "huggingface"))
+    dirs = [os.environ.get("FAIRCHEM_CACHE_DIR", os.path.join(home, ".cache", "fairchem")),
+            os.environ.get("HF_HUB_CACHE", os.environ.get("HUGGINGFACE_HUB_CACHE", os.path.join(hf_home, "hub")))]
+    return list(dict.fromkeys(dirs))
+
+
+@contextmanager
+def _hub_offline(forced: bool) -> Iterator[None]:
+    """The Hugging Face hub offline while a model is loaded, when we (not the user) chose HF_HUB_OFFLINE.
+
+    huggingface_hub reads the variable when it is imported, and `datasets` may have imported it before
+    us: its parsed constant is then set for the duration of the load as well.
+    """
+    constants = None
+    if forced:
+        try:
+            from huggingface_hub import constants
+        except ImportError:
+            pass
+    previous = getattr(constants, "HF_HUB_OFFLINE", None)
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        if constants is not None:
+            constants.HF_HUB_OFFLINE = previous
+
+
+class UMAForceField:
+    """fairchem UMA energies and forces for padded batches of neutral singlet molecules (`omol` task).
+
+    Args:
+        model: a model name (`uma-s-1p1`, `uma-m-1p1`, ...: from the local hub cache only) or a path to
+            a checkpoint file (trusted files only: fairchem unpickles it).
+        device: `cpu` or `cuda` (default: cuda when available).
+        inference_settings: fairchem's inference settings name or object; default: the general
+            settings with MOLE experts not merged and no compilation (batches mix compositions).
+
+    After each `compute`, `last_errors` maps the batch index of every failed molecule to the reason.
+    """
+
+    def __init__(self, model: str = "uma-s-1p1", device: str | None = None, inference_settings: Any = None) -> None:
+        if not model:
+            raise ConfigError("uma: needs a model name (e.g. uma:uma-s-1p1) or a checkpoint file path (uma:/path/to/uma.pt)")
+        if not _fairchem_available():
+            raise ConfigError(f"the UMA force field {model!r} needs fairchem: pip install fairchem-core "
+                              "(a large install: torch, e3nn, hydra, ...), and the UMA weights as a checkpoint file "
+                              "(uma:/path/to/uma-s-1p1.pt) or in the Hugging Face hub cache "
+                              f"({', '.join(hub_cache_dirs())})")
+        self._offline_forced = "HF_HUB_OFFLINE" not in os.environ
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before fairchem (and its huggingface_hub) is imported
+        import torch
+
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = model
+        self.name = f"uma:{Path(model).stem if os.sep in model or model.endswith('.pt') else model}"
+        self.predictor = self._load(model, inference_settings)
+        self.last_errors: dict[int, str] = {}
+
+    def _load(self, model: str, inference_settings: Any) -> Any:
+        from fairchem.core.calculate import pretrained_mlip
+        from fairchem.core.units.mlip_unit.api.inference import InferenceSettings
+
+        if inference_settings is None:
+            # merged MOLE experts assume one fixed composition: not so for a batch of generated molecules
+            inference_settings = InferenceSettings(tf32=False, merge_mole=False, compile=False, external_graph_gen=False)
+        path = Path(model).expanduser()
+        if path.is_file():
+            logger.info("loading UMA checkpoint %s (fairchem unpickles it: trusted files only)", path)
+            return pretrained_mlip.load_predict_unit(str(path), inference_settings=inference_settings, device=self.device)
+        names = tuple(getattr(pretrained_mlip, "available_models", ()))
+        if model not in names:
+            raise ConfigError(f"uma:{model} is neither a checkpoint file nor a fairchem model name; "
+                              f"names: {', '.join(names) or '(none listed)'}")
+        try:
+            with _hub_offline(self._offline_forced):
+                return pretrained_mlip.get_predict_unit(model, inference_settings=inference_settings, device=self.device)
+        except Exception as error:  # huggingface_hub's offline "not in cache" errors have no common base
+            raise ConfigError(f"the UMA weights {model!r} are not available offline: not found in the hub cache "
+                              f"({', '.join(hub_cache_dirs())}). Download them where there is internet access "
+                              "(huggingface-cli download facebook/UMA, a gated repository), or pass a checkpoint "
+                              f"file: uma:/path/to/{model}.pt ({type(error).__name__}: {error})") from error
+
+    def __repr__(self) -> str:
+        return f"UMAForceField({self.model!r}, device={self.device!r})"
+
+    def _data(self, numbers: np.ndarray, positions: np.ndarray) -> Any:
+        import torch
+        from ase import Atoms
+        from fairchem.core.datasets.atomic_data import AtomicData
+
+        atoms = Atoms(numbers=numbers, positions=positions, info={"charge": 0, "spin": 1})
+        data = AtomicData.from_ase(atoms, r_edges=False, task_name=UMA_TASK, r_data_keys=["spin", "charge"])
+        # set explicitly: fairchem versions differ in whether from_ase reads them from atoms.info
+        data.charge = torch.tensor([0], dtype=torch.long)
+        data.spin = torch.tensor([1], dtype=torch.long)
+        return data
+
+    def _predict(self, items: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        """Energies [len(items)] eV and forces [sum of atoms, 3] eV/Angstrom from one predict call."""
+        from fairchem.core.datasets import data_list_collater
+
+        batch = data_list_collater([self._data(z, x) for z, x in items], otf_graph=True)
+        prediction = self.predictor.predict(batch)
+        energy = prediction["energy"].detach().cpu().double().numpy().reshape(-1)
+        forces = prediction["forces"].detach().cpu().double().numpy().reshape(-1, 3)
+        return energy, forces
+
+    def compute(self, numbers: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> ForceResult:
+        """numbers [B, N] int, positions [B, N, 3] Angstrom, mask [B, N] bool -> ForceResult (eV, eV/Angstrom).
+
+        One predict for the batch; if it raises, each molecule is predicted alone so that only the
+        molecules that fail are marked not ok.
+        """
+        numbers, positions, mask = validate_batch(numbers, positions, mask, name=self.name)
+        batch, width = numbers.shape
+        out = ForceResult.empty(batch, width)
+        self.last_errors = {}
+        rows: list[int] = []
+        for b in range(batch):
+            count = int(mask[b].sum())
+            if count < 2:  # UMA does not model isolated atoms (fairchem uses tabulated references)
+                self.last_errors[b] = "fewer than 2 atoms"
+            elif not np.all(np.isfinite(positions[b, mask[b]])):
+                self.last_errors[b] = "non-finite positions"
+            else:
+                rows.append(b)
+        items = [(numbers[b, mask[b]], positions[b, mask[b]]) for b in rows]
+        try:
+            results = [self._predict(items)] if items else []
+            groups = [rows]
+        except Exception as error:  # isolate the molecules that make the batch fail
+            logger.debug("%s: batched predict failed (%s); predicting molecule by molecule", self.name, error)
+            results, groups = [], []
+            for b, item in zip(rows, items):
+                try:
+                    results.append(self._predict([item]))
+                    groups.append([b])
+                except Exception as single_error:
+                    self.last_errors[b] = f"{type(single_error).__name__}: {single_error}"
+        for (energy, forces), group in zip(results, groups):
+            start = 0
+            for k, b in enumerate(group):
+                count = int(mask[b].sum())
+                molecule_forces = forces[start:start + count]
+                start += count
+                if not (math.isfinite(energy[k]) and np.all(np.isfinite(molecule_forces))):
+                    self.last_errors[b] = "non-finite energy or forces"
+                    continue
+                out.energy[b] = energy[k]
+                out.forces[b, mask[b]] = molecule_forces
+                out.ok[b] = True
+        return out
+
+    def close(self) -> None:
+        """Drop the model (idempotent)."""
+        self.predictor = None

@@ -1,0 +1,135 @@
+"""Force-field guidance of EDM's sampler: the rule of the seed's system (liyy2/Elign), as an explicit step.
+
+What this follows: `edm_source/mlff_modules/mlff_guided_diffusion_core.py::apply_mlff_guidance` of
+liyy2/Elign. After each ancestral step z_s ~ p(z_s | z_t) with sigma_t <= `noise_threshold` (sigma of
+the noisier time t), for each of `iterations` iterations: decode the types (argmax, done by the sampler),
+compute forces F (eV/Angstrom) at the current positions (Angstrom), optionally clip each atom's force
+norm, displacement = (scale / iterations) * (1 - sigma_t) * F, optionally clip each atom's displacement
+norm, x += displacement, re-centre on the masked mean.
+
+Deliberately different from the reference (its bugs): a molecule whose force evaluation fails
+(`ok = False`) is left unguided on that step and counted, instead of getting a constant fake force;
+scale 0.0 returns the positions tensor itself, so the sampler's output equals the baseline bit for bit;
+nothing here draws random numbers; statistics are counters, not per-step INFO logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trainer.errors import ConfigError
+from trainer.families.molecules_edm.egnn import remove_mean_with_mask
+from trainer.families.molecules_edm.forcefields.base import ForceField
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GuidanceConfig:
+    """Options of force-field guidance (units: Angstrom per eV/Angstrom for `scale`)."""
+
+    scale: float
+    iterations: int = 1
+    noise_threshold: float = 0.8
+    """Guide only steps whose sigma_t is at most this (0.8: the last 632 of 1000 steps of polynomial_2)."""
+    force_clip: float | None = None
+    """Largest per-atom force norm (eV/Angstrom) used; None: no clip."""
+    displacement_clip: float | None = None
+    """Largest per-atom displacement norm (Angstrom) per iteration; None: no clip."""
+
+    def __post_init__(self) -> None:
+        if not np.isfinite(self.scale) or self.scale < 0:
+            raise ConfigError(f"guidance scale must be a finite number >= 0, got {self.scale}")
+        if int(self.iterations) != self.iterations or self.iterations < 1:
+            raise ConfigError(f"guidance iterations must be an integer >= 1, got {self.iterations}")
+        if not np.isfinite(self.noise_threshold) or self.noise_threshold < 0:
+            raise ConfigError(f"guidance noise_threshold must be a finite number >= 0, got {self.noise_threshold}")
+        for name in ("force_clip", "displacement_clip"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"guidance {name} must be > 0 or None, got {value}")
+
+
+def clip_norm(vectors: torch.Tensor, max_norm: float | None) -> torch.Tensor:
+    """Scale each [..., 3] vector down to norm `max_norm` where it is longer (None: unchanged)."""
+    if max_norm is None:
+        return vectors
+    norm = torch.linalg.vector_norm(vectors, dim=-1, keepdim=True)
+    factor = torch.where(norm > max_norm, max_norm / norm.clamp(min=1e-30), torch.ones_like(norm))
+    return vectors * factor
+
+
+class ForceGuidance:
+    """The guidance hook of `EDMDiffusion.sample`: `hook(positions, type_index, node_mask, sigma_t, step_index)`.
+
+    `atomic_numbers_of_types[i]` is the atomic number of type index i (the diffusion's
+    `atomic_numbers_of_types`). Counters: `steps_guided` (sampler steps where it acted),
+    `force_evaluations` (molecules evaluated), `failures` (evaluations with ok False),
+    `forcefield_seconds` (time inside `forcefield.compute`).
+    """
+
+    def __init__(self, forcefield: ForceField, config: GuidanceConfig, atomic_numbers_of_types: Sequence[int]) -> None:
+        self.forcefield = forcefield
+        self.config = config
+        self.atomic_numbers_of_types = np.asarray(atomic_numbers_of_types, dtype=np.int64)
+        self.steps_guided = 0
+        self.force_evaluations = 0
+        self.failures = 0
+        self.forcefield_seconds = 0.0
+
+    def counters(self) -> dict[str, float]:
+        """The counters as a dict (for logs and metric files)."""
+        return {"steps_guided": self.steps_guided, "force_evaluations": self.force_evaluations,
+                "failures": self.failures, "forcefield_seconds": self.forcefield_seconds}
+
+    def reset_counters(self) -> None:
+        self.steps_guided = self.force_evaluations = self.failures = 0
+        self.forcefield_seconds = 0.0
+
+    def active(self, sigma_t: float) -> bool:
+        """Whether a step at noise level sigma_t is guided."""
+        return self.config.scale != 0 and sigma_t <= self.config.noise_threshold
+
+    def __call__(self, positions: torch.Tensor, type_index: torch.Tensor, node_mask: torch.Tensor, sigma_t: float,
+                 step_index: int) -> torch.Tensor:
+        """Guided positions [B, N, 3] (Angstrom); `positions` itself when the step is not guided."""
+        if not self.active(sigma_t):
+            return positions
+        cfg = self.config
+        mask = node_mask.squeeze(-1) if node_mask.dim() == 3 else node_mask
+        mask = mask.bool()
+        mask_np = mask.cpu().numpy()
+        types = type_index.cpu().numpy()
+        numbers = np.where(mask_np, self.atomic_numbers_of_types[np.clip(types, 0, None)], 0)
+        real = mask_np.any(axis=1)
+        step_size = cfg.scale / cfg.iterations * (1.0 - sigma_t)
+        x = positions
+        self.steps_guided += 1
+        for _ in range(cfg.iterations):
+            started = time.perf_counter()
+            result = self.forcefield.compute(numbers, x.detach().cpu().double().numpy(), mask_np)
+            self.forcefield_seconds += time.perf_counter() - started
+            ok = np.asarray(result.ok, dtype=bool) & real
+            self.force_evaluations += int(real.sum())
+            failed = int((real & ~ok).sum())
+            if failed:
+                self.failures += failed
+                log.debug("guidance step %d: force field %s failed on %d molecule(s); left unguided",
+                          step_index, getattr(self.forcefield, "name", "?"), failed)
+            if not ok.any():
+                continue
+            forces = torch.as_tensor(np.nan_to_num(np.asarray(result.forces, dtype=np.float64)), dtype=x.dtype,
+                                     device=x.device)
+            forces = clip_norm(forces, cfg.force_clip)
+            displacement = clip_norm(step_size * forces, cfg.displacement_clip)
+            ok_t = torch.as_tensor(ok, device=x.device)
+            keep = (ok_t.unsqueeze(1) & mask).unsqueeze(-1)
+            moved = remove_mean_with_mask(x + displacement * keep, mask)
+            x = torch.where(ok_t.reshape(-1, 1, 1), moved, x)
+        return x
