@@ -79,7 +79,14 @@ class OptimConfig:
     momentum: float = 0.9
     """SGD momentum."""
     scheduler: str = "constant_with_warmup"
-    """Any `transformers.get_scheduler` name: linear, cosine, constant, constant_with_warmup, ..."""
+    """Any `transformers.get_scheduler` name (linear, cosine, constant, constant_with_warmup, ...) or `step`
+    (warm-up, then the lr times decay_gamma every decay_every_steps: torch's StepLR, e.g. GEARS' per epoch)."""
+    decay_every_steps: int = 0
+    """scheduler=step: optimizer steps between two lr decays."""
+    decay_every_epochs: float = 0.0
+    """When > 0, replaces decay_every_steps by this many epochs' worth of optimizer steps."""
+    decay_gamma: float = 0.5
+    """scheduler=step: factor applied to the lr at every decay."""
     warmup_steps: int = 0
     """Warm-up optimizer steps for `base_world_size` processes (scaled with lr when scale_warmup)."""
     scale_lr: str = "none"
@@ -306,7 +313,7 @@ def _check_sections(layer: dict, source: str) -> None:
 def _check_scheduler(name: str) -> None:
     from transformers import SchedulerType
 
-    names = [s.value for s in SchedulerType]
+    names = [s.value for s in SchedulerType] + ["step"]
     if name not in names:
         close = difflib.get_close_matches(name, names, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""

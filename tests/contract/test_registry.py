@@ -28,11 +28,11 @@ def test_lookup_imports_only_the_family_asked_for():
 
 
 def test_core_imports_no_family():
-    """Nothing outside trainer/families (but the registry and the trainer.crystals alias) names a family."""
+    """Nothing outside trainer/families (but the registry and the trainer.crystals / trainer.gears aliases) names a family."""
     offenders = []
     for path in (ROOT / "trainer").rglob("*.py"):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith("trainer/families/") or rel in ("trainer/registry.py", "trainer/crystals.py"):
+        if rel.startswith("trainer/families/") or rel in ("trainer/registry.py", "trainer/crystals.py", "trainer/gears.py"):
             continue
         if "trainer.families." in path.read_text():
             offenders.append(rel)
@@ -71,3 +71,17 @@ def test_family_with_missing_dependency_names_its_extra(tmp_path, monkeypatch):
     registry._import_family("needs_extra", strict=False)
     assert "needs_extra" in registry.unavailable_families()
     registry._UNAVAILABLE.clear()
+
+
+def test_families_import_neither_torch_distributed_nor_accelerate():
+    """Model and task code is single-device: ranks, gathering and sharding belong to the core."""
+    import ast
+
+    offenders = []
+    for path in (ROOT / "trainer" / "families").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "accelerate" or n.startswith(("accelerate.", "torch.distributed")) for n in names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders

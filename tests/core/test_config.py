@@ -137,3 +137,26 @@ def test_dict_fields_take_any_keys_and_sections_stay_strict():
     assert options.inner.kwargs == {"workers": 2, "model": "7net-0"}
     with pytest.raises(ConfigError, match="Did you mean: inner.name"):
         parse_options(Options, ["inner.nme=y"])
+
+
+def test_step_scheduler_decays_every_epoch_like_steplr():
+    """optim.scheduler=step (GEARS' StepLR per epoch): epochs resolve to steps, the lr halves at each."""
+    import torch
+
+    from trainer.core.loaders import resolve_epochs
+    from trainer.core.trainer import build_scheduler
+
+    cfg = load_config(None, ["optim.scheduler=step", "optim.decay_every_epochs=1", "optim.decay_gamma=0.5",
+                             "train.epochs=3", "optim.lr=1.0"])
+    resolve_epochs(cfg, batches_per_epoch=4)
+    assert cfg.optim.decay_every_steps == 4 and cfg.train.max_steps == 12
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_scheduler(cfg, optimizer, warmup_steps=0)
+    lrs = []
+    for _ in range(12):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == [1.0] * 4 + [0.5] * 4 + [0.25] * 4
+    with pytest.raises(ConfigError, match="decay_every_steps"):
+        build_scheduler(load_config(None, ["optim.scheduler=step"]), optimizer, 0)

@@ -165,7 +165,7 @@ def agreed_start(batches: Iterator[Any], accelerator: Any) -> Iterator[Any]:
 
 def resolve_epochs(cfg: Config, batches_per_epoch: int | None) -> None:
     """Turn train.epochs, eval.every_epochs and ckpt.every_epochs into steps, in `cfg` (saved in config.yaml)."""
-    if not (cfg.train.epochs or cfg.eval.every_epochs or cfg.ckpt.every_epochs):
+    if not (cfg.train.epochs or cfg.eval.every_epochs or cfg.ckpt.every_epochs or cfg.optim.decay_every_epochs):
         return
     if batches_per_epoch is None:
         raise ConfigError("train.epochs / *.every_epochs need map-style data: a stream has no epoch length")
@@ -175,3 +175,5 @@ def resolve_epochs(cfg: Config, batches_per_epoch: int | None) -> None:
     for section in (cfg.eval, cfg.ckpt):
         if section.every_epochs:
             section.every_steps = max(1, round(section.every_epochs * steps_per_epoch))
+    if cfg.optim.decay_every_epochs:
+        cfg.optim.decay_every_steps = max(1, round(cfg.optim.decay_every_epochs * steps_per_epoch))

@@ -59,6 +59,22 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.opt
     return cls(groups, lr=lr, betas=tuple(o.betas), eps=o.eps, fused=True)
 
 
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, warmup_steps: int) -> Any:
+    """A `transformers.get_scheduler` schedule, or `step`: linear warm-up, then StepLR's decay."""
+    o = cfg.optim
+    if o.scheduler != "step":
+        return get_scheduler(o.scheduler, optimizer, num_warmup_steps=warmup_steps,
+                             num_training_steps=cfg.train.max_steps)
+    if o.decay_every_steps < 1:
+        raise ConfigError("optim.scheduler=step needs optim.decay_every_steps (or decay_every_epochs) > 0")
+
+    def factor(step: int) -> float:
+        warm = step / warmup_steps if step < warmup_steps else 1.0
+        return warm * o.decay_gamma ** (step // o.decay_every_steps)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 class Trainer:
     """Train `cfg`'s task under whatever launcher and backend started this process (`fit`)."""
 
@@ -88,8 +104,7 @@ class Trainer:
         self.lr = cfg.optim.lr * factor
         self.warmup_steps = round(cfg.optim.warmup_steps * (factor if cfg.optim.scale_warmup else 1.0))
         optimizer = build_optimizer(cfg, model, self.lr)
-        self.scheduler = get_scheduler(cfg.optim.scheduler, optimizer, num_warmup_steps=self.warmup_steps,
-                                       num_training_steps=t.max_steps)
+        self.scheduler = build_scheduler(cfg, optimizer, self.warmup_steps)
 
         self.model, self.optimizer = acc.prepare(model, optimizer)
         self.eval_loader = self.test_loader = None

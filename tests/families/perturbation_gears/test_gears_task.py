@@ -1,0 +1,145 @@
+"""The `perturbation_gears` task end to end on the bundled simulated set: training beats the no-change
+baseline, `train_multi_gpu(n_gpus=2)` on CPU matches one process with the same global batch, each test
+condition is counted once at any world size and eval batch size, predict/plot_condition, configs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, train_losses
+from torch.utils.data import DataLoader
+
+from trainer.errors import DataError
+from trainer.families.perturbation_gears import plot_condition, predict, train_multi_gpu
+from trainer.families.perturbation_gears.anndata_reader import bundled_perturbation_path
+from trainer.families.perturbation_gears.api import load_gears_model, plan_processes
+from trainer.families.perturbation_gears.task import METRIC_NAMES
+
+EPOCHS = 10
+SHORT_EPOCHS = 2
+GLOBAL_BATCH = 64
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def _args(save_path, batch_size: int, epochs: int, cache, **overrides) -> dict:
+    return {"model_config": {"hidden_size": 32, "decoder_hidden_size": 16},  # GEARS' unused option: a warning
+            "batch_size": batch_size, "epochs": epochs, "lr": 1e-3, "save_path": str(save_path), "preset": "tiny",
+            "cache_dir": str(cache),
+            "overrides": ["log.tensorboard=false", f"eval.every_epochs={max(epochs // 2, 1)}",
+                          *(f"{k}={v}" for k, v in overrides.items())]}
+
+
+SPLIT = {"split": "simulation", "seed": 1, "train_gene_set_size": 0.75}
+DATA = (str(bundled_perturbation_path().parent), bundled_perturbation_path().name)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A 10-epoch run (one process, batch 64); then 2 epochs with one process x 64 and with
+    train_multi_gpu(n_gpus=2) on CPU, 32 per process (the same global batch)."""
+    tmp = tmp_path_factory.mktemp("gears")
+    cache = tmp / "cache"
+    results = {}
+    for name, epochs in (("one", EPOCHS), ("short", SHORT_EPOCHS)):
+        try:
+            results[name] = train_multi_gpu(*DATA, SPLIT, _args(tmp / name, GLOBAL_BATCH, epochs, cache,
+                                                                **{"log.every_steps": 10}))
+        finally:
+            _reset_accelerate()
+    results["two"] = train_multi_gpu(*DATA, SPLIT, _args(tmp / "two", GLOBAL_BATCH // 2, SHORT_EPOCHS, cache,
+                                                         **{"eval.batch_size": 3, "log.every_steps": 10}), n_gpus=2)
+    return results
+
+
+def test_training_beats_no_change_and_reports_baselines(runs):
+    one = runs["one"]
+    test, no_change = one["test"], one["baselines"]["no_change"]
+    assert test["n_conditions"] == 32 and no_change["pearson_delta"] == 0.0
+    assert test["pearson_delta"] > 0.03 and test["combo_seen2/pearson_delta"] > 0.03
+    assert test["mse_de"] < no_change["mse_de"]
+    assert set(test) <= set(METRIC_NAMES) and all(math.isfinite(v) for v in test.values())
+    report = Path(one["report"])
+    table = (report / "metrics_table.csv").read_text().splitlines()
+    assert table[0] == "subgroup,metric,model,no_change,train_mean,additive,linear"
+    assert any(line.startswith("combo_seen1,pearson_delta,") for line in table)
+    split = json.loads((report / "split.json").read_text())
+    assert len(split["test"]) == 32 and "combo_seen0" in split["subgroups"]["test"]
+    assert (report / "top_de_changes.png").stat().st_size > 10_000
+
+
+def test_two_processes_match_one_with_the_same_global_batch(runs):
+    one, two = runs["short"], runs["two"]
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    a, b = train_losses(one["run_dir"]), train_losses(two["run_dir"])
+    assert sorted(a) == sorted(b) and len(a) == 5
+    # Same cells, pairs and initial weights, but not bit for bit: BatchNorm statistics are per rank (as under
+    # GEARS' DDP), and GEARS' loss is a mean over the conditions of a batch, taken per rank: the control
+    # condition (many cells, a small loss since x = y) weighs 1 of ~15 conditions per rank instead of 1 of ~25,
+    # so two ranks log a loss a few per cent lower.
+    for step in a:
+        assert abs(a[step] - b[step]) < 0.05 * a[step], (step, a[step], b[step])
+    assert two["test"]["n_conditions"] == 32
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_eval_counts_each_condition_once_at_any_world_size_and_batch(runs, batch_size):
+    """The 2-process test metrics (eval batch 3: the last batch is padded with duplicates) equal an
+    in-process evaluation of the same weights at eval batch 1 and 3."""
+    two = runs["two"]
+    model, task = load_gears_model(two["run_dir"], checkpoint="latest")
+    data = task.build_data()
+    loader = DataLoader(data.test, batch_size=batch_size, collate_fn=task.collate)
+    with torch.no_grad():
+        outs = [task.eval_step(model, batch) for batch in loader]
+    values = {k: torch.cat([o[k].float() for o in outs]) for k in outs[0]}
+    metrics = task.reduce_metrics(values)
+    assert metrics["n_conditions"] == len(data.test) == 32
+    for key, value in two["test"].items():
+        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    with pytest.raises(RuntimeError, match="evaluated twice"):
+        task.reduce_metrics({k: torch.cat([v, v[:1]]) for k, v in values.items()})
+
+
+def test_predict_table_and_plot(runs, tmp_path):
+    one = runs["one"]
+    table = predict(one["run_dir"], [["G012"], ["G003", "G017"], "G000+G180"], num_control_cells=50)
+    genes = [f"G{i:03d}" for i in range(200)]
+    assert list(table.columns) == genes and list(table.index) == ["G012", "G003+G017", "G000+G180"]
+    assert np.isfinite(table.to_numpy()).all()
+    cells = predict(one["run_dir"], [["G012"]], per_cell=True, num_control_cells=7)
+    assert cells.shape == (7, 200)
+    np.testing.assert_allclose(cells.to_numpy().mean(axis=0), predict(one["run_dir"], [["G012"]], num_control_cells=7)
+                               .to_numpy()[0], rtol=1e-6)
+    with pytest.raises(DataError, match="NOT_A_GENE"):
+        predict(one["run_dir"], [["NOT_A_GENE"]])
+    out = plot_condition(one["run_dir"], ["G000", "G180"], tmp_path / "plot.png", num_control_cells=50)
+    assert out.stat().st_size > 5_000
+
+
+def test_process_plan_and_configs():
+    assert plan_processes(None, None, visible_gpus=0) == (1, None)
+    assert plan_processes(2, None, visible_gpus=0) == (2, None)
+    assert plan_processes(None, None, visible_gpus=4) == (4, None)
+    assert plan_processes(None, [2, 3], visible_gpus=4) == (2, "2,3")
+    from trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError):
+        plan_processes(3, [0, 1], visible_gpus=4)
+    tiny = load_config(str(ROOT / "configs" / "perturbation_gears" / "gears_tiny.yaml"))
+    assert tiny.task.name == "perturbation_gears" and tiny.eval.metric == "mse_de"
+    norman = load_config(str(ROOT / "configs" / "perturbation_gears" / "gears_norman.yaml"), ["task.data_path=/data/x"])
+    assert norman.task.hidden_size == 64 and norman.train.epochs == 20 and norman.optim.weight_decay == 5e-4
+    with pytest.raises(ConfigError, match="train_gene_set_sise"):
+        train_multi_gpu(*DATA, {"train_gene_set_sise": 0.5}, {"save_path": "/nonexistent"})

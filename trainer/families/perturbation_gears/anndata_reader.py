@@ -1,0 +1,541 @@
+"""Read GEARS-format perturbation data (`perturb_processed.h5ad`) or raw AnnData into `PerturbationData`.
+
+A GEARS file is read unchanged: sparse `X` (log-normalised expression), `var['gene_name']`,
+`obs['condition']` ('ctrl', 'A+ctrl', 'ctrl+A', 'A+B'), `obs['cell_type']` and the `uns` fields GEARS'
+processing adds. Raw AnnData with only X/var/obs gets those fields computed the way GEARS does
+(`add_gears_fields`, GEARS' `get_DE_genes` + `get_dropout_non_zero_genes`):
+
+- `obs['dose_val']` = '1+1' for any condition with a '+' (singles too), else '1'; `obs['control']` =
+  1 for 'ctrl'; `obs['condition_name']` = f"{cell_type}_{condition}_{dose_val}".
+- `uns['rank_genes_groups_cov_all']`: per cell type, scanpy `rank_genes_groups` of every
+  condition_name against f"{cell_type}_ctrl_1" (Welch t-test, `rankby_abs=True`, all genes), the
+  ranked var names per condition_name. Groups of fewer than 2 cells (scanpy refuses them; GEARS
+  crashes) and cell types without 2 control cells are skipped and reported.
+- Per condition, over all its cells: `non_zeros_gene_idx` = genes whose mean is non-zero;
+  `non_dropout_gene_idx` = those plus the genes zero both in the condition and in the control mean;
+  `top_non_dropout_de_20` / `top_non_zero_de_20` = the first 20 ranked genes in those sets.
+
+`PerturbationData.de_idx` is what GEARS trains and evaluates with (`mse_de`, `pearson_de`): the
+first 20 genes of `rank_genes_groups_cov_all` (GEARS keeps them in gene order, we keep rank order:
+the same set). With several cell types a condition takes the DE fields of its first cell's
+condition_name, as GEARS does.
+
+Conditions are canonical gene tuples (`conditions.py`): 'A+ctrl' and 'ctrl+A' are merged. A
+condition string outside GEARS' grammar, a gene missing from `var` (or, given a gene2go mapping,
+from it; GEARS issues #54, #77), a condition without cells or without a DE ranking is dropped and
+counted (`PerturbationData.dropped`, logged once with examples), or with `on_invalid="error"`
+raises a DataError naming the condition and reason. Nothing is densified: X stays CSR float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import warnings
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+from trainer.errors import ConfigError, DataError
+from trainer.families.perturbation_gears.conditions import (
+    CTRL,
+    Condition,
+    condition_genes,
+    condition_name,
+    dose_value,
+    format_condition,
+    parse_condition,
+)
+from trainer.families.perturbation_gears.gene_ontology import GeneToGo, gene2go_from_mapping, read_gene2go
+
+if TYPE_CHECKING:
+    import anndata
+
+logger = logging.getLogger(__name__)
+
+NUM_DE_GENES = 20
+"""GEARS' number of top differentially expressed genes per condition."""
+NUM_RANKED_DE_GENES = 200
+"""Genes of the DE ranking kept per condition (`ranked_de_idx`: frac_correct_direction_{50,100,200})."""
+GEARS_UNS_FIELDS = ("rank_genes_groups_cov_all", "non_zeros_gene_idx", "non_dropout_gene_idx",
+                    "top_non_dropout_de_20", "top_non_zero_de_20")
+DATA_FILE = "perturb_processed.h5ad"
+_SAMPLES = Path(__file__).resolve().parent / "samples"
+DROP_REASONS = ("missing_condition", "malformed_condition", "gene_not_in_var", "gene_not_in_go", "no_cells",
+                "no_de_ranking")
+"""Why a condition (or, for missing_condition, a cell) is dropped, in the order they are checked."""
+
+
+def bundled_perturbation_path() -> Path:
+    """Folder of the bundled simulated set (perturb_processed.h5ad, gene2go.tsv, ground_truth.npz/json).
+
+    Synthetic data from `simulate.py`; how it was made: trainer/families/perturbation_gears/samples/README.md.
+    """
+    return _SAMPLES
+
+
+# --------------------------------------------------------------------------------------------------
+# the data
+
+
+@dataclass
+class PerturbationData:
+    """Cells x genes expression (sparse) with canonical per-cell conditions and GEARS' per-condition fields.
+
+    Per-condition dicts are keyed by the canonical condition (a sorted gene tuple; () is the control)
+    and hold int64 gene positions into `gene_names`; the control has no DE entries.
+    """
+
+    X: sp.csr_matrix
+    """cells x genes, CSR float32 (log-normalised expression as in the file)."""
+    gene_names: np.ndarray
+    """[G] var['gene_name']."""
+    var_names: np.ndarray
+    """[G] the var index (the names GEARS' uns fields use)."""
+    conditions: list[Condition]
+    """Every condition with cells, control first, then singles and doubles sorted."""
+    cell_condition: np.ndarray
+    """[N] int32 position of each cell's condition in `conditions`."""
+    cell_type: np.ndarray
+    """[N] str."""
+    condition_names: list[str]
+    """GEARS' condition_name (f"{cell_type}_{condition}_{dose}") of each condition's first cell."""
+    pert_genes: list[str]
+    """The perturbable genes (sorted): the nodes of the GO graph; `pert_idx` points into this list."""
+    de_idx: dict[Condition, np.ndarray]
+    """Top-20 genes of the DE ranking (GEARS' training/eval `de_idx`), rank order."""
+    top_non_dropout_de_20: dict[Condition, np.ndarray]
+    top_non_zero_de_20: dict[Condition, np.ndarray]
+    non_zeros_gene_idx: dict[Condition, np.ndarray]
+    """Genes with a non-zero mean in the condition (GEARS' loss uses only these)."""
+    non_dropout_gene_idx: dict[Condition, np.ndarray]
+    ctrl_rows: np.ndarray
+    """Rows of the control cells (int64)."""
+    ctrl_mean: np.ndarray
+    """[G] float32 mean expression of the control cells."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Dropped conditions by reason (missing_condition counts cells)."""
+    dropped_cells: dict[str, int] = field(default_factory=dict)
+    dropped_examples: dict[str, list[str]] = field(default_factory=dict)
+    source: str = ""
+    ranked_de_idx: dict[Condition, np.ndarray] = field(default_factory=dict)
+    """The first `NUM_RANKED_DE_GENES` genes of the DE ranking (rank order; its first 20 are `de_idx`)."""
+
+    def __post_init__(self) -> None:
+        order = np.argsort(self.cell_condition, kind="stable")
+        counts = np.bincount(self.cell_condition, minlength=len(self.conditions))
+        self._rows = np.split(order.astype(np.int64), np.cumsum(counts)[:-1])
+        self.condition_index: dict[Condition, int] = {c: i for i, c in enumerate(self.conditions)}
+        self.pert_index: dict[str, int] = {g: i for i, g in enumerate(self.pert_genes)}
+
+    # ---------------------------------------------------------------- lookups
+    @property
+    def num_cells(self) -> int:
+        return int(self.X.shape[0])
+
+    @property
+    def num_genes(self) -> int:
+        return int(self.X.shape[1])
+
+    @property
+    def condition_strings(self) -> list[str]:
+        """GEARS strings of `conditions` ('ctrl', 'A+ctrl', 'A+B')."""
+        return [format_condition(c) for c in self.conditions]
+
+    def rows_of(self, condition: Condition) -> np.ndarray:
+        """Row indices (int64, increasing) of the cells of `condition`."""
+        return self._rows[self.condition_index[condition]]
+
+    def pert_idx(self, condition: Condition) -> list[int]:
+        """Positions of the condition's genes in `pert_genes` ([] for the control)."""
+        return [self.pert_index[g] for g in condition]
+
+    def dense_rows(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
+        """[len(rows), G] float32 copy of those rows (only these rows are densified)."""
+        return dense_rows(self.X, rows)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Content hash of the expression, gene names and per-cell conditions (keys graph caches)."""
+        h = hashlib.blake2b(digest_size=16)
+        for arr in (self.X.indptr, self.X.indices, self.X.data, self.cell_condition):
+            h.update(np.ascontiguousarray(arr).view(np.uint8))
+        h.update("\0".join(self.gene_names.tolist()).encode())
+        h.update("\0".join(self.condition_strings).encode())
+        h.update("\0".join(self.pert_genes).encode())
+        return h.hexdigest()
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able counts (cells, genes, conditions by kind, drops)."""
+        kinds = Counter(len(c) for c in self.conditions)
+        return {"cells": self.num_cells, "genes": self.num_genes, "control_cells": int(len(self.ctrl_rows)),
+                "singles": kinds[1], "doubles": kinds[2], "pert_genes": len(self.pert_genes),
+                "dropped": dict(self.dropped), "source": self.source}
+
+
+def dense_rows(X: sp.csr_matrix, rows: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Rows of a CSR matrix as a dense float32 array, filled straight from its buffers."""
+    rows = np.asarray(rows, dtype=np.int64)
+    out = np.zeros((len(rows), X.shape[1]), dtype=np.float32)
+    indptr, indices, data = X.indptr, X.indices, X.data
+    for k, r in enumerate(rows):
+        a, b = indptr[r], indptr[r + 1]
+        out[k, indices[a:b]] = data[a:b]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# GEARS' processing
+
+
+def group_means(X: sp.spmatrix, codes: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """(means [num_groups, G] float64, counts [num_groups]) of the rows of X by group code, without densifying X."""
+    codes = np.asarray(codes, dtype=np.int64)
+    n = len(codes)
+    indicator = sp.csr_matrix((np.ones(n), (codes, np.arange(n))), shape=(num_groups, n))
+    sums = np.asarray((indicator @ X).todense(), dtype=np.float64)
+    counts = np.bincount(codes, minlength=num_groups)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = sums / counts[:, None]
+    return means, counts
+
+
+def rank_genes_by_cell_type(X: sp.spmatrix | np.ndarray, names: np.ndarray, cell_types: np.ndarray,
+                            var_names: np.ndarray) -> tuple[dict[str, np.ndarray], Counter]:
+    """GEARS' `rank_genes_groups_by_cov`: {condition_name: var names ranked by |t|} and the skipped groups.
+
+    Per cell type, every condition_name is ranked against f"{cell_type}_ctrl_1" with scanpy's
+    `rank_genes_groups` (t-test, rankby_abs, all genes). Skipped (counted): groups of one cell
+    ('single_cell_group') and every group of a cell type without 2 control cells
+    ('no_control_in_cell_type').
+    """
+    import anndata
+    import scanpy as sc
+
+    names = np.asarray(names, dtype=object)
+    cell_types = np.asarray(cell_types, dtype=object)
+    num_genes = X.shape[1]
+    positional = pd.Index([str(i) for i in range(num_genes)])
+    ranking: dict[str, np.ndarray] = {}
+    skipped: Counter = Counter()
+    for cell_type in pd.unique(cell_types):
+        rows = np.flatnonzero(cell_types == cell_type)
+        reference = f"{cell_type}_{CTRL}_1"
+        counts = pd.Series(names[rows]).value_counts()
+        groups = [g for g, n in counts.items() if g != reference and n >= 2]
+        skipped["single_cell_group"] += int(((counts < 2) & (counts.index != reference)).sum())
+        if counts.get(reference, 0) < 2:
+            skipped["no_control_in_cell_type"] += len(groups)
+            continue
+        if not groups:
+            continue
+        X_ct = X if len(rows) == X.shape[0] else X[rows]
+        obs = pd.DataFrame({"group": pd.Categorical(names[rows])}, index=pd.Index([str(i) for i in range(len(rows))]))
+        adata_ct = anndata.AnnData(X=X_ct, obs=obs, var=pd.DataFrame(index=positional))
+        with warnings.catch_warnings():  # scanpy warns about log bases and fragmented frames; not actionable here
+            warnings.simplefilter("ignore")
+            sc.tl.rank_genes_groups(adata_ct, groupby="group", groups=sorted(groups) + [reference], reference=reference,
+                                    method="t-test", rankby_abs=True, n_genes=num_genes, use_raw=False)
+        ranked = adata_ct.uns["rank_genes_groups"]["names"]
+        for group in ranked.dtype.names:
+            ranking[group] = np.asarray(var_names)[np.asarray(ranked[group]).astype(np.int64)]
+    return ranking, skipped
+
+
+def dropout_fields(X: sp.spmatrix, conditions: np.ndarray, names: np.ndarray, ranking: Mapping[str, np.ndarray],
+                   var_names: np.ndarray) -> dict[str, dict[str, np.ndarray]]:
+    """GEARS' `get_dropout_non_zero_genes`: the four per-condition_name uns fields from the DE ranking.
+
+    Means are over all cells of the condition string (every cell type), as GEARS computes them.
+    """
+    conditions = np.asarray(conditions, dtype=object)
+    uniq, codes = np.unique(conditions, return_inverse=True)
+    means, _ = group_means(X, codes, len(uniq))
+    code_of = {c: i for i, c in enumerate(uniq)}
+    if CTRL not in code_of:
+        raise DataError("no 'ctrl' cells: GEARS' non-dropout genes need the control mean")
+    ctrl_zero = means[code_of[CTRL]] == 0
+    name_to_condition = dict(zip(np.asarray(names, dtype=object), conditions))
+    position = {n: i for i, n in enumerate(np.asarray(var_names).tolist())}
+    out: dict[str, dict[str, np.ndarray]] = {k: {} for k in GEARS_UNS_FIELDS[1:]}
+    for group, ranked_names in ranking.items():
+        mean = means[code_of[name_to_condition[group]]]
+        non_zero = mean != 0
+        non_dropout = non_zero | ctrl_zero
+        ranked = np.array([position[n] for n in ranked_names], dtype=np.int64)
+        out["non_zeros_gene_idx"][group] = np.flatnonzero(non_zero)
+        out["non_dropout_gene_idx"][group] = np.flatnonzero(non_dropout)
+        out["top_non_dropout_de_20"][group] = np.asarray(var_names)[ranked[non_dropout[ranked]][:NUM_DE_GENES]]
+        out["top_non_zero_de_20"][group] = np.asarray(var_names)[ranked[non_zero[ranked]][:NUM_DE_GENES]]
+    return out
+
+
+def add_gears_fields(adata: anndata.AnnData, recompute: bool = False) -> Counter:
+    """GEARS' processing of `adata` in place: obs dose_val/control/condition_name and the uns DE fields.
+
+    Fields already present are kept unless `recompute`. Returns the counts of groups that could not
+    be ranked (see `rank_genes_by_cell_type`), also logged.
+    """
+    obs = adata.obs
+    condition = obs["condition"].astype(str)
+    if recompute or "dose_val" not in obs:
+        obs["dose_val"] = [dose_value(c) for c in condition]
+    if recompute or "control" not in obs:
+        obs["control"] = [0 if len(c.split("+")) == 2 else 1 for c in condition]
+    if recompute or "condition_name" not in obs:
+        obs["condition_name"] = [condition_name(t, c) for t, c in zip(obs["cell_type"].astype(str), condition)]
+    names = obs["condition_name"].astype(str).to_numpy()
+    var_names = adata.var_names.to_numpy().astype(str)
+    skipped: Counter = Counter()
+    ranking_missing = recompute or "rank_genes_groups_cov_all" not in adata.uns
+    if ranking_missing:
+        ranking, skipped = rank_genes_by_cell_type(adata.X, names, obs["cell_type"].astype(str).to_numpy(), var_names)
+        adata.uns["rank_genes_groups_cov_all"] = ranking
+        if sum(skipped.values()):
+            logger.warning("DE ranking: skipped %s (scanpy needs 2 cells per group and 2 control cells per cell type)",
+                           ", ".join(f"{k}={v}" for k, v in sorted(skipped.items()) if v))
+    if ranking_missing or any(k not in adata.uns for k in GEARS_UNS_FIELDS[1:]):
+        adata.uns.update(dropout_fields(adata.X, condition.to_numpy(), names,
+                                        adata.uns["rank_genes_groups_cov_all"], var_names))
+    return skipped
+
+
+# --------------------------------------------------------------------------------------------------
+# reading
+
+
+def _load(source: str | Path | anndata.AnnData) -> tuple[anndata.AnnData, str]:
+    import anndata
+
+    if isinstance(source, anndata.AnnData):
+        # a private shell: obs/var/uns are edited below, X is shared (not copied)
+        shell = anndata.AnnData(X=source.X, obs=source.obs.copy(), var=source.var.copy(), uns=dict(source.uns))
+        return shell, "AnnData"
+    path = Path(source)
+    if path.is_dir():
+        path = path / DATA_FILE
+    if not path.is_file():
+        raise DataError(f"{path}: perturbation data not found (a GEARS folder with {DATA_FILE} or an .h5ad file)")
+    try:
+        return anndata.read_h5ad(path), str(path)
+    except (OSError, KeyError, ValueError) as e:
+        raise DataError(f"{path}: not a readable .h5ad file ({type(e).__name__}: {e})") from e
+
+
+def _as_gene2go(gene2go: str | Path | Mapping | None) -> GeneToGo | None:
+    if gene2go is None:
+        return None
+    if isinstance(gene2go, Mapping):
+        return gene2go_from_mapping(gene2go)
+    return read_gene2go(gene2go)
+
+
+def _check_columns(adata: anndata.AnnData, where: str) -> None:
+    for frame, column, hint in ((adata.obs, "condition", "'ctrl', 'A+ctrl' or 'A+B' per cell"),
+                                (adata.obs, "cell_type", "one label per cell, e.g. 'K562'"),
+                                (adata.var, "gene_name", "the gene symbol of each column")):
+        if column not in frame.columns:
+            kind = "obs" if frame is adata.obs else "var"
+            raise DataError(f"{where}: {kind}['{column}'] is missing ({hint}; GEARS needs it)")
+    if adata.obs["cell_type"].isna().any():
+        first = adata.obs_names[np.flatnonzero(adata.obs["cell_type"].isna().to_numpy())[0]]
+        raise DataError(f"{where}: obs['cell_type'] is missing for cell {first!r}")
+
+
+def _condition_problem(text: str, count: int, gene_set: set[str], go: GeneToGo | None,
+                       require_genes_in_var: bool) -> tuple[str, str] | None:
+    """(reason, detail) why a condition string cannot be used, or None."""
+    if count == 0:
+        return "no_cells", "no cell has it"
+    try:
+        cond = parse_condition(text)
+    except DataError as e:
+        return "malformed_condition", str(e)
+    if require_genes_in_var:
+        missing = [g for g in cond if g not in gene_set]
+        if missing:
+            return "gene_not_in_var", f"gene {missing[0]!r} is not in var['gene_name']"
+    if go is not None:
+        missing = [g for g in cond if g not in go]
+        if missing:
+            return "gene_not_in_go", f"gene {missing[0]!r} has no GO terms in the gene2go mapping"
+    return None
+
+
+class _Drops:
+    def __init__(self, where: str, on_invalid: str):
+        self.where, self.on_invalid = where, on_invalid
+        self.conditions: Counter = Counter()
+        self.cells: Counter = Counter()
+        self.examples: dict[str, list[str]] = {}
+
+    def add(self, name: str, reason: str, detail: str, cells: int, count: int = 1) -> None:
+        if self.on_invalid == "error":
+            raise DataError(f"{self.where}: condition {name!r}: {reason}: {detail}")
+        self.conditions[reason] += count
+        self.cells[reason] += cells
+        self.examples.setdefault(reason, [])
+        if len(self.examples[reason]) < 5:
+            self.examples[reason].append(name)
+
+    def log(self, total: int) -> None:
+        if not self.conditions:
+            return
+        parts = [f"{r}={self.conditions[r]} ({self.cells[r]} cells; e.g. {', '.join(map(repr, self.examples[r]))})"
+                 for r in DROP_REASONS if self.conditions[r]]
+        logger.warning("%s: dropped %d of %d conditions, %d cells: %s", self.where,
+                       sum(v for r, v in self.conditions.items() if r != "missing_condition"), total,
+                       sum(self.cells.values()), "; ".join(parts))
+
+
+def _index_conditions(adata: anndata.AnnData):
+    """(distinct condition strings, their canonical forms, per-cell code, first cell of each canonical
+    condition, per-cell condition_name)."""
+    text = adata.obs["condition"].astype(str).to_numpy()
+    names = adata.obs["condition_name"].astype(str).to_numpy()
+    uniq_text, first_cell, text_codes = np.unique(text, return_index=True, return_inverse=True)
+    canon_of_text = [parse_condition(t) for t in uniq_text]
+    first_of: dict[Condition, int] = {}
+    for k, cond in enumerate(canon_of_text):
+        first_of[cond] = min(first_of.get(cond, len(text)), int(first_cell[k]))
+    return uniq_text.tolist(), canon_of_text, text_codes.ravel(), first_of, names
+
+
+def read_perturbation_data(source: str | Path | anndata.AnnData, gene2go: str | Path | Mapping | None = None, *,
+                           on_invalid: str = "drop", require_genes_in_var: bool = True, pert_gene_set: str = "var",
+                           recompute_de: bool = False) -> PerturbationData:
+    """Read a GEARS `perturb_processed.h5ad` (a file, its folder or an AnnData) into `PerturbationData`.
+
+    gene2go: a gene -> GO terms mapping (path or dict); conditions with a gene outside it are dropped.
+    on_invalid: "drop" (count and log unusable conditions) or "error" (DataError naming the first).
+    require_genes_in_var: a perturbed gene must be a column of X (GEARS itself only needs it in the GO graph).
+    pert_gene_set: the perturbable genes (GO graph nodes): "var" = every var gene and every perturbed
+        gene (with GO terms, given a mapping; GEARS' `default_pert_graph=False`), "conditions" = the
+        perturbed genes only.
+    recompute_de: recompute GEARS' obs/uns fields even if the file has them.
+    """
+    if on_invalid not in ("drop", "error"):
+        raise ConfigError(f"on_invalid must be 'drop' or 'error', got {on_invalid!r}")
+    if pert_gene_set not in ("var", "conditions"):
+        raise ConfigError(f"pert_gene_set must be 'var' or 'conditions', got {pert_gene_set!r}")
+    adata, where = _load(source)
+    _check_columns(adata, where)
+    go = _as_gene2go(gene2go)
+    gene_names = adata.var["gene_name"].astype(str).to_numpy()
+    duplicated = pd.Index(gene_names)[pd.Index(gene_names).duplicated()].unique()
+    if len(duplicated):
+        logger.warning("%s: %d duplicated var['gene_name'] (e.g. %s): a perturbed gene maps to its first column",
+                       where, len(duplicated), ", ".join(map(repr, duplicated[:5])))
+    gene_set = set(gene_names.tolist())
+    drops = _Drops(where, on_invalid)
+
+    # conditions: one check per distinct string, then one boolean mask over cells
+    raw = adata.obs["condition"]
+    categorical = raw if isinstance(raw.dtype, pd.CategoricalDtype) else raw.astype("category")
+    codes = categorical.cat.codes.to_numpy()
+    categories = [str(c) for c in categorical.cat.categories]
+    counts = np.bincount(codes[codes >= 0], minlength=len(categories))
+    if (codes < 0).any():
+        first = adata.obs_names[np.flatnonzero(codes < 0)[0]]
+        drops.add(f"<missing> (cell {first!r})", "missing_condition", "obs['condition'] is empty", int((codes < 0).sum()),
+                  count=int((codes < 0).sum()))
+    usable = np.zeros(len(categories), dtype=bool)
+    for k, text in enumerate(categories):
+        problem = _condition_problem(text, int(counts[k]), gene_set, go, require_genes_in_var)
+        if problem is None:
+            usable[k] = True
+        else:
+            drops.add(text, problem[0], problem[1], int(counts[k]))
+    if not any(usable[k] and categories[k] == CTRL for k in range(len(categories))):
+        raise DataError(f"{where}: no 'ctrl' cells: GEARS pairs every perturbed cell with a control cell")
+    keep = np.zeros(len(codes), dtype=bool)
+    keep[codes >= 0] = usable[codes[codes >= 0]]
+    if not keep.all():
+        adata = adata[keep].copy()
+    add_gears_fields(adata, recompute=recompute_de)
+
+    # canonical conditions; the DE fields of each condition are those of its first cell's condition_name
+    uniq_text, canon_of_text, text_codes, first_of, names = _index_conditions(adata)
+    ranking = adata.uns["rank_genes_groups_cov_all"]
+    unranked = [k for k, cond in enumerate(canon_of_text) if cond and names[first_of[cond]] not in ranking]
+    for k in unranked:
+        key = names[first_of[canon_of_text[k]]]
+        drops.add(uniq_text[k], "no_de_ranking", f"no DE ranking for {key!r} (fewer than 2 cells, or fewer than 2 "
+                  "control cells in its cell type)", int((text_codes == k).sum()))
+    if unranked:
+        adata = adata[~np.isin(text_codes, unranked)].copy()
+        uniq_text, canon_of_text, text_codes, first_of, names = _index_conditions(adata)
+    drops.log(len(categories))
+    if len(first_of) < len(uniq_text):
+        logger.info("%s: %d condition strings are written two ways ('A+ctrl'/'ctrl+A', 'A+B'/'B+A'): merged",
+                    where, len(uniq_text) - len(first_of))
+
+    conditions = sorted(first_of, key=lambda c: (len(c), c))
+    index = {c: i for i, c in enumerate(conditions)}
+    code_to_condition = np.array([index.get(c, -1) for c in canon_of_text], dtype=np.int32)
+    cell_condition = code_to_condition[text_codes]
+
+    var_names = adata.var_names.to_numpy().astype(str)
+    position = {n: i for i, n in enumerate(var_names.tolist())}
+    for i, g in enumerate(gene_names.tolist()):
+        position.setdefault(g, i)
+
+    def positions(field_name: str, key: str, values: Any) -> np.ndarray:
+        out = []
+        for v in np.asarray(values).tolist():
+            if isinstance(v, (int, np.integer)):
+                out.append(int(v))
+            elif v in position:
+                out.append(position[v])
+            else:
+                raise DataError(f"{where}: uns['{field_name}'][{key!r}]: gene {v!r} is not in var")
+        return np.asarray(out, dtype=np.int64)
+
+    per_condition: dict[str, dict[Condition, np.ndarray]] = {k: {} for k in GEARS_UNS_FIELDS}
+    ranked: dict[Condition, np.ndarray] = {}
+    for cond in conditions[1:] if conditions[0] == () else conditions:
+        key = names[first_of[cond]]
+        for field_name in GEARS_UNS_FIELDS:
+            table = adata.uns[field_name]
+            if key not in table:
+                raise DataError(f"{where}: uns['{field_name}'] has no entry {key!r} (condition "
+                                f"{format_condition(cond)!r}); pass recompute_de=True to recompute GEARS' fields")
+            values = np.asarray(table[key])
+            if field_name == "rank_genes_groups_cov_all":
+                ranked[cond] = positions(field_name, key, values[:NUM_RANKED_DE_GENES])
+                values = values[:NUM_DE_GENES]
+            per_condition[field_name][cond] = positions(field_name, key, values)
+
+    X = adata.X
+    if not sp.issparse(X):
+        X = sp.csr_matrix(np.asarray(X, dtype=np.float32))
+    elif X.format == "csr" and X.dtype == np.float32:
+        X = sp.csr_matrix(X)  # a csr_array becomes a csr_matrix sharing its buffers (no copy)
+    else:
+        X = sp.csr_matrix(X, dtype=np.float32)
+    if not np.isfinite(X.data).all():
+        bad = int(np.searchsorted(X.indptr, np.flatnonzero(~np.isfinite(X.data))[0], side="right") - 1)
+        raise DataError(f"{where}: X has a non-finite value in cell {adata.obs_names[bad]!r} (row {bad})")
+
+    ctrl_rows = np.flatnonzero(cell_condition == index[()]).astype(np.int64)
+    ctrl_mean = np.asarray(X[ctrl_rows].mean(axis=0), dtype=np.float64).ravel().astype(np.float32)
+    perturbed = condition_genes(conditions)
+    universe = set(perturbed) | (gene_set if pert_gene_set == "var" else set())
+    pert_genes = sorted(g for g in universe if go is None or g in go)
+    return PerturbationData(
+        X=X, gene_names=gene_names, var_names=var_names, conditions=conditions, cell_condition=cell_condition,
+        cell_type=adata.obs["cell_type"].astype(str).to_numpy(dtype=object),
+        condition_names=[names[first_of[c]] for c in conditions], pert_genes=pert_genes,
+        de_idx=per_condition["rank_genes_groups_cov_all"], top_non_dropout_de_20=per_condition["top_non_dropout_de_20"],
+        top_non_zero_de_20=per_condition["top_non_zero_de_20"], non_zeros_gene_idx=per_condition["non_zeros_gene_idx"],
+        non_dropout_gene_idx=per_condition["non_dropout_gene_idx"], ctrl_rows=ctrl_rows, ctrl_mean=ctrl_mean,
+        dropped={r: int(drops.conditions[r]) for r in DROP_REASONS if drops.conditions[r]},
+        dropped_cells={r: int(drops.cells[r]) for r in DROP_REASONS if drops.cells[r]},
+        dropped_examples={r: list(v) for r, v in drops.examples.items()}, source=where, ranked_de_idx=ranked)

@@ -1,0 +1,535 @@
+"""`perturbation_gears`: GEARS (Roohani, Huang and Leskovec 2023) on GEARS-format Perturb-seq data.
+
+Data: a GEARS `perturb_processed.h5ad` (or raw AnnData; `anndata_reader.py`) and a gene -> GO terms
+mapping; conditions split by one of GEARS' modes (`splits.py`); the GO and co-expression graphs built
+once per (data, split, seed, thresholds) and cached (`gene_graphs.py`). Training items are lazy
+(control, perturbed) cell pairs drawn per (seed, epoch, cell) (`PerturbationPairs`, an
+`EpochAwareDataset`); validation and test items are whole conditions (`ConditionMeans`: one item per
+condition), so the core's `gather_for_metrics` sees every condition exactly once at any world size and
+batch size and each metric is computed on cell-mean profiles, per condition, then averaged (`metrics.py`).
+
+Statistics (`TaskData.stats`, saved as `task_stats.json` and inside every export) hold what the model,
+eval, report and `predict` need without the data: gene names, perturbable genes, the condition list,
+the control mean, each condition's DE genes, the split with its subgroups, and both graphs as edge
+lists. The graphs go through the statistics because `build_model(stats)` must rebuild the model from an
+export alone; their size is ~21 edges a gene (Norman: ~5k genes -> about 2 x 100k edges, a few MB of
+JSON), small next to the model's per-gene weights. The split is also written as the artifact `split.json`.
+
+The test report (`write_report`) scores the four baselines (`baselines.py`, fit on the training
+conditions) on the same test conditions and writes them next to the model per subgroup.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from trainer.atomic_io import atomic_write_json, atomic_write_text
+from trainer.errors import ConfigError, DataError
+from trainer.families.perturbation_gears.anndata_reader import (
+    PerturbationData,
+    bundled_perturbation_path,
+    group_means,
+    read_perturbation_data,
+)
+from trainer.families.perturbation_gears.baselines import BASELINE_NAMES, fit_baselines
+from trainer.families.perturbation_gears.conditions import as_condition, format_condition
+from trainer.families.perturbation_gears.dataset import (
+    ConditionMeans,
+    PerturbationPairs,
+    collate_conditions,
+    collate_pairs,
+)
+from trainer.families.perturbation_gears.gene_graphs import GeneGraphs, cached_graphs
+from trainer.families.perturbation_gears.gene_ontology import read_gene2go
+from trainer.families.perturbation_gears.loss import gears_loss
+from trainer.families.perturbation_gears.metrics import (
+    DIRECTION_TOP_K,
+    aggregate_metrics,
+    condition_metrics,
+    top_expressed_genes,
+)
+from trainer.families.perturbation_gears.model import GEARSModel
+from trainer.families.perturbation_gears.splits import SPLIT_MODES, SUBGROUPS, SplitResult, split_conditions
+from trainer.registry import register_task
+from trainer.task import LossOutput, Task, TaskConfig, TaskData
+
+logger = logging.getLogger(__name__)
+
+CONDITION_METRICS = ("mse_de", "pearson_delta", "pearson_delta_de", "pearson_de", "mse", "pearson", "l2_top1000",
+                     *(f"frac_correct_direction_{k}" for k in DIRECTION_TOP_K))
+"""Per-condition metrics (see metrics.py), averaged over conditions; `mse_de` first: the default eval.metric."""
+METRIC_NAMES = (*CONDITION_METRICS, "n_conditions",
+                *(f"{group}/{name}" for group in SUBGROUPS for name in (*CONDITION_METRICS, "n_conditions", "n_missing")))
+"""Everything `reduce_metrics` may return: overall, then per subgroup (`combo_seen0/pearson_delta`, ...)."""
+GENE2GO_NAMES = ("gene2go.tsv", "gene2go.tsv.gz", "gene2go.gaf", "gene2go.gaf.gz", "gene2go_all.pkl", "gene2go.pkl")
+"""File names `gene2go_path=""` looks for in the data folder, then in its parent (GEARS keeps gene2go_all.pkl there)."""
+CACHE_ENV = "TRAINER_CACHE_DIR"
+REPORT_CONDITIONS = 4
+"""Test conditions drawn in the report's plot of predicted vs true change."""
+
+
+@dataclass
+class PerturbationGearsConfig(TaskConfig):
+    name: str = "perturbation_gears"
+    """Registered task name."""
+    data_path: str = ""
+    """GEARS data: a folder holding perturb_processed.h5ad, or an .h5ad file (GEARS format or raw AnnData with
+    X/var['gene_name']/obs['condition','cell_type']); empty: the bundled simulated set."""
+    gene2go_path: str = ""
+    """Gene -> GO terms: GEARS' gene2go pickle, a gene<TAB>GO TSV or a GAF file; empty: a gene2go file of the data
+    folder (gene2go.tsv, gene2go_all.pkl, ...) or of its parent folder."""
+    split: str = "simulation"
+    """Split mode: simulation, simulation_single, combo_seen0, combo_seen1, combo_seen2, single, no_test, no_split
+    or custom (GEARS' modes; splits.py)."""
+    split_seed: int = 1
+    """Seed of the split (GEARS' `seed`, default 1); run.seed seeds the cell pairing and the model."""
+    train_gene_set_size: float = 0.75
+    """simulation: fraction of the perturbed genes seen in training."""
+    combo_seen2_train_frac: float = 0.75
+    """simulation: fraction of the doubles with both genes seen that go to training."""
+    test_fraction: float = 0.1
+    """single / combo_seen* / no_test: GEARS' combo_single_split_test_set_fraction."""
+    val_fraction: float = 0.1
+    """single / combo_seen*: fraction held out for validation (GEARS' val_size)."""
+    custom_split_path: str = ""
+    """split=custom: a JSON {"train": [...], "val": [...], "test": [...]} of conditions, or GEARS' split pickle."""
+    go_threshold: float = 0.1
+    """GO graph: keep gene pairs whose GO-term Jaccard similarity is above this."""
+    go_top_k: int = 20
+    """GO graph: neighbours kept per gene (plus itself; GEARS' num_similar_genes_go_graph)."""
+    coexpression_threshold: float = 0.4
+    """Co-expression graph: keep edges whose |Pearson| is above this (GEARS' coexpress_threshold)."""
+    coexpression_top_k: int = 20
+    """Co-expression graph: neighbours kept per gene (plus itself; GEARS' num_similar_genes_co_express_graph)."""
+    hidden_size: int = 64
+    """Width h of every embedding and MLP."""
+    num_go_gnn_layers: int = 1
+    """SGConv layers on the GO graph."""
+    num_gene_gnn_layers: int = 1
+    """SGConv layers on the co-expression graph."""
+    uncertainty: bool = False
+    """Add GEARS' per-gene log-variance head (and its loss term)."""
+    uncertainty_reg: float = 1.0
+    """Weight of the exp(-logvar) loss term with uncertainty=true."""
+    direction_lambda: float = 0.1
+    """Weight of the direction (sign) term of the loss; it has no gradient (logged value only, as in GEARS)."""
+    coexpress_first_cell_only: bool = False
+    """Reproduce GEARS' batch bug (only the first cell of a batch gets co-expression propagation); for
+    side-by-side numbers with the original only."""
+    on_invalid: str = "drop"
+    """Unusable conditions (gene outside GO/var, malformed, no cells, no DE ranking): `drop` (counted and logged
+    at start) or `error`."""
+    pert_gene_set: str = "var"
+    """Perturbable genes (GO graph nodes): `var` (every read-out gene with GO terms, plus the perturbed genes;
+    unseen genes get GO neighbours) or `conditions` (the perturbed genes only)."""
+    recompute_de: bool = False
+    """Recompute GEARS' DE fields (rank_genes_groups, non-zero/non-dropout genes) even when the file has them."""
+    cache_dir: str = ""
+    """Folder of the cached gene graphs (empty: $TRAINER_CACHE_DIR/perturbation_gears, else
+    ~/.cache/trainer/perturbation_gears)."""
+    eval_max_cells: int = 0
+    """Validation/test: at most this many cells per condition (a seeded subset; 0: all cells)."""
+    eval_cells_per_forward: int = 128
+    """Validation/test/predict: cells per forward pass (GEARS' test_batch_size); a condition's cells are split."""
+
+
+class TrainingPairs(Dataset):
+    """`PerturbationPairs` plus each cell's loss mask (its condition's non-zero genes; all genes for control)."""
+
+    def __init__(self, pairs: PerturbationPairs, nonzero_masks: np.ndarray):
+        self.pairs = pairs
+        self.nonzero_masks = nonzero_masks
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def get_item(self, index: int, epoch: int) -> dict[str, Any]:
+        item = self.pairs.get_item(index, epoch)
+        item["nonzero_mask"] = torch.from_numpy(self.nonzero_masks[item["condition"]])
+        return item
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.get_item(index, 0)
+
+
+def nonzero_masks(data: PerturbationData) -> np.ndarray:
+    """[conditions, G] bool: the genes GEARS' loss keeps per condition (non-zero mean; every gene for control)."""
+    masks = np.ones((len(data.conditions), data.num_genes), dtype=bool)
+    for code, cond in enumerate(data.conditions):
+        if cond and cond in data.non_zeros_gene_idx:
+            masks[code] = False
+            masks[code, data.non_zeros_gene_idx[cond]] = True
+    return masks
+
+
+def default_cache_dir() -> Path:
+    """$TRAINER_CACHE_DIR/perturbation_gears, else ~/.cache/trainer/perturbation_gears."""
+    root = os.environ.get(CACHE_ENV) or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainer")
+    return Path(root) / "perturbation_gears"
+
+
+def find_gene2go(data_path: str | Path) -> Path:
+    """The gene2go file of a GEARS data folder (or of an .h5ad's folder), else of its parent folder."""
+    path = Path(data_path)
+    folder = path if path.is_dir() else path.parent
+    tried = []
+    for place in (folder, folder.parent):
+        for name in GENE2GO_NAMES:
+            candidate = place / name
+            tried.append(str(candidate))
+            if candidate.is_file():
+                return candidate
+    raise DataError(f"{data_path}: no gene -> GO mapping found (tried {', '.join(tried[:3])}, ... in {folder} and "
+                    f"{folder.parent}); set task.gene2go_path to GEARS' gene2go_all.pkl, a gene<TAB>GO TSV or a GAF file")
+
+
+def load_perturbation_data(cfg: PerturbationGearsConfig) -> tuple[PerturbationData, Mapping[str, frozenset[str]]]:
+    """Read the configured data and GO mapping (the bundled set when data_path is empty)."""
+    data_path = Path(cfg.data_path) if cfg.data_path else bundled_perturbation_path()
+    gene2go_path = Path(cfg.gene2go_path) if cfg.gene2go_path else find_gene2go(data_path)
+    gene2go = read_gene2go(gene2go_path)
+    data = read_perturbation_data(data_path, gene2go, on_invalid="error" if cfg.on_invalid == "error" else "drop",
+                                  pert_gene_set=cfg.pert_gene_set, recompute_de=cfg.recompute_de)
+    return data, gene2go
+
+
+def graphs_to_stats(graphs: GeneGraphs) -> dict[str, Any]:
+    """JSON-able edge lists (float32 weights survive the float64 JSON round trip exactly)."""
+    return {"key": graphs.key,
+            "go_edge_index": graphs.go_edge_index.astype(np.int64).tolist(),
+            "go_edge_weight": graphs.go_edge_weight.astype(np.float32).tolist(),
+            "coexpression_edge_index": graphs.coexpression_edge_index.astype(np.int64).tolist(),
+            "coexpression_edge_weight": graphs.coexpression_edge_weight.astype(np.float32).tolist()}
+
+
+def _edges(stats_graphs: Mapping[str, Any], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    index = torch.tensor(stats_graphs[f"{name}_edge_index"], dtype=torch.long).reshape(2, -1)
+    return index, torch.tensor(stats_graphs[f"{name}_edge_weight"], dtype=torch.float32)
+
+
+def build_gears_model(cfg: PerturbationGearsConfig, stats: Mapping[str, Any]) -> GEARSModel:
+    """The GEARS network for the statistics of a data set (genes, perturbable genes, graphs)."""
+    graphs = stats["graphs"]
+    return GEARSModel(num_genes=len(stats["gene_names"]), num_perts=len(stats["pert_genes"]),
+                      coexpress_graph=_edges(graphs, "coexpression"), go_graph=_edges(graphs, "go"),
+                      hidden_size=cfg.hidden_size, num_go_gnn_layers=cfg.num_go_gnn_layers,
+                      num_gene_gnn_layers=cfg.num_gene_gnn_layers, uncertainty=cfg.uncertainty,
+                      coexpress_first_cell_only=cfg.coexpress_first_cell_only)
+
+
+def predict_cells(model: nn.Module, x: torch.Tensor, pert_idx: torch.Tensor, chunk: int
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Predictions [N, G] (and log-variances, or None) for N cells, `chunk` cells per forward pass."""
+    preds, logvars = [], []
+    for start in range(0, x.size(0), chunk):
+        out = model(x[start:start + chunk], pert_idx[start:start + chunk])
+        pred, logvar = out if isinstance(out, tuple) else (out, None)
+        preds.append(pred)
+        if logvar is not None:
+            logvars.append(logvar)
+    return torch.cat(preds), (torch.cat(logvars) if logvars else None)
+
+
+def plot_de_changes(ax: Any, gene_names: Sequence[str], true_delta: np.ndarray, pred_delta: np.ndarray, title: str,
+                    extra: Mapping[str, np.ndarray] | None = None, cell_deltas: np.ndarray | None = None) -> None:
+    """Predicted vs true change from control of some genes (one x position a gene) on a matplotlib axis."""
+    positions = np.arange(len(gene_names))
+    if cell_deltas is not None and len(cell_deltas):
+        lo, hi = np.percentile(cell_deltas, [25, 75], axis=0)
+        ax.vlines(positions, lo, hi, color="lightgrey", lw=6, label="true cells (IQR)")
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.scatter(positions, true_delta, color="black", marker="o", s=22, label="true mean", zorder=3)
+    ax.scatter(positions, pred_delta, color="tab:red", marker="x", s=30, label="GEARS", zorder=4)
+    for (name, values), marker in zip((extra or {}).items(), ("^", "s", "v", "d")):
+        ax.scatter(positions, values, marker=marker, s=14, alpha=0.7, label=name, zorder=2)
+    ax.set_xticks(positions)
+    ax.set_xticklabels(gene_names, rotation=90, fontsize=6)
+    ax.set_ylabel("change from control")
+    ax.set_title(title, fontsize=9)
+
+
+@register_task("perturbation_gears")
+class PerturbationGearsTask(Task):
+    config_cls = PerturbationGearsConfig
+    unit = "cells"
+    metrics = METRIC_NAMES
+    presets = {
+        # Bundled simulated set (2,800 cells x 200 genes): 20 epochs of ~50 steps, about 20 s on a CPU.
+        "tiny": {"task": {"hidden_size": 32, "eval_max_cells": 0},
+                 "train": {"per_device_batch_size": 32, "epochs": 20, "grad_clip_norm": 1.0},
+                 "optim": {"name": "adam", "lr": 1e-3, "weight_decay": 5e-4, "scheduler": "cosine", "warmup_steps": 0},
+                 "eval": {"every_epochs": 1, "metric": "mse_de", "mode": "min", "batch_size": 8},
+                 "log": {"every_steps": 20}},
+        # GEARS' recipe: hidden 64, 20 epochs, batch 32, Adam 1e-3 / weight decay 5e-4, best model by val mse_de.
+        # StepLR(1 epoch, 0.5) as GEARS; clipping by norm (README).
+        "paper": {"task": {"hidden_size": 64, "num_go_gnn_layers": 1, "num_gene_gnn_layers": 1},
+                  "train": {"per_device_batch_size": 32, "epochs": 20, "grad_clip_norm": 1.0},
+                  "optim": {"name": "adam", "lr": 1e-3, "weight_decay": 5e-4, "scheduler": "step",
+                            "decay_every_epochs": 1.0, "decay_gamma": 0.5, "warmup_steps": 0},
+                  "eval": {"every_epochs": 1, "metric": "mse_de", "mode": "min", "batch_size": 8}},
+    }
+
+    def __init__(self, cfg: PerturbationGearsConfig, seed: int = 0):
+        super().__init__(cfg, seed)
+        for key, choices in (("split", SPLIT_MODES), ("on_invalid", ("drop", "error")),
+                             ("pert_gene_set", ("var", "conditions"))):
+            if getattr(cfg, key) not in choices:
+                raise ValueError(f"task.{key} must be one of {list(choices)}, got {getattr(cfg, key)!r}")
+        if cfg.split == "custom" and not cfg.custom_split_path:
+            raise ValueError("task.split=custom needs task.custom_split_path (a JSON or GEARS pickle of train/val/test)")
+        for key in ("hidden_size", "num_go_gnn_layers", "num_gene_gnn_layers", "eval_cells_per_forward"):
+            if getattr(cfg, key) < 1:
+                raise ValueError(f"task.{key} must be >= 1, got {getattr(cfg, key)}")
+        for key in ("go_top_k", "coexpression_top_k", "eval_max_cells"):
+            if getattr(cfg, key) < 0:
+                raise ValueError(f"task.{key} must be >= 0, got {getattr(cfg, key)}")
+        for key in ("train_gene_set_size", "combo_seen2_train_frac", "test_fraction", "val_fraction"):
+            if not 0.0 <= getattr(cfg, key) <= 1.0:
+                raise ValueError(f"task.{key} must be in [0, 1], got {getattr(cfg, key)}")
+        self._ctrl_mean = torch.zeros(0)
+
+    def attach_stats(self, stats: Mapping[str, Any]) -> None:
+        super().attach_stats(stats)
+        self._ctrl_mean = torch.tensor(stats.get("ctrl_mean", []), dtype=torch.float32)
+
+    # ------------------------------------------------------------------ data
+    def split(self, data: PerturbationData) -> SplitResult:
+        """GEARS' split of the data's conditions by the configured mode."""
+        c = self.cfg
+        return split_conditions(data.condition_strings, mode=c.split, seed=c.split_seed,
+                                train_gene_set_size=c.train_gene_set_size, combo_seen2_train_frac=c.combo_seen2_train_frac,
+                                custom_path=c.custom_split_path or None, test_fraction=c.test_fraction,
+                                val_fraction=c.val_fraction)
+
+    def build_data(self) -> TaskData:
+        c = self.cfg
+        data, gene2go = load_perturbation_data(c)
+        split = self.split(data)
+        cache = Path(c.cache_dir) if c.cache_dir else default_cache_dir()
+        graphs = cached_graphs(data, split, gene2go, cache, go_threshold=c.go_threshold, go_top_k=c.go_top_k,
+                               coexpression_threshold=c.coexpression_threshold, coexpression_top_k=c.coexpression_top_k)
+        logger.info("%s: %s; split %s (seed %d): %s", data.source, data.summary(), split.mode, split.seed, split.counts())
+        pairs = PerturbationPairs(data, split.conditions("train"), seed=self.seed)
+        if len(pairs) == 0:
+            raise DataError(f"{data.source}: the training split ({split.mode}, seed {split.seed}) has no cells")
+        max_cells = c.eval_max_cells or None
+        val = ConditionMeans(data, split.conditions("val"), seed=self.seed, max_cells=max_cells) if split.val else None
+        test = ConditionMeans(data, split.conditions("test"), seed=self.seed, max_cells=max_cells) if split.test else None
+        return TaskData(train=TrainingPairs(pairs, nonzero_masks(data)), eval=val, test=test,
+                        stats=self.statistics(data, split, graphs))
+
+    @staticmethod
+    def statistics(data: PerturbationData, split: SplitResult, graphs: GeneGraphs) -> dict[str, Any]:
+        """Everything the model, eval, report and predict need, JSON-able (see the module docstring)."""
+        conditions = data.condition_strings
+        return {"gene_names": data.gene_names.tolist(), "pert_genes": list(data.pert_genes),
+                "conditions": conditions, "ctrl_mean": data.ctrl_mean.astype(np.float32).tolist(),
+                "de_idx": {format_condition(k): v.tolist() for k, v in data.de_idx.items()},
+                "ranked_de_idx": {format_condition(k): v.tolist() for k, v in data.ranked_de_idx.items()},
+                "split": {"mode": split.mode, "seed": split.seed, "train": split.train, "val": split.val,
+                          "test": split.test, "subgroups": split.subgroups, "held_out": split.held_out,
+                          "params": split.params},
+                "graphs": graphs_to_stats(graphs), "data_report": data.summary()}
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if "cells" in samples[0]:  # ConditionMeans items (eval / test)
+            return collate_conditions(samples)
+        batch = collate_pairs(samples)
+        batch["nonzero_mask"] = torch.stack([s["nonzero_mask"] for s in samples])
+        return batch
+
+    def batch_size(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["x"].shape[0])
+
+    # ------------------------------------------------------------------ model
+    def build_model(self, stats: Mapping[str, Any]) -> nn.Module:
+        return build_gears_model(self.cfg, stats)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+        out = model(batch["x"], batch["pert_idx"])
+        pred, logvar = out if isinstance(out, tuple) else (out, None)
+        ctrl = self._ctrl_mean.to(pred.device)
+        loss = gears_loss(pred, batch["y"], ctrl, batch["condition"], batch["nonzero_mask"],
+                          direction_lambda=self.cfg.direction_lambda, logvar=logvar,
+                          uncertainty_reg=self.cfg.uncertainty_reg)
+        return LossOutput(loss)
+
+    # ------------------------------------------------------------------ eval
+    def eval_step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per condition of the batch: its index, cell count, mean predicted and mean observed profile [G]."""
+        pred, _ = predict_cells(model, batch["x"], batch["pert_idx"], self.cfg.eval_cells_per_forward)
+        num_items = batch["condition"].size(0)
+        item = batch["item"].to(pred.device)
+        counts = batch["num_cells"].to(pred.device, torch.float32).clamp(min=1.0)[:, None]
+        pred_sum = pred.new_zeros(num_items, pred.size(1)).index_add_(0, item, pred.float())
+        true_sum = pred.new_zeros(num_items, pred.size(1)).index_add_(0, item, batch["y"].float())
+        return {"condition": batch["condition"], "num_cells": batch["num_cells"],
+                "pred_mean": pred_sum / counts, "true_mean": true_sum / counts}
+
+    def per_condition_metrics(self, values: Mapping[str, torch.Tensor], predictions: Mapping[str, np.ndarray] | None = None
+                              ) -> dict[str, dict[str, float]]:
+        """{condition: metrics} of the evaluated conditions (`predictions` replaces the model's mean profiles)."""
+        names = self.stats["conditions"]
+        codes = values["condition"].round().long().tolist()
+        seen: set[int] = set()
+        for code in codes:
+            if code in seen:  # gather_for_metrics must hand over every condition once: a duplicate is a bug
+                raise RuntimeError(f"condition {names[code]!r} was evaluated twice in one evaluation")
+            seen.add(code)
+        ctrl = np.asarray(self.stats["ctrl_mean"], dtype=np.float64)
+        top = top_expressed_genes(ctrl)
+        pred = values["pred_mean"].double().numpy()
+        true = values["true_mean"].double().numpy()
+        out = {}
+        for row, code in enumerate(codes):
+            name = names[code]
+            de = self.stats["de_idx"].get(name)
+            profile = pred[row] if predictions is None else predictions[name]
+            out[name] = condition_metrics(profile, true[row], ctrl, de, ranked_de_idx=self.stats["ranked_de_idx"].get(name),
+                                          top_expressed_idx=top)
+        return out
+
+    def subgroups_of(self, evaluated: Sequence[str]) -> dict[str, list[str]]:
+        """Subgroups of the split set the evaluated conditions come from (test or val)."""
+        split = self.stats["split"]
+        which = "test" if set(evaluated) <= set(split["test"]) and split["test"] else "val"
+        return split["subgroups"].get(which, {})
+
+    def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        per_condition = self.per_condition_metrics(values)
+        return aggregate_metrics(per_condition, self.subgroups_of(list(per_condition)))
+
+    # ------------------------------------------------------------------ report
+    def write_report(self, values: dict[str, torch.Tensor], metrics: dict[str, float], directory: Path,
+                     dataset: ConditionMeans) -> None:
+        """metrics.json, metrics_table.csv (model and the four baselines per subgroup), per_condition.csv,
+        split.json and top_de_changes.png (predicted vs true change of the top DE genes)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        data = dataset.data
+        per_model = self.per_condition_metrics(values)
+        evaluated = list(per_model)
+        subgroups = self.subgroups_of(evaluated)
+        baselines = fit_training_baselines(data, self.stats["split"]["train"])
+        per_baseline = {}
+        for name in BASELINE_NAMES:
+            profiles = {c: baselines.predict(c, name) for c in evaluated}
+            per_baseline[name] = self.per_condition_metrics(values, predictions=profiles)
+        aggregates = {"model": metrics, **{n: aggregate_metrics(per_baseline[n], subgroups) for n in BASELINE_NAMES}}
+        fallbacks = baselines.fallback_counts()
+        if any(fallbacks.values()):
+            logger.info("test baselines: %s of %d conditions predicted by the training mean (their genes have no "
+                        "training single / no embedding)", ", ".join(f"{k} {v}" for k, v in fallbacks.items()), len(evaluated))
+        atomic_write_json(directory / "metrics.json",
+                          {"model": metrics, "baselines": {n: aggregates[n] for n in BASELINE_NAMES},
+                           "baseline_fallbacks": fallbacks,
+                           "split": {k: len(v) for k, v in self.stats["split"].items() if isinstance(v, list)},
+                           "data": self.stats.get("data_report", {})}, durable=False)
+        atomic_write_json(directory / "split.json", self.stats["split"], durable=False)
+        atomic_write_text(directory / "metrics_table.csv", metrics_table(aggregates, subgroups), durable=False)
+        atomic_write_text(directory / "per_condition.csv", per_condition_table(per_model, per_baseline, subgroups),
+                          durable=False)
+        self._plot_report(values, data, baselines, directory / "top_de_changes.png")
+
+    def _plot_report(self, values: Mapping[str, torch.Tensor], data: PerturbationData, baselines: Any, out: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = self.stats["conditions"]
+        codes = values["condition"].round().long().tolist()
+        order = sorted(range(len(codes)), key=lambda i: names[codes[i]])
+        picks = [order[int(k)] for k in np.linspace(0, len(order) - 1, min(REPORT_CONDITIONS, len(order)))] if order else []
+        if not picks:
+            return
+        ctrl = np.asarray(self.stats["ctrl_mean"], dtype=np.float64)
+        gene_names = np.asarray(self.stats["gene_names"])
+        fig, axes = plt.subplots(len(picks), 1, figsize=(7, 2.6 * len(picks)), squeeze=False)
+        for ax, row in zip(axes[:, 0], picks):
+            name = names[codes[row]]
+            de = np.asarray(self.stats["de_idx"].get(name, []), dtype=np.int64)
+            if de.size == 0:
+                ax.set_axis_off()
+                continue
+            cells = data.dense_rows(data.rows_of(as_condition(name)))[:, de] - ctrl[de]
+            extra = {"no change": np.zeros(de.size), "additive": baselines.predict(name, "additive")[de] - ctrl[de]}
+            plot_de_changes(ax, gene_names[de].tolist(), values["true_mean"][row].double().numpy()[de] - ctrl[de],
+                            values["pred_mean"][row].double().numpy()[de] - ctrl[de], f"{name}: top {de.size} DE genes",
+                            extra=extra, cell_deltas=cells)
+        axes[0, 0].legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+
+    # ------------------------------------------------------------------ artifacts
+    def save_artifacts(self, directory: Path) -> list[str]:
+        atomic_write_json(Path(directory) / "split.json", self.stats["split"], durable=False)
+        return ["split.json"]
+
+
+def fit_training_baselines(data: PerturbationData, train_conditions: Sequence[str]) -> Any:
+    """The four baselines of `baselines.py` fit on the mean profiles of the training conditions."""
+    wanted = [as_condition(c) for c in train_conditions]
+    wanted = [c for c in wanted if c in data.condition_index]
+    codes = np.asarray(data.cell_condition, dtype=np.int64)
+    means, _ = group_means(data.X, codes, len(data.conditions))
+    train_means = {c: means[data.condition_index[c]] for c in wanted}
+    return fit_baselines(train_means, data.ctrl_mean, data.gene_names.tolist())
+
+
+def metrics_table(aggregates: Mapping[str, Mapping[str, float]], subgroups: Mapping[str, Sequence[str]]) -> str:
+    """CSV: one row per (subgroup, metric), one column per predictor (model, then the baselines)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    predictors = list(aggregates)
+    writer.writerow(["subgroup", "metric", *predictors])
+    for group in ["all", *[g for g in subgroups if subgroups[g]]]:
+        prefix = "" if group == "all" else f"{group}/"
+        for metric in (*CONDITION_METRICS, "n_conditions"):
+            row = [aggregates[p].get(prefix + metric) for p in predictors]
+            if all(v is None for v in row):
+                continue
+            writer.writerow([group, metric, *("" if v is None else f"{v:.6g}" for v in row)])
+    return buffer.getvalue()
+
+
+def per_condition_table(per_model: Mapping[str, Mapping[str, float]],
+                        per_baseline: Mapping[str, Mapping[str, Mapping[str, float]]],
+                        subgroups: Mapping[str, Sequence[str]]) -> str:
+    """CSV: one row per evaluated condition with its subgroup, the model's metrics and the baselines' headline ones."""
+    group_of = {c: g for g, members in subgroups.items() for c in members}
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    headline = ("mse_de", "pearson_delta")
+    writer.writerow(["condition", "subgroup", *CONDITION_METRICS,
+                     *(f"{b}/{m}" for b in per_baseline for m in headline)])
+    for name in sorted(per_model):
+        row = [name, group_of.get(name, "")]
+        row += [f"{per_model[name][m]:.6g}" if m in per_model[name] else "" for m in CONDITION_METRICS]
+        row += [f"{per_baseline[b][name][m]:.6g}" if m in per_baseline[b][name] else ""
+                for b in per_baseline for m in headline]
+        writer.writerow(row)
+    return buffer.getvalue()
+
+
+def check_perturbation(genes: Sequence[str], pert_genes: Sequence[str] | Mapping[str, int]) -> None:
+    """A ConfigError naming the first gene that is not a perturbable gene of the model."""
+    known = pert_genes if isinstance(pert_genes, Mapping) else set(pert_genes)
+    if not genes:
+        raise ConfigError("a perturbation needs at least one gene (the control is the input itself)")
+    for gene in genes:
+        if gene not in known:
+            raise DataError(f"perturbation {list(genes)}: gene {gene!r} is not a perturbable gene of this model "
+                            f"(not in its GO graph: no GO terms, or not in the training data's genes)")
