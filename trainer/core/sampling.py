@@ -134,17 +134,19 @@ def sample_run(run_dir: str | Path, options: SampleConfig | Sequence[str] = ()) 
 
 
 def _log_to_trackers(run_dir: Path, summary: dict[str, Any]) -> None:
-    """The run's configured extra trackers (W&B, MLflow) get the sample statistics' scalars (every rank calls
-    it; accelerate's trackers act on the main process only)."""
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    trackers = (cfg.get("log") or {}).get("trackers") or []
+    """The run's trackers (TensorBoard under RUN_DIR/tb, W&B, MLflow) get the sample statistics' scalars as
+    `sample/<set>/<metric>` (every rank calls it; accelerate's trackers act on the main process only)."""
+    log = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("log") or {}
+    trackers = (["tensorboard"] if log.get("tensorboard", True) else []) + list(log.get("trackers") or [])
     if not trackers:
         return
     from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
 
     flat = _flat_scalars(summary)
-    acc = Accelerator(log_with=trackers, project_dir=str(run_dir))
-    acc.init_trackers((cfg.get("log") or {}).get("project", "trainer"), config={"run_dir": str(run_dir)})
+    acc = Accelerator(log_with=trackers, project_config=ProjectConfiguration(
+        project_dir=str(run_dir), logging_dir=str(run_dir / "tb")))
+    acc.init_trackers(log.get("project", "trainer") + "_samples", config={"run_dir": str(run_dir)})
     acc.log({f"sample/{k}": v for k, v in flat.items()})
     for tracker in acc.trackers:  # not end_training(): that also tears down the process group
         tracker.finish()

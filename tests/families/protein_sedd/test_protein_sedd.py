@@ -106,6 +106,7 @@ def test_sampling_same_sequences_with_one_and_two_processes(tmp_path):
              "--main_process_port", str(free_port()), "-m", "trainer", "sample", str(run), "--out", str(two),
              "--batch-size", "2", "--num-samples", "7", "--steps", "12"])
     assert one.read_text() == two.read_text()
+    assert list((run / "tb" / "trainer_samples").glob("events.out.tfevents.*"))  # the run's TensorBoard gets them
     records = one.read_text().split(">")[1:]
     assert len(records) == 7
     lengths = []
