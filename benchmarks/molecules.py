@@ -79,6 +79,30 @@ def sample_stats(run_dir: Path, out: Path, nproc: int, options: list[str]) -> di
     return json.loads(out.with_name(out.name + ".stats.json").read_text())
 
 
+def sampling_rates(model: Path, n: int, work: Path) -> tuple[float, float]:
+    """Molecules per second with 1 and 2 processes (sampling time only; batches of n / 4)."""
+    plain = [f"num_samples={n}", f"batch_size={max(1, n // 4)}", "evaluation_forcefield=none", "chains=0"]
+    one = sample_stats(model, work / "thr1", 1, plain)
+    two = sample_stats(model, work / "thr2", 2, plain)
+    return n / one["sampling_seconds"], n / two["sampling_seconds"]
+
+
+def sampling_throughput_only(model: Path, args: argparse.Namespace, work: Path) -> None:
+    n = 4 if args.smoke else args.throughput_samples
+    rate1, rate2 = sampling_rates(model, n, work)
+    section = "\n".join([
+        f"## Molecules sampling throughput, {utc_now()}", "",
+        f"Machine: {cpu_model()}, CPU only, nothing else running. Command: `{command_line()}`.", "",
+        f"EDM `tiny` (T = 1000), {n} molecules in batches of {max(1, n // 4)}, sampling time only (start-up and "
+        f"model loading excluded): 1 process {rate1:.2f} molecules/s, 2 processes {rate2:.2f} molecules/s: "
+        f"**{rate2 / rate1:.2f}x** (target >= 1.8x)."])
+    print(section)
+    if args.smoke:
+        print("smoke run: nothing written")
+    elif args.out:
+        write_section(args.out, section)
+
+
 def pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
@@ -92,8 +116,13 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a few steps and molecules, T = 20; writes nothing")
     parser.add_argument("--out", default=None, help="write the section into this markdown file")
     parser.add_argument("--work", default=None, help="working folder (default: a temp folder)")
+    parser.add_argument("--sampling-throughput-only", default=None, metavar="RUN_DIR",
+                        help="only time sampling with 1 and 2 processes on this trained run (its own section)")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_molecules_"))
+    if args.sampling_throughput_only:
+        sampling_throughput_only(Path(args.sampling_throughput_only), args, work)
+        return
     smoke = args.smoke
     fast = ["task.timesteps=20"] if smoke else []
 
@@ -123,10 +152,7 @@ def main() -> None:
 
     # 4. sampling throughput, 1 vs 2 processes
     n_thr = 4 if smoke else args.throughput_samples
-    plain = [f"num_samples={n_thr}", f"batch_size={max(1, n_thr // 4)}", "evaluation_forcefield=none", "chains=0"]
-    one = sample_stats(model, work / "thr1", 1, plain)
-    two = sample_stats(model, work / "thr2", 2, plain)
-    rate1, rate2 = n_thr / one["sampling_seconds"], n_thr / two["sampling_seconds"]
+    rate1, rate2 = sampling_rates(model, n_thr, work)
 
     # 5. guidance sweep with GFN2-xTB (2 processes), then the pool's speed-up on one guided set
     scales = [float(s) for s in args.scales.split(",")]

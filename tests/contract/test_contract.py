@@ -30,7 +30,7 @@ def _reset_accelerate():
 def test_tiny_preset_train_resume_eval_export_sample(name, tmp_path):
     run = tmp_path / "run"
     common = [f"task.name={name}", "task.preset=tiny", f"run.output_dir={run}", "train.epochs=0",
-              "eval.every_epochs=0", "eval.every_steps=0", "ckpt.every_epochs=0", "ckpt.every_steps=0",
+              "eval.every_epochs=0", "eval.every_steps=0", "eval.sample_every=0", "ckpt.every_epochs=0", "ckpt.every_steps=0",
               "train.per_device_batch_size=4", "log.every_steps=1", "log.progress_bar=false", "log.tensorboard=false"]
     task_cls = get_task(name)
 
