@@ -199,8 +199,15 @@ def group_means(X: sp.spmatrix, codes: np.ndarray, num_groups: int) -> tuple[np.
     """(means [num_groups, G] float64, counts [num_groups]) of the rows of X by group code, without densifying X."""
     codes = np.asarray(codes, dtype=np.int64)
     n = len(codes)
-    indicator = sp.csr_matrix((np.ones(n), (codes, np.arange(n))), shape=(num_groups, n))
-    sums = np.asarray((indicator @ X).todense(), dtype=np.float64)
+    X = sp.csr_matrix(X) if not sp.issparse(X) else X.tocsr()
+    sums = np.zeros((num_groups, X.shape[1]), dtype=np.float64)
+    block = 8192  # float64 sums without a float64 copy of all of X (scipy upcasts a mixed-dtype product)
+    for start in range(0, n, block):
+        stop = min(start + block, n)
+        rows = X[start:stop].astype(np.float64)
+        indicator = sp.csr_matrix((np.ones(stop - start), (codes[start:stop], np.arange(stop - start))),
+                                  shape=(num_groups, stop - start))
+        sums += (indicator @ rows).toarray()
     counts = np.bincount(codes, minlength=num_groups)
     with np.errstate(invalid="ignore", divide="ignore"):
         means = sums / counts[:, None]
