@@ -8,7 +8,7 @@ seed's arguments (`split_config` as GEARS' `prepare_split`, `args` with `model_c
 
 Processes: `n_gpus=None` means every visible GPU (`gpu_ids` when given); with several it starts them
 itself through `torch.distributed.run --standalone` (a free port: no fixed MASTER_PORT, no
-mp.spawn, nothing left to pkill) on a config file written to `save_path/launch_config.yaml`, which
+mp.spawn, nothing left to kill by name) on a config file written to `save_path/launch_config.yaml`, which
 `trainer train` repeats. On a machine without GPUs `n_gpus=N` starts N CPU processes (gloo) and
 `n_gpus=None` trains in this process. When the calling script itself runs under `torchrun` or
 `accelerate launch` (LOCAL_RANK / WORLD_SIZE set) nothing is started: every process trains in place

@@ -10,7 +10,7 @@ weights offline: a model name is looked up in the local Hugging Face hub cache o
 is set before fairchem is imported unless the user set HF_HUB_OFFLINE), or pass a local checkpoint
 file path. Either is missing -> ConfigError at construction, naming the package or the cache folder.
 
-Security: fairchem loads its checkpoints with `torch.load(weights_only=False)` (they hold pickled
+Security: fairchem unpickles its checkpoints in full (they hold pickled
 configuration objects), which can run code from the file: use trusted checkpoint files only.
 """
 
