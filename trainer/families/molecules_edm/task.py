@@ -211,6 +211,7 @@ class MoleculesEDMTask(Task):
         self.node_counts = np.array(sorted(histogram), dtype=np.int64)
         counts = np.array([histogram[n] for n in self.node_counts], dtype=np.float64)
         self.node_probs = counts / counts.sum() if counts.size else counts
+        self.log_p_num_atoms = dict(zip(self.node_counts.tolist(), np.log(self.node_probs).tolist()))
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         return collate_molecules(samples, self.elements)
@@ -241,8 +242,8 @@ class MoleculesEDMTask(Task):
         return {"nll": nll, "loss": model(batch, mode="loss")}
 
     def _log_p_num_atoms(self, num_atoms: torch.Tensor) -> torch.Tensor:
-        lookup = dict(zip(self.node_counts.tolist(), np.log(self.node_probs).tolist()))
-        return torch.tensor([lookup.get(int(n), -math.inf) for n in num_atoms.tolist()], dtype=torch.float32)
+        return torch.tensor([self.log_p_num_atoms.get(int(n), -math.inf) for n in num_atoms.tolist()],
+                            dtype=torch.float32)
 
     # ------------------------------------------------------------------ artifacts
     def save_artifacts(self, directory: Path) -> list[str]:

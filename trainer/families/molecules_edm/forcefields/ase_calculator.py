@@ -165,9 +165,7 @@ class ASECalculatorForceField:
             elif not (math.isfinite(energy) and np.all(np.isfinite(forces))):
                 self.last_errors[b] = "non-finite energy or forces"
             else:
-                out.energy[b] = energy
-                out.forces[b, mask[b]] = forces
-                out.ok[b] = True
+                out.record(b, mask[b], energy, forces)
         if self.last_errors:
             logger.debug("%s failed on %d of %d molecules: %s", self.name, len(self.last_errors), batch, self.last_errors)
         return out

@@ -29,6 +29,12 @@ class ForceResult:
     def empty(cls, batch: int, num_atoms: int) -> ForceResult:
         return cls(np.full(batch, np.nan), np.zeros((batch, num_atoms, 3)), np.zeros(batch, dtype=bool))
 
+    def record(self, index: int, atom_mask: np.ndarray, energy: float, forces: np.ndarray) -> None:
+        """Store molecule `index`'s successful result (forces of its real atoms only) and mark it ok."""
+        self.energy[index] = energy
+        self.forces[index, atom_mask] = forces
+        self.ok[index] = True
+
 
 @runtime_checkable
 class ForceField(Protocol):

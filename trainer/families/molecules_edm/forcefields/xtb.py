@@ -199,9 +199,7 @@ class XTBForceField:
             if error is not None:
                 self.last_errors[b] = error
                 continue
-            out.energy[b] = energy
-            out.forces[b, mask[b]] = forces
-            out.ok[b] = True
+            out.record(b, mask[b], energy, forces)
         if self.last_errors:
             logger.debug("%s failed on %d of %d molecules: %s", self.name, len(self.last_errors), batch, self.last_errors)
         return out
