@@ -187,7 +187,8 @@ def norman_child(data_folder: Path, work: Path, steps: int) -> None:
     cfg = load_config(str(CONFIG), [*overrides(data_folder, work / "run", work / "cache"), "train.epochs=0",
                                     f"train.max_steps={steps}", "eval.every_epochs=0", "eval.every_steps=0",
                                     "ckpt.every_epochs=0", f"ckpt.every_steps={steps}",
-                                    f"task.eval_max_cells={NORMAN_EVAL_CELLS}"])
+                                    f"task.eval_max_cells={NORMAN_EVAL_CELLS}",
+                                    "task.eval_cells_per_forward=0"])  # the default, not GEARS' 128 of the side-by-side
     peaks.enter("build")
     t0 = time.perf_counter()
     trainer = Trainer(cfg)

@@ -62,6 +62,10 @@ class DataConfig:
     """Unit budget per rank and micro-batch for batching=budget (e.g. tokens or atoms)."""
     bucket_size: int = 0
     """batching=budget: samples sorted by size together (default 64 global batches' worth, estimated)."""
+    malloc_mmap_threshold_mb: float = 0.0
+    """glibc (Linux): host allocations of at least this many MiB get their own memory map, returned to the OS
+    when freed (0: glibc's default, a threshold that drifts up to 32 MiB and lets a long run over a large
+    sparse matrix grow a fragmented heap; the GEARS presets use 4)."""
 
 
 @dataclass
@@ -135,6 +139,9 @@ class EvalConfig:
     """Generative tasks: every K-th evaluation also draws `num_samples` samples and logs their metrics (0: never)."""
     num_samples: int = 32
     """Samples drawn (split over the ranks) at an evaluation with sample metrics."""
+    test_weights: str = "final"
+    """Weights the test split is evaluated with at the end of a run: `final` (the last step's) or `best`
+    (the checkpoint selected by eval.metric, like HF's load_best_model_at_end; GEARS' protocol)."""
 
 
 @dataclass
@@ -180,6 +187,7 @@ _CHOICES = {
     ("optim", "scale_lr"): ("none", "linear", "sqrt"),
     ("train", "mixed_precision"): ("no", "bf16", "fp16"),
     ("eval", "mode"): ("min", "max"),
+    ("eval", "test_weights"): ("final", "best"),
     ("data", "batching"): ("fixed", "balanced", "budget"),
 }
 
@@ -353,6 +361,7 @@ def _validate(cfg: Config) -> None:
     non_negative = [("train", "epochs"), ("eval", "every_epochs"), ("ckpt", "every_epochs"), ("eval", "every_steps"),
                     ("ckpt", "every_steps"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
                     ("data", "num_workers"), ("data", "max_units_per_batch"), ("data", "bucket_size"),
+                    ("data", "malloc_mmap_threshold_mb"),
                     ("eval", "batch_size"), ("train", "grad_clip_norm")]
     for section, key in non_negative:
         if getattr(getattr(cfg, section), key) < 0:

@@ -270,3 +270,25 @@ def test_summary_at_the_end_of_a_run(tmp_path, caplog):
     assert f"run directory: {tmp_path}" in summary
     assert f"best {tmp_path / 'checkpoints' / f'step_{best:08d}'}" in summary
     assert f"trainer export {tmp_path}" in summary and f"trainer plot {tmp_path}" in summary
+
+
+def test_test_pass_with_the_best_weights(tmp_path):
+    import json
+
+    # eval.mode=max on a falling loss makes an early checkpoint the "best" one, so the test is not vacuous
+    trainer = make(tmp_path, "train.max_steps=12", "eval.every_steps=2", "eval.mode=max", "eval.test_weights=best",
+                   "train.ema_decay=0.5", "task.num_test=40")
+    trainer.fit()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    best = trainer.state.best_step
+    assert best not in (None, 12)
+    tests = [r for r in records if "test/loss" in r]
+    assert len(tests) == 1 and tests[0]["test/weights_step"] == best and tests[0]["step"] == 12
+    saved = load_file(tmp_path / "checkpoints" / f"step_{best:08d}" / "model.safetensors")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0)
+    ema = load_file(tmp_path / "checkpoints" / f"step_{best:08d}" / "ema.safetensors")
+    for name, shadow in zip(trainer.ema.names, trainer.ema.shadow):  # the test pass used the best step's EMA
+        torch.testing.assert_close(shadow, ema[name], rtol=0, atol=0)
+    assert trainer.evaluate("test")["loss"] == pytest.approx(tests[0]["test/loss"], rel=1e-6)

@@ -205,6 +205,20 @@ def resume(trainer: Trainer) -> Path | None:
     return path
 
 
+def load_weights(trainer: Trainer, path: Path) -> None:
+    """Load a checkpoint's model weights (and EMA) into a trained `trainer`, e.g. the best one for the test
+    pass. accelerate restores the whole saved state (optimizer, RNG) with them: harmless after training."""
+    acc = trainer.accelerator
+    _, problem = verify_everywhere(acc, path, check_hashes=trainer.cfg.ckpt.verify)
+    if problem is not None:
+        raise CheckpointError(problem)
+    with weights_only_loading():
+        acc.load_state(str(path))
+    if trainer.ema is not None:
+        trainer.ema.load_full(unwrap_model(acc, trainer.model), load_file(path / "ema.safetensors"), acc.process_index,
+                              num_updates=trainer.state.step)
+
+
 def _repair_pointers(root: Path, path: Path) -> None:
     """A kill while a save was finalised can leave `latest` one behind or `best` stale: set them right."""
     try:

@@ -28,9 +28,10 @@ from trainer.config import Config, ConfigError, config_to_dict, save_config
 from trainer.core import checkpoint as ckpt
 from trainer.core.distributed import PREEMPTED_EXIT_CODE, PreemptionWatcher, build_accelerator, scale_factor, unwrap_model
 from trainer.core.ema import EMA
+from trainer.core.host_memory import apply_malloc_mmap_threshold
 from trainer.core.loaders import TrainBatches, agreed_start, build_eval_loader, resolve_epochs
 from trainer.core.metrics_log import MetricsLog, peak_memory_mb
-from trainer.core.resume import TrainState, resume, save_checkpoint
+from trainer.core.resume import TrainState, load_weights, resume, save_checkpoint
 from trainer.core.run_lock import release_run_lock
 from trainer.core.sampling import generate_distributed
 from trainer.core.step_guard import NonFiniteLossError, StepGuard
@@ -88,6 +89,7 @@ class Trainer:
         self.run_dir = RunDir(cfg.run.output_dir)
         world, t = acc.num_processes, cfg.train
 
+        apply_malloc_mmap_threshold(cfg.data.malloc_mmap_threshold_mb)  # before the data is read
         # Task, data and model: data first, the model is built from its statistics.
         self.task = get_task(cfg.task.name)(cfg.task, seed=cfg.run.seed)
         with acc.main_process_first():  # the main process fills the data caches, the others read them
@@ -126,6 +128,8 @@ class Trainer:
         self.state = TrainState(world_size=world, backend=str(acc.distributed_type.value),
                                 grad_accum_steps=t.grad_accum_steps)
         self.last_eval: dict[str, float] = {}
+        self.test_weights_step: int | None = None
+        """The step whose weights the test pass used (eval.test_weights), None: the current step."""
 
         self.resumed_from = resume(self)
         if acc.is_main_process:
@@ -259,7 +263,10 @@ class Trainer:
         metrics = {**self.task.reduce_metrics(joined), **scores}
         if split == "eval":
             self.last_eval = metrics
-        self._write({"step": self.state.step, **{f"{split}/{k}": v for k, v in metrics.items()}})
+        record = {"step": self.state.step, **{f"{split}/{k}": v for k, v in metrics.items()}}
+        if split == "test":
+            record["test/weights_step"] = self.state.step if self.test_weights_step is None else self.test_weights_step
+        self._write(record)
         if split == "test" and acc.is_main_process:
             self.task.write_report(joined, metrics, self.run_dir.test, loader.dataset)
         return metrics
@@ -314,9 +321,11 @@ class Trainer:
         improved = False
         if status == "completed":
             improved = self._track_best(self.evaluate())
-            self.evaluate("test")
         if saved_at != self.state.step or improved:
             self.save(best=improved)
+        if status == "completed" and self.test_loader is not None:
+            self._load_test_weights()
+            self.evaluate("test")
         if self.accelerator.is_main_process:
             self.run_dir.preempted.unlink(missing_ok=True)
             if status == "preempted":
@@ -325,6 +334,21 @@ class Trainer:
                                   json.dumps({"step": self.state.step, "signal": watcher.received}))
                 logger.warning("stop requested by %s: checkpoint at step %d written, exiting with status %d",
                                watcher.received or "another rank", self.state.step, PREEMPTED_EXIT_CODE)
+
+    def _load_test_weights(self) -> None:
+        """eval.test_weights=best: load the best checkpoint's weights (and EMA) for the test pass."""
+        if self.cfg.eval.test_weights != "best" or self.state.best_step in (None, self.state.step):
+            return
+        path = ckpt.best_checkpoint(self.run_dir.checkpoints)
+        if path is None:
+            logger.warning("eval.test_weights=best: no best checkpoint under %s; testing the final weights",
+                           self.run_dir.checkpoints)
+            return
+        load_weights(self, path)
+        self.test_weights_step = self.state.best_step
+        if self.is_main:
+            logger.info("test with the best checkpoint's weights: %s (step %d, eval %s %.6g)", path.name,
+                        self.state.best_step, self.cfg.eval.metric, self.state.best_metric)
 
     # ------------------------------------------------------------------ logging
     def _log_start(self) -> None:

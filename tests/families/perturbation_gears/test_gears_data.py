@@ -23,6 +23,8 @@ from trainer.families.perturbation_gears.anndata_reader import (
     PerturbationData,
     add_gears_fields,
     bundled_perturbation_path,
+    group_means,
+    mean_of_rows,
     read_perturbation_data,
 )
 from trainer.families.perturbation_gears.conditions import format_condition, parse_condition
@@ -275,6 +277,22 @@ def test_coexpression_matches_corrcoef_and_rules():
         assert mine.tolist() == [s for s in order if expected[t, s] > 0.4], t
     assert 3 not in index  # constant gene: no edge, not even to itself
     np.testing.assert_allclose(weight, expected[index[1], index[0]], rtol=1e-6)
+
+
+def test_pearson_and_group_means_over_blocks():
+    """More genes than one band of the in-place symmetrisation (512) and more cells than one block."""
+    rng = np.random.default_rng(1)
+    dense = rng.poisson(0.3, size=(90, 530)).astype(np.float32)
+    X = sp.csr_matrix(dense)
+    expected = np.abs(np.corrcoef(dense.astype(np.float64), rowvar=False))
+    np.testing.assert_allclose(abs_pearson(X, block=32), expected, atol=1e-10)
+    codes = rng.integers(0, 4, size=90)
+    means, counts = group_means(X, codes, 5, block=16)  # group 4 is empty: NaN means, count 0
+    for g in range(4):
+        np.testing.assert_allclose(means[g], dense[codes == g].astype(np.float64).mean(axis=0), rtol=1e-12)
+    assert counts.tolist() == np.bincount(codes, minlength=5).tolist() and np.isnan(means[4]).all()
+    np.testing.assert_allclose(mean_of_rows(X, np.arange(5, 80), block=8), dense[5:80].astype(np.float64).mean(axis=0),
+                               rtol=1e-12)
 
 
 def test_cached_graphs_built_once(bundled, tmp_path, monkeypatch):

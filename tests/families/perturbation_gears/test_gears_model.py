@@ -239,3 +239,25 @@ def test_one_training_step_reduces_the_loss_and_keeps_embeddings_max_norm() -> N
     with torch.no_grad():
         model(x, pert)  # a lookup renormalises the rows in place (max_norm=1, as GEARS)
     assert model.gene_emb.weight.norm(dim=1).max() <= 1.0 + 1e-5
+
+
+def test_cached_adjacency_follows_loaded_graphs() -> None:
+    """The normalised adjacencies are built once; loading a state dict with other graphs rebuilds them."""
+    x, pert = _inputs()
+    model, other = _warm_up(_model()), _model()
+    other.coexpress_edge_weight.mul_(0.5)
+    other.go_edge_weight.mul_(0.3)
+    state = other.state_dict()
+    for key in [k for k in state if "edge" not in k]:
+        state[key] = model.state_dict()[key]  # same weights, other graph weights
+    model.load_state_dict(state)
+    with torch.no_grad():
+        cached = model(x, pert)
+        for name in ("coexpress", "go"):  # what an uncached forward would build
+            expected = build_normalized_adjacency(getattr(model, f"{name}_edge_index"), getattr(model, f"{name}_edge_weight"),
+                                                  G if name == "coexpress" else P)
+            torch.testing.assert_close(getattr(model, f"{name}_adjacency_weight"), expected.values())
+        positional = model.emb_pos(model.gene_index)
+        direct = model.layers_emb_pos[0](positional, model.coexpress_edge_index, model.coexpress_edge_weight)
+        torch.testing.assert_close(model._propagate_positional(positional), direct)
+    assert not torch.equal(cached, _warm_up(_model())(x, pert))

@@ -69,6 +69,7 @@ def test_training_beats_no_change_and_reports_baselines(runs):
     assert test["n_conditions"] == 32 and no_change["pearson_delta"] == 0.0
     assert test["pearson_delta"] > 0.03 and test["combo_seen2/pearson_delta"] > 0.03
     assert test["mse_de"] < no_change["mse_de"]
+    assert one["test_weights_step"] is not None  # GEARS' protocol: the best checkpoint by validation mse_de
     assert set(test) <= set(METRIC_NAMES) and all(math.isfinite(v) for v in test.values())
     report = Path(one["report"])
     table = (report / "metrics_table.csv").read_text().splitlines()

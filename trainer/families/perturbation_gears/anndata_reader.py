@@ -195,23 +195,37 @@ def dense_rows(X: sp.csr_matrix, rows: Sequence[int] | np.ndarray) -> np.ndarray
 # GEARS' processing
 
 
-def group_means(X: sp.spmatrix, codes: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
-    """(means [num_groups, G] float64, counts [num_groups]) of the rows of X by group code, without densifying X."""
+def group_means(X: sp.spmatrix, codes: np.ndarray, num_groups: int, block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """(means [num_groups, G] float64, counts [num_groups]) of the rows of X by group code, without densifying X.
+
+    Sums are float64 straight from X's buffers, `block` rows at a time: no copy of X, not even a
+    float64 one of a block's rows (scipy upcasts a whole operand for a mixed-dtype product).
+    """
     codes = np.asarray(codes, dtype=np.int64)
     n = len(codes)
     X = sp.csr_matrix(X) if not sp.issparse(X) else X.tocsr()
-    sums = np.zeros((num_groups, X.shape[1]), dtype=np.float64)
-    block = 8192  # float64 sums without a float64 copy of all of X (scipy upcasts a mixed-dtype product)
+    num_genes = X.shape[1]
+    sums = np.zeros(num_groups * num_genes, dtype=np.float64)
+    indptr, indices, data = X.indptr, X.indices, X.data
     for start in range(0, n, block):
         stop = min(start + block, n)
-        rows = X[start:stop].astype(np.float64)
-        indicator = sp.csr_matrix((np.ones(stop - start), (codes[start:stop], np.arange(stop - start))),
-                                  shape=(num_groups, stop - start))
-        sums += (indicator @ rows).toarray()
+        a, b = indptr[start], indptr[stop]
+        cell_codes = np.repeat(codes[start:stop], np.diff(indptr[start:stop + 1]))
+        sums += np.bincount(cell_codes * num_genes + indices[a:b], weights=data[a:b], minlength=len(sums))
     counts = np.bincount(codes, minlength=num_groups)
     with np.errstate(invalid="ignore", divide="ignore"):
-        means = sums / counts[:, None]
+        means = sums.reshape(num_groups, num_genes) / counts[:, None]
     return means, counts
+
+
+def mean_of_rows(X: sp.csr_matrix, rows: np.ndarray, block: int = 4096) -> np.ndarray:
+    """[G] float64 mean of the given rows of a CSR matrix, summed `block` rows at a time (no float64 copy)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    total = np.zeros(X.shape[1], dtype=np.float64)
+    for start in range(0, len(rows), block):
+        part = X[rows[start:start + block]]
+        total += np.bincount(part.indices, weights=part.data, minlength=X.shape[1])
+    return total / max(len(rows), 1)
 
 
 def rank_genes_by_cell_type(X: sp.spmatrix | np.ndarray, names: np.ndarray, cell_types: np.ndarray,
@@ -532,7 +546,7 @@ def read_perturbation_data(source: str | Path | anndata.AnnData, gene2go: str | 
         raise DataError(f"{where}: X has a non-finite value in cell {adata.obs_names[bad]!r} (row {bad})")
 
     ctrl_rows = np.flatnonzero(cell_condition == index[()]).astype(np.int64)
-    ctrl_mean = np.asarray(X[ctrl_rows].mean(axis=0), dtype=np.float64).ravel().astype(np.float32)
+    ctrl_mean = mean_of_rows(X, ctrl_rows).astype(np.float32)
     perturbed = condition_genes(conditions)
     universe = set(perturbed) | (gene_set if pert_gene_set == "var" else set())
     pert_genes = sorted(g for g in universe if go is None or g in go)

@@ -160,7 +160,8 @@ def read_results(run_dir: str | Path) -> dict[str, Any]:
     baselines = json.loads(report.read_text()).get("baselines", {}) if report.is_file() else {}
     return {"run_dir": str(run.root), "world_size": start.get("world_size"),
             "eval": {k[5:]: v for k, v in last_eval.items() if k.startswith("eval/")},
-            "test": {k[5:]: v for k, v in last_test.items() if k.startswith("test/")},
+            "test": {k[5:]: v for k, v in last_test.items() if k.startswith("test/") and k != "test/weights_step"},
+            "test_weights_step": last_test.get("test/weights_step"),
             "baselines": baselines, "report": str(run.test), "checkpoints": str(run.checkpoints)}
 
 
@@ -178,8 +179,9 @@ def train_multi_gpu(pert_data_path: str | Path, dataset_name: str | None, split_
         config (a YAML file under these values) and overrides (["section.key=value", ...]).
     n_gpus / gpu_ids: see the module docstring.
 
-    Returns {"run_dir", "world_size", "eval", "test" (metrics incl. per subgroup), "baselines", "report",
-    "checkpoints"} on the main process; {} on the other processes of a launcher.
+    Returns {"run_dir", "world_size", "eval", "test" (metrics incl. per subgroup, of the best checkpoint by
+    validation mse_de), "test_weights_step" (its step), "baselines", "report", "checkpoints"} on the main
+    process; {} on the other processes of a launcher.
     """
     cfg = build_gears_config(pert_data_path, dataset_name, split_config, args)
     if under_launcher():
@@ -279,7 +281,7 @@ def _predict_profiles(model: Any, task: Any, perturbations: Sequence[list[str]],
                       ) -> list[tuple[np.ndarray, np.ndarray | None]]:
     import torch
 
-    from trainer.families.perturbation_gears.task import check_perturbation, predict_cells
+    from trainer.families.perturbation_gears.task import cells_per_forward, check_perturbation, predict_cells
 
     index = {g: i for i, g in enumerate(task.stats["pert_genes"])}
     x = torch.from_numpy(controls).to(device)
@@ -292,7 +294,7 @@ def _predict_profiles(model: Any, task: Any, perturbations: Sequence[list[str]],
                 raise ConfigError(f"perturbation {genes}: GEARS predicts singles and doubles (at most 2 genes)")
             pert = torch.full((x.size(0), 2), -1, dtype=torch.long, device=device)
             pert[:, : len(genes)] = torch.tensor([index[g] for g in genes], device=device)
-            pred, logvar = predict_cells(model, x, pert, task.cfg.eval_cells_per_forward)
+            pred, logvar = predict_cells(model, x, pert, cells_per_forward(task.cfg, x.size(-1)))
             out.append((pred.double().cpu().numpy(), None if logvar is None else logvar.double().cpu().numpy()))
     return out
 

@@ -96,14 +96,18 @@ def build_go_graph(pert_genes: Sequence[str], gene2go: Mapping[str, frozenset[st
     return _pack(sources, targets, weights)
 
 
-def abs_pearson(X: sp.spmatrix | np.ndarray, rows: np.ndarray | None = None, block: int = 2048) -> np.ndarray:
+def abs_pearson(X: sp.spmatrix | np.ndarray, rows: np.ndarray | None = None, block: int = 1024) -> np.ndarray:
     """|Pearson r| between the columns of X over `rows` (all rows if None), [G, G] float64, NaN -> 0.
 
-    The centred Gram matrix is accumulated over dense blocks of `block` rows (X is never dense as a
+    The centred Gram matrix is accumulated in place (BLAS syrk) over dense blocks of `block` rows, and
+    normalised in place: the peak is one [G, G] float64 matrix plus a block (X is never dense as a
     whole). A constant gene (variance below 1e-12 of its mean square) correlates 0 with everything.
     """
+    from scipy.linalg.blas import dsyrk
+
     rows = np.arange(X.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
     csr = sp.csr_matrix(X) if sp.issparse(X) else None
+    num_genes = X.shape[1]
 
     def chunks():
         for start in range(0, len(rows), block):
@@ -112,25 +116,36 @@ def abs_pearson(X: sp.spmatrix | np.ndarray, rows: np.ndarray | None = None, blo
             yield chunk.astype(np.float64)
 
     n = max(len(rows), 1)
-    mean = sum((c.sum(axis=0) for c in chunks()), np.zeros(X.shape[1])) / n
-    cov = np.zeros((X.shape[1], X.shape[1]), dtype=np.float64)
-    square = np.zeros(X.shape[1], dtype=np.float64)
+    mean = np.zeros(num_genes)
     for chunk in chunks():
-        square += (chunk * chunk).sum(axis=0)
+        mean += chunk.sum(axis=0)
+    mean /= n
+    cov = np.zeros((num_genes, num_genes), dtype=np.float64, order="F")  # Fortran order: syrk updates it in place
+    square = np.zeros(num_genes, dtype=np.float64)
+    for chunk in chunks():
+        square += np.einsum("ij,ij->j", chunk, chunk)
         chunk -= mean
-        cov += chunk.T @ chunk
+        # cov += chunk.T @ chunk on the upper triangle; chunk.T is Fortran-ordered, so nothing is copied
+        cov = dsyrk(1.0, chunk.T, beta=1.0, c=cov, trans=0, lower=0, overwrite_c=1)
+    for start in range(0, num_genes, 512):  # mirror the upper triangle, a band of rows at a time
+        stop = min(start + 512, num_genes)
+        cov[start:stop, :start] = cov[:start, start:stop].T
+        diagonal = cov[start:stop, start:stop]
+        cov[start:stop, start:stop] = np.triu(diagonal) + np.triu(diagonal, 1).T
     var = np.diag(cov).copy()
     constant = var <= 1e-12 * square
-    with np.errstate(invalid="ignore", divide="ignore"):
-        r = cov / np.sqrt(np.outer(var, var))
-    r[constant, :] = 0.0
-    r[:, constant] = 0.0
-    r[~np.isfinite(r)] = 0.0
-    return np.clip(np.abs(r), 0.0, 1.0)  # rounding can push |r| a hair above 1 (GEARS clips too)
+    scale = np.zeros(num_genes)
+    scale[~constant] = 1.0 / np.sqrt(var[~constant])
+    cov *= scale[:, None]  # constant genes' rows and columns become 0
+    cov *= scale[None, :]
+    np.nan_to_num(cov, copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+    np.abs(cov, out=cov)
+    np.minimum(cov, 1.0, out=cov)  # rounding can push |r| a hair above 1 (GEARS clips too)
+    return cov.T  # symmetric: the transpose is the same matrix, C-ordered, and no copy
 
 
 def build_coexpression_graph(X: sp.spmatrix | np.ndarray, cell_rows: np.ndarray | None, gene_names: Sequence[str] | None = None,
-                             threshold: float = 0.4, top_k: int = 20, block: int = 2048) -> tuple[np.ndarray, np.ndarray]:
+                             threshold: float = 0.4, top_k: int = 20, block: int = 1024) -> tuple[np.ndarray, np.ndarray]:
     """Co-expression graph over all genes (node i = column i): |Pearson| over `cell_rows`, top_k + 1 per
     target, kept if > threshold. `gene_names` is only checked against the number of columns."""
     if gene_names is not None and len(gene_names) != X.shape[1]:

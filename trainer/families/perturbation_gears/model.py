@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from trainer.errors import ConfigError, DataError
-from trainer.families.perturbation_gears.sgconv import SGConv
+from trainer.families.perturbation_gears.sgconv import SGConv, build_normalized_adjacency
 
 __all__ = ["GEARSModel", "GearsMLP"]
 
@@ -104,6 +104,21 @@ def _check_graph(name: str, edge_index: torch.Tensor, edge_weight: torch.Tensor 
     return edge_weight.float()
 
 
+def _normalized(edge_index: torch.Tensor, edge_weight: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    adjacency = build_normalized_adjacency(edge_index, edge_weight, num_nodes)
+    return adjacency.indices(), adjacency.values()
+
+
+def _refresh_adjacencies(model: nn.Module, incompatible_keys: object) -> None:
+    """After load_state_dict: the graphs may be another run's, so rebuild the cached adjacencies from them."""
+    with torch.no_grad():
+        for name, num_nodes in (("coexpress", model.num_genes), ("go", model.num_perts)):
+            index, weight = _normalized(getattr(model, f"{name}_edge_index"), getattr(model, f"{name}_edge_weight"),
+                                        num_nodes)
+            setattr(model, f"{name}_adjacency_index", index)
+            setattr(model, f"{name}_adjacency_weight", weight.to(getattr(model, f"{name}_adjacency_weight").dtype))
+
+
 class GEARSModel(nn.Module):
     """The GEARS network: control expression + perturbed genes -> predicted expression (see the module docstring).
 
@@ -150,6 +165,12 @@ class GEARSModel(nn.Module):
         self.register_buffer("coexpress_edge_weight", _check_graph("co-expression", *coexpress_graph, num_genes).clone())
         self.register_buffer("go_edge_index", go_graph[0].long().clone())
         self.register_buffer("go_edge_weight", _check_graph("GO", *go_graph, num_perts).clone())
+        # Both graphs' normalised adjacencies, built once (rebuilt when a state dict is loaded), not every forward.
+        for name, num_nodes in (("coexpress", num_genes), ("go", num_perts)):
+            index, weight = _normalized(getattr(self, f"{name}_edge_index"), getattr(self, f"{name}_edge_weight"), num_nodes)
+            self.register_buffer(f"{name}_adjacency_index", index, persistent=False)
+            self.register_buffer(f"{name}_adjacency_weight", weight, persistent=False)
+        self.register_load_state_dict_post_hook(_refresh_adjacencies)
         self.register_buffer("gene_index", torch.arange(num_genes), persistent=False)
         self.register_buffer("pert_index", torch.arange(num_perts), persistent=False)
 
@@ -175,10 +196,18 @@ class GEARSModel(nn.Module):
         if uncertainty:
             self.uncertainty_w = GearsMLP([h, 2 * h, h, 1])
 
+    def _adjacency(self, name: str, num_nodes: int) -> torch.Tensor:
+        index, weight = getattr(self, f"{name}_adjacency_index"), getattr(self, f"{name}_adjacency_weight")
+        return torch.sparse_coo_tensor(index, weight, (num_nodes, num_nodes), is_coalesced=True, check_invariants=False)
+
     # -- gene branch -------------------------------------------------------------------------------------------
     def _propagate_positional(self, positional: torch.Tensor) -> torch.Tensor:
+        if positional.size(0) == self.num_genes:
+            graph = {"adjacency": self._adjacency("coexpress", self.num_genes)}
+        else:  # the original's B x G stacked rows: the adjacency depends on B
+            graph = {"edge_index": self.coexpress_edge_index, "edge_weight": self.coexpress_edge_weight}
         for index, layer in enumerate(self.layers_emb_pos):
-            positional = layer(positional, self.coexpress_edge_index, self.coexpress_edge_weight)
+            positional = layer(positional, **graph)
             if index < len(self.layers_emb_pos) - 1:
                 positional = positional.relu()
         return positional
@@ -204,7 +233,7 @@ class GEARSModel(nn.Module):
         """
         global_emb = self.pert_emb(self.pert_index)
         for index, layer in enumerate(self.sim_layers):
-            global_emb = layer(global_emb, self.go_edge_index, self.go_edge_weight)
+            global_emb = layer(global_emb, adjacency=self._adjacency("go", self.num_perts))
             if index < len(self.sim_layers) - 1:
                 global_emb = global_emb.relu()
         batch_size = pert_idx.size(0)

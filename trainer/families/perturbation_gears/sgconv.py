@@ -67,12 +67,17 @@ class SGConv(nn.Module):
         self.K = K
         self.lin = nn.Linear(in_channels, out_channels, bias=bias)
 
-    def forward(self, x: torch.Tensor, edge_index: torch.Tensor, edge_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, in] -> [N, out]; edges index rows of x."""
-        weight = edge_weight.to(x.dtype) if edge_weight is not None else None
-        adjacency = build_normalized_adjacency(edge_index, weight, x.size(0))
-        if weight is None:
-            adjacency = adjacency.to(x.dtype)
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor | None = None, edge_weight: torch.Tensor | None = None,
+                adjacency: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, in] -> [N, out]; edges index rows of x. `adjacency`: the normalised sparse [N, N] matrix of
+        `build_normalized_adjacency`, built once by the caller, instead of `edge_index`/`edge_weight`."""
+        if adjacency is None:
+            if edge_index is None:
+                raise ValueError("SGConv needs edge_index (and edge_weight) or a prebuilt adjacency")
+            weight = edge_weight.to(x.dtype) if edge_weight is not None else None
+            adjacency = build_normalized_adjacency(edge_index, weight, x.size(0))
+            if weight is None:
+                adjacency = adjacency.to(x.dtype)
         for _ in range(self.K):
             x = torch.sparse.mm(adjacency, x)
         return self.lin(x)

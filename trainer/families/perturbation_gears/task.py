@@ -141,8 +141,10 @@ class PerturbationGearsConfig(TaskConfig):
     ~/.cache/trainer/perturbation_gears)."""
     eval_max_cells: int = 0
     """Validation/test: at most this many cells per condition (a seeded subset; 0: all cells)."""
-    eval_cells_per_forward: int = 128
-    """Validation/test/predict: cells per forward pass (GEARS' test_batch_size); a condition's cells are split."""
+    eval_cells_per_forward: int = 0
+    """Validation/test/predict: cells per forward pass (GEARS' test_batch_size); a condition's cells are split.
+    0: as many as keep one [cells x genes x hidden] activation near 32 MB (26 cells for 5,000 genes at hidden
+    64); results do not depend on it (BatchNorm uses its running statistics in eval)."""
 
 
 class TrainingPairs(Dataset):
@@ -229,6 +231,17 @@ def build_gears_model(cfg: PerturbationGearsConfig, stats: Mapping[str, Any]) ->
                       coexpress_first_cell_only=cfg.coexpress_first_cell_only)
 
 
+ACTIVATION_BUDGET = 8 * 2**20
+"""Elements of one [cells x genes x hidden] activation that `eval_cells_per_forward=0` aims at (32 MB in fp32)."""
+
+
+def cells_per_forward(cfg: PerturbationGearsConfig, num_genes: int) -> int:
+    """Cells per eval forward: `eval_cells_per_forward`, or (0) as many as ACTIVATION_BUDGET allows (1 to 512)."""
+    if cfg.eval_cells_per_forward:
+        return cfg.eval_cells_per_forward
+    return int(min(512, max(1, ACTIVATION_BUDGET // (max(num_genes, 1) * cfg.hidden_size))))
+
+
 def predict_cells(model: nn.Module, x: torch.Tensor, pert_idx: torch.Tensor, chunk: int
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Predictions [N, G] (and log-variances, or None) for N cells, `chunk` cells per forward pass."""
@@ -269,16 +282,21 @@ class PerturbationGearsTask(Task):
         # Bundled simulated set (2,800 cells x 200 genes): 20 epochs of ~50 steps, about 20 s on a CPU.
         "tiny": {"task": {"hidden_size": 32, "eval_max_cells": 0},
                  "train": {"per_device_batch_size": 32, "epochs": 20, "grad_clip_norm": 1.0},
+                 "data": {"malloc_mmap_threshold_mb": 4},
                  "optim": {"name": "adam", "lr": 1e-3, "weight_decay": 5e-4, "scheduler": "cosine", "warmup_steps": 0},
-                 "eval": {"every_epochs": 1, "metric": "mse_de", "mode": "min", "batch_size": 8},
+                 "eval": {"every_epochs": 1, "metric": "mse_de", "mode": "min", "batch_size": 8, "test_weights": "best"},
                  "log": {"every_steps": 20}},
-        # GEARS' recipe: hidden 64, 20 epochs, batch 32, Adam 1e-3 / weight decay 5e-4, best model by val mse_de.
+        # GEARS' recipe: hidden 64, 20 epochs, batch 32, Adam 1e-3 / weight decay 5e-4, the model tested is the
+        # best by validation mse_de.
         # StepLR(1 epoch, 0.5) as GEARS; clipping by norm (README).
         "paper": {"task": {"hidden_size": 64, "num_go_gnn_layers": 1, "num_gene_gnn_layers": 1},
                   "train": {"per_device_batch_size": 32, "epochs": 20, "grad_clip_norm": 1.0},
+                  # glibc heap drift on Norman-size data: +40 % peak RSS without it (core/host_memory.py)
+                  "data": {"malloc_mmap_threshold_mb": 4},
                   "optim": {"name": "adam", "lr": 1e-3, "weight_decay": 5e-4, "scheduler": "step",
                             "decay_every_epochs": 1.0, "decay_gamma": 0.5, "warmup_steps": 0},
-                  "eval": {"every_epochs": 1, "metric": "mse_de", "mode": "min", "batch_size": 8}},
+                  "eval": {"every_epochs": 1, "metric": "mse_de", "mode": "min", "batch_size": 8,
+                           "test_weights": "best"}},
     }
 
     def __init__(self, cfg: PerturbationGearsConfig, seed: int = 0):
@@ -289,10 +307,10 @@ class PerturbationGearsTask(Task):
                 raise ValueError(f"task.{key} must be one of {list(choices)}, got {getattr(cfg, key)!r}")
         if cfg.split == "custom" and not cfg.custom_split_path:
             raise ValueError("task.split=custom needs task.custom_split_path (a JSON or GEARS pickle of train/val/test)")
-        for key in ("hidden_size", "num_go_gnn_layers", "num_gene_gnn_layers", "eval_cells_per_forward"):
+        for key in ("hidden_size", "num_go_gnn_layers", "num_gene_gnn_layers"):
             if getattr(cfg, key) < 1:
                 raise ValueError(f"task.{key} must be >= 1, got {getattr(cfg, key)}")
-        for key in ("go_top_k", "coexpression_top_k", "eval_max_cells"):
+        for key in ("go_top_k", "coexpression_top_k", "eval_max_cells", "eval_cells_per_forward"):
             if getattr(cfg, key) < 0:
                 raise ValueError(f"task.{key} must be >= 0, got {getattr(cfg, key)}")
         for key in ("train_gene_set_size", "combo_seen2_train_frac", "test_fraction", "val_fraction"):
@@ -369,7 +387,7 @@ class PerturbationGearsTask(Task):
     # ------------------------------------------------------------------ eval
     def eval_step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per condition of the batch: its index, cell count, mean predicted and mean observed profile [G]."""
-        pred, _ = predict_cells(model, batch["x"], batch["pert_idx"], self.cfg.eval_cells_per_forward)
+        pred, _ = predict_cells(model, batch["x"], batch["pert_idx"], cells_per_forward(self.cfg, batch["x"].size(-1)))
         num_items = batch["condition"].size(0)
         item = batch["item"].to(pred.device)
         counts = batch["num_cells"].to(pred.device, torch.float32).clamp(min=1.0)[:, None]

@@ -22,6 +22,8 @@ class RegressionConfig(TaskConfig):
     """Training samples."""
     num_eval: int = 100
     """Eval samples (deliberately not a multiple of common batch sizes)."""
+    num_test: int = 0
+    """Test samples, evaluated once at the end of a run (0: no test split)."""
     in_dim: int = 16
     """Input features."""
     out_dim: int = 4
@@ -114,7 +116,8 @@ class RegressionTask(Task):
         c = self.cfg
         train = SyntheticRegression(c, c.num_train, 0)
         return TaskData(train=StreamedRegression(train, self.seed) if c.streaming else train,
-                        eval=SyntheticRegression(c, c.num_eval, 1))
+                        eval=SyntheticRegression(c, c.num_eval, 1),
+                        test=SyntheticRegression(c, c.num_test, 2) if c.num_test else None)
 
     def loss(self, model: nn.Module, batch: dict) -> LossOutput:
         if self.cfg.delay_s:
