@@ -6,9 +6,9 @@ subgroup, CPU training throughput (cells/s, s/epoch), peak RSS on a Norman-size 
    (GEARS' recipe: hidden 64, batch 32, Adam 1e-3 / wd 5e-4, StepLR 0.5 per epoch) on the simulated set of
    `gears_original.BENCH_DATA` (the same file, split and epochs as the original's run), one process,
    `data.num_workers=0` (GEARS' loaders have no workers either), 1 torch thread (`gears_original.THREADS`).
-   The test table (RUN/test/metrics.json) has the model (the final one: the Trainer tests the last
-   weights, GEARS its best by validation mse_de) and the no-change, training-mean, additive and linear
-   baselines per subgroup. An epoch is timed between the Trainer's evaluations: training steps, the
+   The test table (RUN/test/metrics.json) has the model (the best checkpoint by validation mse_de,
+   `eval.test_weights=best`, as GEARS tests its best model) and the no-change, training-mean, additive and
+   linear baselines per subgroup. An epoch is timed between the Trainer's evaluations: training steps, the
    validation pass and any checkpoint (wall and process CPU seconds); cells/s = training cells of an
    epoch / its training seconds.
 2. Memory: a Norman-size set (`NORMAN_DATA`: 88,880 cells x 5,000 genes, 105 singles, 131 doubles, as
@@ -85,16 +85,17 @@ def reset_accelerate() -> None:
     PartialState._reset_state()
 
 
-def run_ours(data_folder: Path, work: Path, epochs: int) -> dict[str, Any]:
-    """Train and test on the benchmark set; metrics of the model and baselines, epoch times, cells/s."""
+def run_ours(data_folder: Path, work: Path, epochs: int, seed: int = 0) -> dict[str, Any]:
+    """Train and test on the benchmark set with run.seed=`seed`; metrics of the model and baselines, epoch
+    times, cells/s."""
     import torch
 
     from trainer.config import load_config
     from trainer.core.trainer import Trainer
 
     torch.set_num_threads(THREADS)
-    out = work / "run"
-    cfg = load_config(str(CONFIG), [*overrides(data_folder, out, work / "cache"), f"train.epochs={epochs}"])
+    out = work / f"run_seed{seed}"
+    cfg = load_config(str(CONFIG), [*overrides(data_folder, out, work / "cache"), f"train.epochs={epochs}", f"run.seed={seed}"])
     t0 = (time.perf_counter(), time.process_time())
     trainer = Trainer(cfg)
     t1 = (time.perf_counter(), time.process_time())
@@ -119,12 +120,13 @@ def run_ours(data_folder: Path, work: Path, epochs: int) -> dict[str, Any]:
     windows = [r["cells_per_s"] for r in records if "cells_per_s" in r]
     windows = windows[1:] or windows  # the first window has the warm-up
     test = json.loads((out / "test" / "metrics.json").read_text())
+    tested = next(r["test/weights_step"] for r in records if "test/weights_step" in r)
     split = json.loads((out / "test" / "split.json").read_text())
     reset_accelerate()
     return {"prepare_wall_s": t1[0] - t0[0], "epochs": epochs_timed, "train_cells": train_cells,
             "cells_per_s_windows": statistics.median(windows) if windows else float("nan"),
             "model": test["model"], "baselines": test["baselines"], "split": split,
-            "steps": cfg.train.max_steps, "torch": torch.__version__,
+            "steps": cfg.train.max_steps, "tested_step": tested, "seed": seed, "torch": torch.__version__,
             "scheduler": f"{cfg.optim.scheduler}" + (f" x{cfg.optim.decay_gamma:g} every {cfg.optim.decay_every_steps} steps"
                                                      if cfg.optim.scheduler == "step" else "")}
 
@@ -244,6 +246,35 @@ def fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else ""
 
 
+def mean_metrics(tables: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the mean over the runs that have it (all runs have the same keys here)."""
+    keys = set.intersection(*(set(t) for t in tables))
+    return {k: statistics.fmean(t[k] for t in tables) for k in sorted(keys)}
+
+
+def combine_ours(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record of several seeds' runs: mean model metrics, every epoch's times, per-seed metrics kept."""
+    if any(r["baselines"] != runs[0]["baselines"] for r in runs):
+        raise RuntimeError("the baselines differ between seeds: they depend on the data and split only")
+    return {**runs[0], "model": mean_metrics([r["model"] for r in runs]), "per_seed": [r["model"] for r in runs],
+            "seeds": [r["seed"] for r in runs], "tested_steps": [r["tested_step"] for r in runs],
+            "epochs": [e for r in runs for e in r["epochs"]],
+            "prepare_wall_s": statistics.median(r["prepare_wall_s"] for r in runs),
+            "cells_per_s_windows": statistics.median(r["cells_per_s_windows"] for r in runs)}
+
+
+def combine_original(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record of several GEARS runs (seeds): mean metrics, every epoch's times, per-seed metrics kept."""
+    for r in results[1:]:
+        if (r.get("data"), r.get("split"), r["settings"]["epochs"]) != (results[0].get("data"), results[0].get("split"),
+                                                                       results[0]["settings"]["epochs"]):
+            raise RuntimeError("the GEARS results differ in data, split or epochs: only the seed may differ")
+    return {**results[0], "metrics": mean_metrics([r["metrics"] for r in results]),
+            "per_seed": [r["metrics"] for r in results], "seeds": [r["settings"]["seed"] for r in results],
+            "epochs": [e for r in results for e in r["epochs"]],
+            "prepare_wall_s": statistics.median(r["prepare_wall_s"] for r in results)}
+
+
 def quality_table(ours: dict[str, Any]) -> str:
     """Rows: subgroup x headline metric; columns: the model and the four baselines."""
     tables = {"model": ours["model"], **ours["baselines"]}
@@ -277,6 +308,11 @@ def side_by_side(ours: dict[str, Any], original: dict[str, Any]) -> tuple[str, s
             good = a <= b if metric in lower_better else a >= b
             wins, total = wins + good, total + 1
             rows.append(f"| {group} | {metric} | {fmt(a)} | {fmt(b)} | {'yes' if good else 'no'} |")
+    per_seed = []
+    for mine, theirs in zip(ours.get("per_seed", []), original.get("per_seed", [])):
+        pairs = [(mine[k], theirs[k], k.split("/")[-1]) for k in mine if k in theirs and k.split("/")[-1] in HEADLINE
+                 and (k.split("/")[0] in GROUPS or "/" not in k)]
+        per_seed.append(sum(a <= b if m in lower_better else a >= b for a, b, m in pairs))
     ep_ours, ep_orig = epoch_summary(ours["epochs"]), epoch_summary(original["epochs"])
     rows += ["", "| per epoch (median) | ours | GEARS (cell-gears) | GEARS / ours |", "|---|---:|---:|---:|"]
     for key, label in (("wall_s", "epoch, wall s"), ("cpu_s", "epoch, CPU s"), ("train_wall_s", "training steps, wall s"),
@@ -285,8 +321,11 @@ def side_by_side(ours: dict[str, Any], original: dict[str, Any]) -> tuple[str, s
     rows.append(f"| data preparation, wall s | {ours['prepare_wall_s']:.1f} | {original['prepare_wall_s']:.1f} | "
                 f"{original['prepare_wall_s'] / ours['prepare_wall_s']:.2f} |")
     speed_wall, speed_cpu = ep_orig["wall_s"] / ep_ours["wall_s"], ep_orig["cpu_s"] / ep_ours["cpu_s"]
-    verdict = (f"Ours at least as good on {wins} of {total} (subgroup, metric) pairs (target: all: "
-               f"{'met' if wins == total else 'NOT met'}); epoch speed-up {speed_wall:.2f}x wall, {speed_cpu:.2f}x CPU "
+    seeds = len(ours.get("per_seed", [])) or 1
+    verdict = (f"Ours (mean of {seeds} seed(s)) at least as good as GEARS' (mean of {len(original.get('per_seed', [])) or 1}) "
+               f"on {wins} of {total} (subgroup, metric) pairs (target: all: {'met' if wins == total else 'NOT met'})"
+               + (f"; seed by seed: {', '.join(map(str, per_seed))} of {total}" if len(per_seed) > 1 else "")
+               + f". Epoch speed-up {speed_wall:.2f}x wall, {speed_cpu:.2f}x CPU "
                f"(target >= 2x: {'met' if min(speed_wall, speed_cpu) >= 2 else 'NOT met'}).")
     return "\n".join(rows), verdict
 
@@ -321,7 +360,9 @@ def build_section(args: argparse.Namespace, settings: dict[str, Any], ours: dict
             f"- Run: `configs/perturbation_gears/gears_norman.yaml` (hidden {RECIPE['hidden_size']}, batch "
             f"{RECIPE['batch_size']}, Adam {RECIPE['lr']:g}, wd {RECIPE['weight_decay']:g}, {ours['scheduler']}), "
             f"{args.epochs} epochs "
-            f"({ours['steps']} steps), one process, no loader workers, {THREADS} torch thread(s); test = the final model", "",
+            f"({ours['steps']} steps), one process, no loader workers, {THREADS} torch thread(s); run.seed "
+            f"{', '.join(map(str, ours['seeds']))} (model metrics: their mean); test = the best checkpoint by validation "
+            f"mse_de (steps {', '.join(map(str, ours['tested_steps']))}), as GEARS", "",
             "### Quality against the baselines (test set, per subgroup; best in bold)", "", quality_table(ours), "",
             "### Training throughput on CPU", "",
             f"Median epoch {ep['wall_s']:.1f} s wall / {ep['cpu_s']:.1f} s CPU, of which training steps "
@@ -356,7 +397,8 @@ def build_section(args: argparse.Namespace, settings: dict[str, Any], ours: dict
         problems = check_same_run(ours, original, settings, args.epochs)
         text += ["", "### Side by side with GEARS itself (cell-gears)", "",
                  f"GEARS {original['gears_version']} (torch {original['torch']}, torch_geometric {original['torch_geometric']}) "
-                 f"from `benchmarks/gears_original.py` ({original['machine']}): the same h5ad, split and epochs, GEARS' "
+                 f"from `benchmarks/gears_original.py` ({original['machine']}; seeds {', '.join(map(str, original['seeds']))}, "
+                 f"metrics: their mean): the same h5ad, split and epochs, GEARS' "
                  f"defaults, StepLR, its best model by validation mse_de; its test predictions scored by the same "
                  f"`metrics.py`. GEARS' epoch includes its evaluation of the whole training set; ours the validation pass.",
                  "", table, "", verdict]
@@ -368,7 +410,9 @@ def build_section(args: argparse.Namespace, settings: dict[str, Any], ours: dict
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=10, help="training epochs (the same as gears_original.py's)")
-    p.add_argument("--original-results", type=Path, default=None, help="JSON of gears_original.py --json: add the side-by-side")
+    p.add_argument("--original-results", type=Path, nargs="+", default=None,
+                   help="JSON file(s) of gears_original.py --json (one per seed): add the side-by-side (means over seeds)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="run.seed of our runs (metrics: their mean)")
     p.add_argument("--norman-steps", type=int, default=20, help="training steps of the Norman-size memory run")
     p.add_argument("--skip-norman", action="store_true", help="leave out the Norman-size memory run (~5 min)")
     p.add_argument("--work", type=Path, default=None, help="working folder (default: a temp dir)")
@@ -388,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
         data_folder = work / "data"
         settings = simulate_benchmark_data(data_folder, smoke=a.smoke)
         _, _, split = load_benchmark_split(data_folder)
-        ours = run_ours(data_folder, work, a.epochs)
+        ours = combine_ours([run_ours(data_folder, work, a.epochs, seed) for seed in a.seeds])
         exported = {"train": split.train, "val": split.val, "test": split.test}
         if {k: ours["split"][k] for k in exported} != exported:
             raise RuntimeError("the run's split differs from the split exported to GEARS (gears_original.load_benchmark_split)")
@@ -399,7 +443,8 @@ def main(argv: list[str] | None = None) -> None:
                 norman_settings.update(num_genes=80, num_perturbed_genes=10, num_doubles=8, cells_per_condition=6,
                                        num_control_cells=40)
             norman = run_norman(work, a.norman_steps, norman_settings)
-    original = json.loads(a.original_results.read_text()) if a.original_results else None
+    originals = [json.loads(path.read_text()) for path in a.original_results or []]
+    original = combine_original(originals) if originals else None
     text = build_section(a, settings, ours, norman, original, host)
     print(text)
     if a.smoke:

@@ -133,7 +133,8 @@ def go_jaccard_rows(genes: list[str], gene2go: dict[str, frozenset[str]], thresh
     return [(genes[a], genes[b], float(jaccard[a, b])) for a, b in zip(src, dst)]
 
 
-def export_for_gears(data_folder: Path, gears_root: Path, data: Any, gene2go: Any, split: Any, epochs: int) -> None:
+def export_for_gears(data_folder: Path, gears_root: Path, data: Any, gene2go: Any, split: Any, epochs: int,
+                     seed: int = 0) -> None:
     """Write what GEARS reads (see the module docstring) plus the worker's settings into `gears_root`."""
     import csv
     import pickle
@@ -153,7 +154,7 @@ def export_for_gears(data_folder: Path, gears_root: Path, data: Any, gene2go: An
     with open(gears_root / "split.pkl", "wb") as f:  # GEARS' custom split format
         pickle.dump({"train": list(split.train), "val": list(split.val), "test": list(split.test)}, f)
     shutil.copyfile(data_folder / "perturb_processed.h5ad", gears_root / "sim" / "perturb_processed.h5ad")
-    (gears_root / "worker.json").write_text(json.dumps({"epochs": epochs, "seed": 0, "threads": THREADS, **RECIPE}))
+    (gears_root / "worker.json").write_text(json.dumps({"epochs": epochs, "seed": seed, "threads": THREADS, **RECIPE}))
 
 
 def score_predictions(data: Any, split: Any, conditions: list[str], pred_means: Any, true_means: Any) -> dict[str, Any]:
@@ -183,7 +184,7 @@ def run_original(args: argparse.Namespace, work: Path, smoke: bool) -> dict[str,
     settings = simulate_benchmark_data(data_folder, smoke=smoke)
     data, gene2go, split = load_benchmark_split(data_folder)
     gears_root = work / "gears_root"
-    export_for_gears(data_folder, gears_root, data, gene2go, split, args.epochs)
+    export_for_gears(data_folder, gears_root, data, gene2go, split, args.epochs, args.seed)
     exported = sorted(p.relative_to(gears_root).as_posix() for p in gears_root.rglob("*") if p.is_file())
     print(f"exported for GEARS: {', '.join(exported)}; split {split.counts()}", file=sys.stderr)
     if not env_ready(args.env):
@@ -359,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--env", type=Path, default=DEFAULT_ENV, help="GEARS' virtual environment")
     p.add_argument("--setup", action="store_true", help="create --env (venv, torch, cell-gears and pins) and exit")
     p.add_argument("--work", type=Path, default=None, help="working folder (data, GEARS files, logs; default: a temp dir)")
+    p.add_argument("--seed", type=int, default=0, help="GEARS' training seed (torch, numpy, random); the data and split stay")
     p.add_argument("--json", type=Path, default=None, help="write the results here (read by gears.py --original-results)")
     p.add_argument("--out", help="replace this benchmark's section in this markdown file")
     p.add_argument("--smoke", action="store_true", help="a tiny set, 1 epoch, nothing written; without --env only the "
