@@ -115,6 +115,9 @@ class TrainConfig:
     """`no`, `bf16` or `fp16` autocast (fp16 adds a dynamic loss scaler)."""
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    grad_clip_value: float = 0.0
+    """Also clip every gradient component to [-v, v] after the norm clip (0: off): GEARS' clip_grad_value_(1.0).
+    Not under DeepSpeed, whose engine clips by norm only."""
     ema_decay: float = 0.0
     """EMA decay of the weights (0 disables); warm-up min(decay, (1+n)/(10+n)). EMA weights are used for eval and export."""
     skip_nonfinite: bool = True
@@ -362,7 +365,8 @@ def _validate(cfg: Config) -> None:
                     ("ckpt", "every_steps"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
                     ("data", "num_workers"), ("data", "max_units_per_batch"), ("data", "bucket_size"),
                     ("data", "malloc_mmap_threshold_mb"),
-                    ("eval", "batch_size"), ("train", "grad_clip_norm")]
+                    ("eval", "batch_size"), ("train", "grad_clip_norm"),
+                    ("train", "grad_clip_value")]
     for section, key in non_negative:
         if getattr(getattr(cfg, section), key) < 0:
             raise ConfigError(f"config key '{section}.{key}' must be >= 0")

@@ -70,6 +70,23 @@ def test_clip_matches_torch_and_flags_finite_steps_as_taken():
     assert torch.equal(norm, expected) and float(skipped) == 0.0
 
 
+def test_value_clipping_after_the_norm():
+    """grad_clip_value (GEARS' clip_grad_value_): every component clipped, the logged norm is the unclipped one."""
+    model, optimizer, _ = setup()
+    guard = StepGuard(SimpleNamespace(scaler=None), optimizer, list(model.parameters()), max_norm=0.0, clip_value=0.05,
+                      skip_nonfinite=True, max_in_row=3, plain=True, deepspeed=False)
+    reference, _, _ = setup()
+    reference(torch.ones(2, 4)).pow(2).mean().backward()
+    unclipped = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+    torch.nn.utils.clip_grad_value_(reference.parameters(), 0.05)
+    model(torch.ones(2, 4)).pow(2).mean().backward()
+    norm, skipped = guard.clip()
+    assert torch.equal(norm, unclipped) and float(skipped) == 0.0
+    assert any(p.grad.abs().max() == 0.05 for p in model.parameters())  # some component was cut
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(ours.grad, theirs.grad) and ours.grad.abs().max() <= 0.05
+
+
 def test_runs_of_skipped_steps_carry_across_reads_and_abort():
     model, optimizer, guard = setup(max_in_row=3)
     nan = lambda loss: loss * float("nan")  # noqa: E731

@@ -26,7 +26,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 class StepGuard:
-    """Clips the global gradient norm and turns non-finite steps into skipped ones.
+    """Clips the global gradient norm (then, with `clip_value`, each component) and turns non-finite steps into
+    skipped ones.
 
     `optimizer` is the torch optimizer (fused: it honours `found_inf`); `plain`: clip with torch
     directly rather than through accelerate's wrapper, which would only forward the call;
@@ -35,11 +36,12 @@ class StepGuard:
 
     def __init__(self, accelerator: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], *,
                  max_norm: float, skip_nonfinite: bool, max_in_row: int, plain: bool, deepspeed: bool,
-                 fp16: bool = False):
+                 fp16: bool = False, clip_value: float = 0.0):
         self.accelerator = accelerator
         self.optimizer = optimizer
         self.params = params
         self.max_norm = max_norm if max_norm > 0 else math.inf  # 0: no clipping, but the norm is still logged
+        self.clip_value = clip_value  # > 0: then every component is clipped to [-clip_value, clip_value]
         self.active = skip_nonfinite and not deepspeed
         self.max_in_row = max_in_row
         self.plain = plain
@@ -72,6 +74,8 @@ class StepGuard:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
         else:
             norm = self.accelerator.clip_grad_norm_(self.params, self.max_norm)
+        if self.clip_value > 0:  # the gradients are unscaled now (accelerate did it for the norm)
+            torch.nn.utils.clip_grad_value_(self.params, self.clip_value, foreach=True)
         if not self.active:
             return norm.detach(), None
         norm = norm.detach().float()  # found_inf must be fp32; a no-op for the usual fp32 norm

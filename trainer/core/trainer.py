@@ -84,6 +84,9 @@ class Trainer:
         self.accelerator = acc = build_accelerator(cfg, deepspeed_config)
         self.is_deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
         self.is_main = acc.is_main_process
+        if self.is_deepspeed and cfg.train.grad_clip_value > 0:
+            raise ConfigError("train.grad_clip_value > 0 is not supported under DeepSpeed (its engine clips by norm "
+                              "only): use train.grad_clip_norm")
         if acc.distributed_type == DistributedType.FSDP and cfg.train.ema_decay > 0:
             raise ConfigError("train.ema_decay > 0 is not supported under FSDP yet (DDP and ZeRO-1/2/3 are)")
         self.run_dir = RunDir(cfg.run.output_dir)
@@ -122,7 +125,7 @@ class Trainer:
                             and acc.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU,
                                                          DistributedType.MULTI_GPU))
         self.guard = StepGuard(acc, self.optimizer.optimizer, [p for p in self.model.parameters() if p.requires_grad],
-                               max_norm=t.grad_clip_norm, skip_nonfinite=t.skip_nonfinite,
+                               max_norm=t.grad_clip_norm, clip_value=t.grad_clip_value, skip_nonfinite=t.skip_nonfinite,
                                max_in_row=t.max_nonfinite_in_row, plain=self._plain_step,
                                deepspeed=self.is_deepspeed, fp16=t.mixed_precision == "fp16")
         self.state = TrainState(world_size=world, backend=str(acc.distributed_type.value),
