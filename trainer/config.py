@@ -62,10 +62,6 @@ class DataConfig:
     """Unit budget per rank and micro-batch for batching=budget (e.g. tokens or atoms)."""
     bucket_size: int = 0
     """batching=budget: samples sorted by size together (default 64 global batches' worth, estimated)."""
-    malloc_mmap_threshold_mb: float = 0.0
-    """glibc (Linux): host allocations of at least this many MiB get their own memory map, returned to the OS
-    when freed (0: glibc's default, a threshold that drifts up to 32 MiB and lets a long run over a large
-    sparse matrix grow a fragmented heap; the GEARS presets use 4)."""
 
 
 @dataclass
@@ -364,7 +360,6 @@ def _validate(cfg: Config) -> None:
     non_negative = [("train", "epochs"), ("eval", "every_epochs"), ("ckpt", "every_epochs"), ("eval", "every_steps"),
                     ("ckpt", "every_steps"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
                     ("data", "num_workers"), ("data", "max_units_per_batch"), ("data", "bucket_size"),
-                    ("data", "malloc_mmap_threshold_mb"),
                     ("eval", "batch_size"), ("train", "grad_clip_norm"),
                     ("train", "grad_clip_value")]
     for section, key in non_negative:

@@ -160,15 +160,3 @@ def test_step_scheduler_decays_every_epoch_like_steplr():
     assert lrs == [1.0] * 4 + [0.5] * 4 + [0.25] * 4
     with pytest.raises(ConfigError, match="decay_every_steps"):
         build_scheduler(load_config(None, ["optim.scheduler=step"]), optimizer, 0)
-
-
-def test_malloc_mmap_threshold_setting():
-    import platform
-
-    from trainer.core.host_memory import apply_malloc_mmap_threshold
-
-    assert apply_malloc_mmap_threshold(0) is False  # 0 leaves glibc's default alone
-    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    assert apply_malloc_mmap_threshold(4) is glibc
-    with pytest.raises(ConfigError, match="malloc_mmap_threshold_mb"):
-        load_config(None, ["data.malloc_mmap_threshold_mb=-1"])

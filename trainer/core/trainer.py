@@ -28,7 +28,7 @@ from trainer.config import Config, ConfigError, config_to_dict, save_config
 from trainer.core import checkpoint as ckpt
 from trainer.core.distributed import PREEMPTED_EXIT_CODE, PreemptionWatcher, build_accelerator, scale_factor, unwrap_model
 from trainer.core.ema import EMA
-from trainer.core.host_memory import apply_malloc_mmap_threshold
+from trainer.core.host_memory import HeapTrimmer
 from trainer.core.loaders import TrainBatches, agreed_start, build_eval_loader, resolve_epochs
 from trainer.core.metrics_log import MetricsLog, peak_memory_mb
 from trainer.core.resume import TrainState, load_weights, resume, save_checkpoint
@@ -92,7 +92,6 @@ class Trainer:
         self.run_dir = RunDir(cfg.run.output_dir)
         world, t = acc.num_processes, cfg.train
 
-        apply_malloc_mmap_threshold(cfg.data.malloc_mmap_threshold_mb)  # before the data is read
         # Task, data and model: data first, the model is built from its statistics.
         self.task = get_task(cfg.task.name)(cfg.task, seed=cfg.run.seed)
         with acc.main_process_first():  # the main process fills the data caches, the others read them
@@ -255,11 +254,13 @@ class Trainer:
         self.model.eval()
         values: dict[str, list[torch.Tensor]] = defaultdict(list)
         use_ema = self.ema.applied_to(unwrap_model(acc, self.model)) if self.ema else contextlib.nullcontext()
+        trim = HeapTrimmer()  # the kept outputs fragment the heap between large batches (host_memory.py)
         with use_ema:
             for batch in loader:
                 out = acc.gather_for_metrics(self.task.eval_step(self.model, batch))
                 for key, value in out.items():
                     values[key].append(value.detach().float().cpu())
+                trim()
             scores = self._sample_scores() if split == "eval" else {}
         self.model.train()
         joined = {k: torch.cat(v) for k, v in values.items()}

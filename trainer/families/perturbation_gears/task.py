@@ -282,7 +282,6 @@ class PerturbationGearsTask(Task):
         # Bundled simulated set (2,800 cells x 200 genes): 20 epochs of ~50 steps, about 20 s on a CPU.
         "tiny": {"task": {"hidden_size": 32, "eval_max_cells": 0},
                  "train": {"per_device_batch_size": 32, "epochs": 20, "grad_clip_norm": 0.0, "grad_clip_value": 1.0},
-                 "data": {"malloc_mmap_threshold_mb": 4},
                  "optim": {"name": "adam", "lr": 1e-3, "weight_decay": 5e-4, "scheduler": "cosine", "warmup_steps": 0},
                  "eval": {"every_epochs": 1, "metric": "mse_de", "mode": "min", "batch_size": 8, "test_weights": "best"},
                  "log": {"every_steps": 20}},
@@ -291,8 +290,6 @@ class PerturbationGearsTask(Task):
         # StepLR(1 epoch, 0.5) and clip_grad_value_(1.0) as GEARS.
         "paper": {"task": {"hidden_size": 64, "num_go_gnn_layers": 1, "num_gene_gnn_layers": 1},
                   "train": {"per_device_batch_size": 32, "epochs": 20, "grad_clip_norm": 0.0, "grad_clip_value": 1.0},
-                  # glibc heap drift on Norman-size data: +40 % peak RSS without it (core/host_memory.py)
-                  "data": {"malloc_mmap_threshold_mb": 4},
                   "optim": {"name": "adam", "lr": 1e-3, "weight_decay": 5e-4, "scheduler": "step",
                             "decay_every_epochs": 1.0, "decay_gamma": 0.5, "warmup_steps": 0},
                   "eval": {"every_epochs": 1, "metric": "mse_de", "mode": "min", "batch_size": 8,
