@@ -244,15 +244,24 @@ def cells_per_forward(cfg: PerturbationGearsConfig, num_genes: int) -> int:
 
 def predict_cells(model: nn.Module, x: torch.Tensor, pert_idx: torch.Tensor, chunk: int
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Predictions [N, G] (and log-variances, or None) for N cells, `chunk` cells per forward pass."""
-    preds, logvars = [], []
+    """Predictions [N, G] (and log-variances, or None) for N cells, `chunk` cells per forward pass.
+
+    The chunks are written into one preallocated output: a list of small chunk results kept alive between
+    each forward's large activations fragments the host heap (hundreds of MB per batch at 5,000 genes)."""
+    pred = logvar = None
     for start in range(0, x.size(0), chunk):
         out = model(x[start:start + chunk], pert_idx[start:start + chunk])
-        pred, logvar = out if isinstance(out, tuple) else (out, None)
-        preds.append(pred)
+        part, part_logvar = out if isinstance(out, tuple) else (out, None)
+        if pred is None:
+            pred = part.new_empty((x.size(0), part.size(1)))
+            logvar = part.new_empty((x.size(0), part.size(1))) if part_logvar is not None else None
+        pred[start:start + part.size(0)] = part
         if logvar is not None:
-            logvars.append(logvar)
-    return torch.cat(preds), (torch.cat(logvars) if logvars else None)
+            logvar[start:start + part.size(0)] = part_logvar
+        del out, part, part_logvar
+    if pred is None:  # no cells
+        return x.new_empty((0, x.size(1))), None
+    return pred, logvar
 
 
 def plot_de_changes(ax: Any, gene_names: Sequence[str], true_delta: np.ndarray, pred_delta: np.ndarray, title: str,
