@@ -17,12 +17,13 @@ subgroup, CPU training throughput (cells/s, s/epoch), peak RSS on a Norman-size 
    most `NORMAN_EVAL_CELLS` cells per condition, to keep the run short); it reports its peak RSS (VmHWM)
    and the peak of each phase. Target (issue 10): peak RSS <= 2 x (bytes of the sparse matrix X: data +
    indices + indptr, + the model's parameters and buffers).
-3. Side by side (`--original-results FILE` from `gears_original.py --json FILE`): the same metrics of
-   GEARS' best model (scored by the same `metrics.py` code) and s/epoch. Targets: our metrics at least
-   as good, our epoch at least 2x faster on CPU.
+3. Side by side (`--original-results FILE...` from `gears_original.py --seed S --json FILE`, one per
+   seed): the same metrics of GEARS' best model (scored by the same `metrics.py` code) and s/epoch, as
+   means over GEARS' seeds and over ours (`--seeds`); the per-seed counts are reported too. Targets: our
+   metrics at least as good, our epoch at least 2x faster on CPU.
 
-    python benchmarks/gears_original.py --epochs 10 --json /tmp/gears_original.json   # GEARS in its venv
-    python benchmarks/gears.py --epochs 10 --original-results /tmp/gears_original.json [--out BENCHMARKS.md]
+    for s in 0 1 2; do python benchmarks/gears_original.py --epochs 10 --seed $s --json /tmp/gears_s$s.json; done
+    python benchmarks/gears.py --epochs 10 --seeds 0 1 2 --original-results /tmp/gears_s{0,1,2}.json [--out BENCHMARKS.md]
 """
 
 from __future__ import annotations

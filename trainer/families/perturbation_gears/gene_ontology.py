@@ -92,22 +92,26 @@ def _read_pickle(path: Path) -> GeneToGo:
     return gene2go_from_mapping(obj, where=str(path))
 
 
-def _read_tsv(path: Path) -> GeneToGo:
-    sets: dict[str, set[str]] = {}
+def _tab_rows(path: Path, comment: str):
+    """(line number, tab-separated columns) of each line of a text table, skipping blanks and comments."""
     with _open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             line = line.rstrip("\r\n")
-            if not line.strip() or line.startswith("#"):
-                continue
-            cols = line.split("\t")
-            if len(cols) != 2:
-                raise DataError(f"{path}, line {lineno}: expected 'gene<TAB>GO id(s)', got {len(cols)} column(s)")
-            gene, terms = cols[0].strip(), [t.strip() for t in cols[1].split(";")]
-            if not gene:
-                raise DataError(f"{path}, line {lineno}: empty gene name")
-            if not all(terms):
-                raise DataError(f"{path}, line {lineno}: empty GO id for gene {gene!r}")
-            sets.setdefault(gene, set()).update(terms)
+            if line.strip() and not line.startswith(comment):
+                yield lineno, line.split("\t")
+
+
+def _read_tsv(path: Path) -> GeneToGo:
+    sets: dict[str, set[str]] = {}
+    for lineno, cols in _tab_rows(path, "#"):
+        if len(cols) != 2:
+            raise DataError(f"{path}, line {lineno}: expected 'gene<TAB>GO id(s)', got {len(cols)} column(s)")
+        gene, terms = cols[0].strip(), [t.strip() for t in cols[1].split(";")]
+        if not gene:
+            raise DataError(f"{path}, line {lineno}: empty gene name")
+        if not all(terms):
+            raise DataError(f"{path}, line {lineno}: empty GO id for gene {gene!r}")
+        sets.setdefault(gene, set()).update(terms)
     if not sets:
         raise DataError(f"{path}: no gene/GO pairs found")
     return {g: frozenset(t) for g, t in sets.items()}
@@ -116,23 +120,18 @@ def _read_tsv(path: Path) -> GeneToGo:
 def _read_gaf(path: Path) -> GeneToGo:
     sets: dict[str, set[str]] = {}
     negated = 0
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
-            if not line.strip() or line.startswith("!"):
-                continue
-            cols = line.split("\t")
-            if len(cols) < 5:
-                raise DataError(f"{path}, line {lineno}: a GAF line has at least 5 tab-separated columns, got {len(cols)}")
-            symbol, qualifier, go_id = cols[2].strip(), cols[3], cols[4].strip()
-            if not symbol:
-                raise DataError(f"{path}, line {lineno}: empty gene symbol (column 3)")
-            if not go_id:
-                raise DataError(f"{path}, line {lineno}: empty GO id (column 5)")
-            if "NOT" in qualifier.split("|"):
-                negated += 1
-                continue
-            sets.setdefault(symbol, set()).add(go_id)
+    for lineno, cols in _tab_rows(path, "!"):
+        if len(cols) < 5:
+            raise DataError(f"{path}, line {lineno}: a GAF line has at least 5 tab-separated columns, got {len(cols)}")
+        symbol, qualifier, go_id = cols[2].strip(), cols[3], cols[4].strip()
+        if not symbol:
+            raise DataError(f"{path}, line {lineno}: empty gene symbol (column 3)")
+        if not go_id:
+            raise DataError(f"{path}, line {lineno}: empty GO id (column 5)")
+        if "NOT" in qualifier.split("|"):
+            negated += 1
+            continue
+        sets.setdefault(symbol, set()).add(go_id)
     if negated:
         logger.info("%s: skipped %d 'NOT' annotations", path, negated)
     if not sets:

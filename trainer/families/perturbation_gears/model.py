@@ -104,19 +104,9 @@ def _check_graph(name: str, edge_index: torch.Tensor, edge_weight: torch.Tensor 
     return edge_weight.float()
 
 
-def _normalized(edge_index: torch.Tensor, edge_weight: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    adjacency = build_normalized_adjacency(edge_index, edge_weight, num_nodes)
-    return adjacency.indices(), adjacency.values()
-
-
-def _refresh_adjacencies(model: nn.Module, incompatible_keys: object) -> None:
-    """After load_state_dict: the graphs may be another run's, so rebuild the cached adjacencies from them."""
-    with torch.no_grad():
-        for name, num_nodes in (("coexpress", model.num_genes), ("go", model.num_perts)):
-            index, weight = _normalized(getattr(model, f"{name}_edge_index"), getattr(model, f"{name}_edge_weight"),
-                                        num_nodes)
-            setattr(model, f"{name}_adjacency_index", index)
-            setattr(model, f"{name}_adjacency_weight", weight.to(getattr(model, f"{name}_adjacency_weight").dtype))
+def _recache_adjacencies(model: nn.Module, incompatible_keys: object) -> None:
+    """load_state_dict post-hook: the loaded graphs may be another run's."""
+    model._cache_adjacencies()
 
 
 class GEARSModel(nn.Module):
@@ -165,12 +155,8 @@ class GEARSModel(nn.Module):
         self.register_buffer("coexpress_edge_weight", _check_graph("co-expression", *coexpress_graph, num_genes).clone())
         self.register_buffer("go_edge_index", go_graph[0].long().clone())
         self.register_buffer("go_edge_weight", _check_graph("GO", *go_graph, num_perts).clone())
-        # Both graphs' normalised adjacencies, built once (rebuilt when a state dict is loaded), not every forward.
-        for name, num_nodes in (("coexpress", num_genes), ("go", num_perts)):
-            index, weight = _normalized(getattr(self, f"{name}_edge_index"), getattr(self, f"{name}_edge_weight"), num_nodes)
-            self.register_buffer(f"{name}_adjacency_index", index, persistent=False)
-            self.register_buffer(f"{name}_adjacency_weight", weight, persistent=False)
-        self.register_load_state_dict_post_hook(_refresh_adjacencies)
+        self._cache_adjacencies()
+        self.register_load_state_dict_post_hook(_recache_adjacencies)
         self.register_buffer("gene_index", torch.arange(num_genes), persistent=False)
         self.register_buffer("pert_index", torch.arange(num_perts), persistent=False)
 
@@ -195,6 +181,15 @@ class GEARSModel(nn.Module):
         self.bn_pert_base = nn.BatchNorm1d(h)
         if uncertainty:
             self.uncertainty_w = GearsMLP([h, 2 * h, h, 1])
+
+    def _cache_adjacencies(self) -> None:
+        """Both graphs' normalised adjacencies as (non-persistent) buffers: built once, not every forward."""
+        with torch.no_grad():
+            for name, num_nodes in (("coexpress", self.num_genes), ("go", self.num_perts)):
+                adjacency = build_normalized_adjacency(getattr(self, f"{name}_edge_index"),
+                                                       getattr(self, f"{name}_edge_weight"), num_nodes)
+                self.register_buffer(f"{name}_adjacency_index", adjacency.indices(), persistent=False)
+                self.register_buffer(f"{name}_adjacency_weight", adjacency.values(), persistent=False)
 
     def _adjacency(self, name: str, num_nodes: int) -> torch.Tensor:
         index, weight = getattr(self, f"{name}_adjacency_index"), getattr(self, f"{name}_adjacency_weight")
