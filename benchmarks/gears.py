@@ -319,15 +319,21 @@ def side_by_side(ours: dict[str, Any], original: dict[str, Any]) -> tuple[str, s
     for key, label in (("wall_s", "epoch, wall s"), ("cpu_s", "epoch, CPU s"), ("train_wall_s", "training steps, wall s"),
                        ("train_cpu_s", "training steps, CPU s"), ("eval_wall_s", "its evaluation passes, wall s")):
         rows.append(f"| {label} | {ep_ours[key]:.1f} | {ep_orig[key]:.1f} | {ep_orig[key] / ep_ours[key]:.2f} |")
+    # The mean keeps the first epoch, which carries one-off costs (ours: train.compile's compile, ~10 s).
+    mean_ours, mean_orig = (statistics.fmean(e["wall_s"] for e in r["epochs"]) for r in (ours, original))
+    rows.append(f"| epoch, wall s, mean with the first (compile) | {mean_ours:.1f} | {mean_orig:.1f} | "
+                f"{mean_orig / mean_ours:.2f} |")
     rows.append(f"| data preparation, wall s | {ours['prepare_wall_s']:.1f} | {original['prepare_wall_s']:.1f} | "
                 f"{original['prepare_wall_s'] / ours['prepare_wall_s']:.2f} |")
-    speed_wall, speed_cpu = ep_orig["wall_s"] / ep_ours["wall_s"], ep_orig["cpu_s"] / ep_ours["cpu_s"]
+    speed_wall, speed_cpu, speed_mean = (ep_orig["wall_s"] / ep_ours["wall_s"], ep_orig["cpu_s"] / ep_ours["cpu_s"],
+                                         mean_orig / mean_ours)
     seeds = len(ours.get("per_seed", [])) or 1
+    speed_met = "met" if min(speed_wall, speed_cpu, speed_mean) >= 2 else "NOT met"
     verdict = (f"Ours (mean of {seeds} seed(s)) at least as good as GEARS' (mean of {len(original.get('per_seed', [])) or 1}) "
                f"on {wins} of {total} (subgroup, metric) pairs (target: all: {'met' if wins == total else 'NOT met'})"
                + (f"; seed by seed: {', '.join(map(str, per_seed))} of {total}" if len(per_seed) > 1 else "")
-               + f". Epoch speed-up {speed_wall:.2f}x wall, {speed_cpu:.2f}x CPU "
-               f"(target >= 2x: {'met' if min(speed_wall, speed_cpu) >= 2 else 'NOT met'}).")
+               + f". Epoch speed-up {speed_wall:.2f}x wall, {speed_cpu:.2f}x CPU (medians), {speed_mean:.2f}x wall with "
+               f"the first epochs' one-off costs (target >= 2x: {speed_met}).")
     return "\n".join(rows), verdict
 
 

@@ -292,3 +292,11 @@ def test_test_pass_with_the_best_weights(tmp_path):
     for name, shadow in zip(trainer.ema.names, trainer.ema.shadow):  # the test pass used the best step's EMA
         torch.testing.assert_close(shadow, ema[name], rtol=0, atol=0)
     assert trainer.evaluate("test")["loss"] == pytest.approx(tests[0]["test/loss"], rel=1e-6)
+
+
+def test_compile_needs_model_regions(tmp_path):
+    """train.compile asks the model for its compile regions; a model without them is refused by name."""
+    from trainer.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model Sequential declares no compile_regions"):
+        make(tmp_path, "train.compile=true")

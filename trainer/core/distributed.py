@@ -207,6 +207,22 @@ def unwrap_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.M
     return compiled
 
 
+def compile_model(model: torch.nn.Module, distributed_type: DistributedType) -> None:
+    """`train.compile`: let the model torch.compile its own hot regions (`model.compile_regions()`), in place.
+
+    Regions rather than the whole module, as torchtitan compiles per block: a model knows which of its parts
+    trace cleanly (GEARS' sparse graph products do not), and parameter names stay unchanged. A model without
+    `compile_regions` is refused rather than wrapped whole, since `nn.Module.compile()` binds the compiled
+    forward to this instance and a deep copy (the EMA) would call back into it."""
+    if distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        raise ConfigError(f"train.compile is supported in single-process and DDP runs, not under {distributed_type.value}")
+    compile_regions = getattr(model, "compile_regions", None)
+    if not callable(compile_regions):
+        raise ConfigError(f"train.compile: the model {type(model).__name__} declares no compile_regions(); "
+                          "set train.compile=false")
+    compile_regions()
+
+
 def scale_factor(mode: str, world_size: int, base_world_size: int) -> float:
     """LR/warm-up multiplier for `world_size` processes relative to `base_world_size`."""
     ratio = world_size / base_world_size

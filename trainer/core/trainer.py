@@ -26,7 +26,14 @@ from transformers import get_scheduler
 from trainer.atomic_io import atomic_write_text
 from trainer.config import Config, ConfigError, config_to_dict, save_config
 from trainer.core import checkpoint as ckpt
-from trainer.core.distributed import PREEMPTED_EXIT_CODE, PreemptionWatcher, build_accelerator, scale_factor, unwrap_model
+from trainer.core.distributed import (
+    PREEMPTED_EXIT_CODE,
+    PreemptionWatcher,
+    build_accelerator,
+    compile_model,
+    scale_factor,
+    unwrap_model,
+)
 from trainer.core.ema import EMA
 from trainer.core.host_memory import HeapTrimmer
 from trainer.core.loaders import TrainBatches, agreed_start, build_eval_loader, resolve_epochs
@@ -99,6 +106,8 @@ class Trainer:
         self.task.attach_stats(data.stats)
         set_seed(cfg.run.seed)  # identical initial weights on every rank
         model = self.task.build_model(data.stats)
+        if t.compile:
+            compile_model(model, acc.distributed_type)
         self.data = TrainBatches(cfg, self.task, data.train, acc.process_index, world, acc.device)
         self.train_loader, self.streaming = self.data.loader, self.data.streaming
         resolve_epochs(cfg, self.data.batches_per_epoch)

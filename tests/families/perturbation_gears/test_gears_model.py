@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainer.errors import DataError
-from trainer.families.perturbation_gears.model import GearsMLP, GEARSModel
+from trainer.families.perturbation_gears.model import GearsMLP, GEARSModel, MaxNormEmbedding
 from trainer.families.perturbation_gears.sgconv import SGConv, build_normalized_adjacency
 
 G, P, H = 12, 6, 8
@@ -261,3 +261,42 @@ def test_cached_adjacency_follows_loaded_graphs() -> None:
         direct = model.layers_emb_pos[0](positional, model.coexpress_edge_index, model.coexpress_edge_weight)
         torch.testing.assert_close(model._propagate_positional(positional), direct)
     assert not torch.equal(cached, _warm_up(_model())(x, pert))
+
+
+def test_max_norm_embedding_matches_torch_renormalisation_bit_for_bit() -> None:
+    """The vectorised renorm rescales exactly the rows torch's embedding_renorm_ would (repeats, rows left alone)."""
+    torch.manual_seed(1)
+    reference, ours = torch.nn.Embedding(30, 8, max_norm=1.0), MaxNormEmbedding(30, 8, max_norm=1.0)
+    weight = torch.randn(30, 8) * torch.rand(30, 1) * 0.7
+    weight[[3, 29, 1]] *= 10.0 / weight[[3, 29, 1]].norm(dim=1, keepdim=True)  # over the max norm; 1 is not looked up
+    weight[[0, 7]] *= 0.5 / weight[[0, 7]].norm(dim=1, keepdim=True)  # under it
+    reference.weight.data.copy_(weight)
+    ours.weight.data.copy_(weight)
+    index = torch.tensor([[3, 7, 3], [0, 29, 7]])
+    assert torch.equal(ours(index), reference(index))
+    assert torch.equal(ours.weight, reference.weight)  # in place, only looked-up rows over the norm changed
+    changed = (ours.weight != weight).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [3, 29]
+
+
+def test_compiled_decoder_matches_eager() -> None:
+    """compile_regions (train.compile): the same predictions, gradients and BatchNorm statistics as eager, the
+    same parameter names; evaluation stays eager. With the uncertainty head, the region's largest form."""
+    uncertainty = True
+    eager, compiled = _model(uncertainty=uncertainty), _model(uncertainty=uncertainty)
+    compiled.compile_regions()
+    x, pert = _inputs()
+    outputs = []
+    for model in (eager, compiled):
+        model.train()
+        out = model(x, pert)
+        pred, logvar = out if uncertainty else (out, out)
+        (pred.square().mean() + logvar.exp().mean()).backward()
+        outputs.append((pred, logvar))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)  # fused kernels sum in another order
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    for (name, theirs), ours in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-3, atol=1e-5, msg=name)
+    torch.testing.assert_close(compiled.recovery_w.network[1].running_var, eager.recovery_w.network[1].running_var)
+    compiled._compiled_decode = None  # evaluation must not call it: eager gives the same numbers
+    torch.testing.assert_close(_warm_up(compiled)(x, pert), _warm_up(eager)(x, pert), rtol=1e-5, atol=1e-6)

@@ -56,7 +56,7 @@ from torch import nn
 from trainer.errors import ConfigError, DataError
 from trainer.families.perturbation_gears.sgconv import SGConv, build_normalized_adjacency
 
-__all__ = ["GEARSModel", "GearsMLP"]
+__all__ = ["GEARSModel", "GearsMLP", "MaxNormEmbedding"]
 
 POSITIONAL_WEIGHT = 0.2
 """GEARS' fixed weight of the positional (co-expression) embedding in the base gene embedding."""
@@ -79,6 +79,31 @@ class GearsMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
+
+
+class MaxNormEmbedding(nn.Embedding):
+    """``nn.Embedding(max_norm=...)`` whose in-place renormalisation of the looked-up rows is one vectorised op.
+
+    Same rule as torch's ``embedding_renorm_``: each distinct looked-up row whose p-norm exceeds ``max_norm`` is
+    scaled by ``max_norm / (norm + 1e-7)``, in place and outside autograd, before the lookup. Torch's CPU kernel
+    does this row by row (a norm, an ``.item()`` and a multiply per row): GEARS looks up every row of its three
+    tables each step, 1,500 rows at 500 genes, which was 8 % of a training step.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float = 1.0, norm_type: float = 2.0) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.max_norm, self.norm_type = float(max_norm), float(norm_type)
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            rows = index.unique()
+            # the scale in float64 from the weight-dtype norm, as torch's kernel (`.item<double>()`)
+            norms = self.weight[rows].norm(p=self.norm_type, dim=1).double()
+            over = norms > self.max_norm
+            if bool(over.any()):
+                rows, scale = rows[over], (self.max_norm / (norms[over] + 1e-7)).to(self.weight.dtype)
+                self.weight.index_copy_(0, rows, self.weight[rows] * scale.unsqueeze(1))
+        return nn.functional.embedding(index, self.weight)
 
 
 def _check_graph(name: str, edge_index: torch.Tensor, edge_weight: torch.Tensor | None, num_nodes: int) -> torch.Tensor:
@@ -160,10 +185,10 @@ class GEARSModel(nn.Module):
         self.register_buffer("gene_index", torch.arange(num_genes), persistent=False)
         self.register_buffer("pert_index", torch.arange(num_perts), persistent=False)
 
-        # max_norm=True is GEARS' spelling of max_norm=1.0: rows are renormalised in place at each lookup.
-        self.gene_emb = nn.Embedding(num_genes, h, max_norm=True)
-        self.pert_emb = nn.Embedding(num_perts, h, max_norm=True)
-        self.emb_pos = nn.Embedding(num_genes, h, max_norm=True)
+        # GEARS' nn.Embedding(max_norm=True), i.e. max_norm=1.0: rows are renormalised in place at each lookup.
+        self.gene_emb = MaxNormEmbedding(num_genes, h, max_norm=1.0)
+        self.pert_emb = MaxNormEmbedding(num_perts, h, max_norm=1.0)
+        self.emb_pos = MaxNormEmbedding(num_genes, h, max_norm=1.0)
         self.emb_trans_v2 = GearsMLP([h, h, h])
         self.pert_fuse = GearsMLP([h, h, h])
         self.layers_emb_pos = nn.ModuleList(SGConv(h, h, 1) for _ in range(num_gene_gnn_layers))
@@ -181,6 +206,7 @@ class GEARSModel(nn.Module):
         self.bn_pert_base = nn.BatchNorm1d(h)
         if uncertainty:
             self.uncertainty_w = GearsMLP([h, 2 * h, h, 1])
+        self._compiled_decode = None
 
     def _cache_adjacencies(self) -> None:
         """Both graphs' normalised adjacencies as (non-persistent) buffers: built once, not every forward."""
@@ -264,9 +290,17 @@ class GEARSModel(nn.Module):
         if pert_idx.dim() != 2 or pert_idx.size(0) != x.size(0):
             raise ValueError(f"pert_idx must have shape [B={x.size(0)}, K] (padded with -1), got {tuple(pert_idx.shape)}")
         batch_size, num_genes, h = x.size(0), self.num_genes, self.hidden_size
-
         base = self._gene_embeddings(batch_size).reshape(-1, num_genes, h)  # [1 or B, G, h]
         shift, tie = self._perturbation_shift(pert_idx.long())
+        decode = self._compiled_decode if self._compiled_decode is not None and self.training else GEARSModel._decode
+        pred, logvar = decode(self, base, shift, x)
+        if tie is not None:
+            pred = pred + tie
+        return pred if logvar is None else (pred, logvar)
+
+    def _decode(self, base: torch.Tensor, shift: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Steps 4-5 on [B, G, h] rows: the dense bulk of a step (~3/4 of its time), what `compile_regions` compiles."""
+        batch_size, num_genes, h = x.size(0), self.num_genes, self.hidden_size
         base = (base + shift.unsqueeze(1)).reshape(batch_size * num_genes, h)
         base = torch.relu(self.bn_pert_base(base))
 
@@ -275,9 +309,16 @@ class GEARSModel(nn.Module):
         cross = self.cross_gene_state(out.squeeze(2))  # [B, h]
         out = torch.cat([out, cross.unsqueeze(1).expand(batch_size, num_genes, h)], dim=2)  # [B, G, h+1]
         pred = (out * self.indv_w2).sum(dim=2) + self.indv_b2 + x
-        if tie is not None:
-            pred = pred + tie
-        if not self.uncertainty:
-            return pred
-        logvar = self.uncertainty_w(base).reshape(batch_size, num_genes)
+        logvar = self.uncertainty_w(base).reshape(batch_size, num_genes) if self.uncertainty else None
         return pred, logvar
+
+    def compile_regions(self) -> None:
+        """torch.compile (inductor) the dense decoder `_decode` for training steps (the core's `train.compile`).
+
+        Only that region: the sparse graph products and the data-dependent perturbation sum stay eager (dynamo
+        cannot trace sparse COO construction), and evaluation stays eager (its varying chunk sizes would each
+        compile). On 2 CPU cores it makes a GEARS training step ~1.4x faster (BatchNorm, ReLU and the
+        gene-specific products fuse) for a one-off compile of ~10 s. Parameter names and checkpoints are
+        unchanged. The compiled function is unbound (``self`` is an argument), so a deep copy (EMA) stays right.
+        """
+        self._compiled_decode = torch.compile(GEARSModel._decode, dynamic=False)
