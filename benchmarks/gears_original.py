@@ -208,6 +208,8 @@ def run_original(args: argparse.Namespace, work: Path, smoke: bool) -> dict[str,
                    "split_counts": split.counts(), "test_conditions_missing": missing,
                    "subgroup_members": {g: list(v) for g, v in split.subgroups.get("test", {}).items()},
                    "metrics": score_predictions(data, split, conditions, arrays["pred"], arrays["true"]),
+                   "metrics_control_mean": score_predictions(data, split, conditions, arrays["pred"] - arrays["paired_x"]
+                                                             + np.asarray(data.ctrl_mean)[None, :], arrays["true"]),
                    "worker_wall_s": time.perf_counter() - started, "machine": host})
     return result
 
@@ -266,7 +268,12 @@ def worker(gears_root: Path) -> None:
     cats = np.asarray(test_res["pert_cat"])
     pred = np.stack([test_res["pred"][cats == c].mean(axis=0) for c in conditions])
     true = np.stack([test_res["truth"][cats == c].mean(axis=0) for c in conditions])
-    np.savez(gears_root / "test_means.npz", conditions=np.asarray(conditions), pred=pred, true=true)
+    # The control cells GEARS paired with the test cells (its test loader is not shuffled: the same order as
+    # test_res): their per-condition mean lets the report also score GEARS' expected prediction over pairings,
+    # pred - mean(x) + control mean, as our task.eval_controls=mean does (the model is a residual on x).
+    xs = torch.cat([batch.x.reshape(len(batch.pert), -1) for batch in pert_data.dataloader["test_loader"]]).numpy()
+    paired = np.stack([xs[cats == c].mean(axis=0) for c in conditions])
+    np.savez(gears_root / "test_means.npz", conditions=np.asarray(conditions), pred=pred, true=true, paired_x=paired)
     own_per_condition = {c: {"pearson_delta": float(deeper.get(c, {}).get("pearson_delta", float("nan"))),
                              **{k: float(v) for k, v in own_per_pert.get(c, {}).items()}} for c in conditions}
     result = {"gears_version": getattr(gears, "__version__", None) or _dist_version("cell-gears"),

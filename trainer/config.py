@@ -72,6 +72,9 @@ class OptimConfig:
     """Peak learning rate for `base_world_size` processes (scaled by `scale_lr`)."""
     weight_decay: float = 0.0
     """Decoupled weight decay (adamw) or L2 penalty (adam, sgd)."""
+    decay_all_parameters: bool = False
+    """Apply weight_decay to 1-d parameters (biases, norm scales) too, as torch's plain `Adam(model.parameters(),
+    weight_decay=...)` and GEARS; default false exempts them (common practice)."""
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     """Adam betas."""
     eps: float = 1e-8
@@ -116,7 +119,7 @@ class TrainConfig:
     Not under DeepSpeed, whose engine clips by norm only."""
     compile: bool = False
     """torch.compile (inductor) the model's hot regions, as its `compile_regions()` declares them (GEARS: its dense
-    decoder, ~1.4x faster steps on CPU). Costs a one-off compile (~10 s on CPU) and needs a C++ compiler on CPU;
+    decoder, ~1.6x faster steps on CPU). Costs a one-off compile (~10 s on CPU) and needs a C++ compiler on CPU;
     single process and DDP only (not DeepSpeed/FSDP). Checkpoints and parameter names are unchanged."""
     ema_decay: float = 0.0
     """EMA decay of the weights (0 disables); warm-up min(decay, (1+n)/(10+n)). EMA weights are used for eval and export."""

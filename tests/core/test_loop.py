@@ -300,3 +300,13 @@ def test_compile_needs_model_regions(tmp_path):
 
     with pytest.raises(ConfigError, match="model Sequential declares no compile_regions"):
         make(tmp_path, "train.compile=true")
+
+
+def test_weight_decay_exempts_1d_parameters_unless_decay_all(tmp_path):
+    from trainer.core.trainer import build_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    for decay_all, expected in ((False, [(0.1, 1), (0.0, 3)]), (True, [(0.1, 4)])):
+        cfg = load_config(None, ["optim.weight_decay=0.1", f"optim.decay_all_parameters={str(decay_all).lower()}"])
+        groups = build_optimizer(cfg, model, 1e-3).param_groups
+        assert [(g["weight_decay"], len(g["params"])) for g in groups] == expected

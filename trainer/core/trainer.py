@@ -52,10 +52,13 @@ logger = logging.getLogger("trainer")
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    """Fused optimizer (sync-free skipping via `found_inf`); no weight decay on biases and norms."""
+    """Fused optimizer (sync-free skipping via `found_inf`); no weight decay on biases and norms unless
+    `optim.decay_all_parameters`."""
     o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
-    if o.weight_decay:
+    if o.weight_decay and o.decay_all_parameters:
+        groups = [{"params": params, "weight_decay": o.weight_decay}]
+    elif o.weight_decay:
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]

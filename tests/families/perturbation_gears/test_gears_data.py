@@ -430,6 +430,10 @@ def test_lazy_pairs_reproducible_per_epoch(bundled):
     control = next(i for i in range(len(pairs)) if bundled.cell_condition[pairs.rows[i]] == 0)
     item = pairs.get_item(control, epoch=5)
     assert torch.equal(item["x"], item["y"]) and item["pert_idx"].tolist() == [-1, -1]
+    fixed = PerturbationPairs(bundled, split.train, seed=7, fixed_controls=True)  # task.control_pairing=fixed
+    for i in perturbed:
+        cell = int(pairs.rows[i])
+        assert {fixed.control_row(cell, epoch) for epoch in range(4)} == {pairs.control_row(cell, 0)}
     assert item["de_idx"].tolist() == [-1] * 20
     batch = collate_pairs([pairs.get_item(i, 0) for i in perturbed[:4]])
     assert batch["x"].shape == (4, bundled.num_genes) and batch["pert_idx"].shape == (4, 2)

@@ -48,18 +48,21 @@ DATA = (str(bundled_perturbation_path().parent), bundled_perturbation_path().nam
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A 10-epoch run (one process, batch 64); then 2 epochs with one process x 32 x 2 accumulation steps and
-    with train_multi_gpu(n_gpus=2) on CPU, 32 per process (the same global batch)."""
+    with train_multi_gpu(n_gpus=2) on CPU, 32 per process (the same global batch). The two short runs compile the
+    decoder (train.compile), so the comparison also covers compiled regions under DDP and accumulation."""
     tmp = tmp_path_factory.mktemp("gears")
     cache = tmp / "cache"
     results = {}
-    for name, epochs, accum in (("one", EPOCHS, 1), ("short", SHORT_EPOCHS, 2)):
+    for name, epochs, accum, compiled in (("one", EPOCHS, 1, False), ("short", SHORT_EPOCHS, 2, True)):
         try:
             results[name] = train_multi_gpu(*DATA, SPLIT, _args(tmp / name, GLOBAL_BATCH // accum, epochs, cache,
-                                                                **{"log.every_steps": 10, "train.grad_accum_steps": accum}))
+                                                                **{"log.every_steps": 10, "train.grad_accum_steps": accum,
+                                                                   "train.compile": str(compiled).lower()}))
         finally:
             _reset_accelerate()
     results["two"] = train_multi_gpu(*DATA, SPLIT, _args(tmp / "two", GLOBAL_BATCH // 2, SHORT_EPOCHS, cache,
-                                                         **{"eval.batch_size": 3, "log.every_steps": 10}), n_gpus=2)
+                                                         **{"eval.batch_size": 3, "log.every_steps": 10,
+                                                            "train.compile": "true"}), n_gpus=2)
     return results
 
 
@@ -116,6 +119,27 @@ def test_eval_counts_each_condition_once_at_any_world_size_and_batch(runs, batch
         assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     with pytest.raises(RuntimeError, match="evaluated twice"):
         task.reduce_metrics({k: torch.cat([v, v[:1]]) for k, v in values.items()})
+
+
+def test_control_mean_evaluation_is_the_expectation_over_pairings(runs):
+    """task.eval_controls=mean (the default) predicts each condition once, at the control mean. GEARS' output is a
+    residual on its input, so that is exactly the paired cells' mean prediction with their controls' mean replaced
+    by the control mean: the pairing noise is gone, and the observed means are the same."""
+    model, task = load_gears_model(runs["one"]["run_dir"], checkpoint="best")
+    assert task.cfg.eval_controls == "mean"
+    evaluations = {}
+    for mode in ("mean", "paired"):
+        task.cfg.eval_controls = mode
+        loader = DataLoader(task.build_data().test, batch_size=4, collate_fn=task.collate)
+        with torch.no_grad():
+            evaluations[mode] = [(task.eval_step(model, batch), batch) for batch in loader]
+    ctrl = torch.tensor(task.stats["ctrl_mean"], dtype=torch.float32)
+    for (exact, _), (paired, batch) in zip(evaluations["mean"], evaluations["paired"]):
+        sizes = batch["num_cells"].float()[:, None]
+        x_mean = torch.zeros(len(sizes), ctrl.numel()).index_add_(0, batch["item"], batch["x"]) / sizes
+        assert (x_mean - ctrl).abs().max() > 1e-2  # the paired controls' mean is a noisy draw
+        torch.testing.assert_close(exact["pred_mean"], paired["pred_mean"] - x_mean + ctrl, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(exact["true_mean"], paired["true_mean"])
 
 
 def test_predict_table_and_plot(runs, tmp_path):

@@ -6,7 +6,8 @@ pair is drawn when an item is read:
 
 - `PerturbationPairs.get_item(index, epoch)`: cell `rows[index]` is the target y; its control x is
   drawn by a generator seeded with `derive_seed(seed, epoch, cell_row)`: the same pair on a resumed
-  run and in any worker or process, a fresh pair each epoch. A control cell is its own input (x = y),
+  run and in any worker or process, a fresh pair each epoch (or, with `fixed_controls`, the epoch-0 pair in
+  every epoch, as GEARS' pairs drawn once). A control cell is its own input (x = y),
   as in GEARS.
 - `ConditionMeans`: one item per condition (the eval unit: every condition counted exactly once at
   any world size and batch size), holding its cells (all, or `max_cells` drawn with a seed) each with
@@ -57,9 +58,10 @@ class PerturbationPairs(Dataset):
     """
 
     def __init__(self, data: PerturbationData, conditions: Sequence[str | Condition], seed: int,
-                 de_field: str = "de_idx"):
+                 de_field: str = "de_idx", fixed_controls: bool = False):
         self.data = data
         self.seed = int(seed)
+        self.fixed_controls = fixed_controls
         wanted = [as_condition(c) for c in conditions]
         unknown = [format_condition(c) for c in wanted if c not in data.condition_index]
         if unknown:
@@ -73,10 +75,12 @@ class PerturbationPairs(Dataset):
         return len(self.rows)
 
     def control_row(self, cell_row: int, epoch: int) -> int:
-        """The control cell paired with `cell_row` in `epoch` (the cell itself for a control cell)."""
+        """The control cell paired with `cell_row` in `epoch` (the cell itself for a control cell); with
+        `fixed_controls`, the same in every epoch (GEARS draws each cell's control once, when it builds its data)."""
         if self.data.cell_condition[cell_row] == self.ctrl_code:
             return int(cell_row)
-        rng = np.random.default_rng(derive_seed("gears/pair", self.seed, int(epoch), int(cell_row)))
+        drawn_in = 0 if self.fixed_controls else int(epoch)
+        rng = np.random.default_rng(derive_seed("gears/pair", self.seed, drawn_in, int(cell_row)))
         return int(self.data.ctrl_rows[rng.integers(len(self.data.ctrl_rows))])
 
     def get_item(self, index: int, epoch: int = 0) -> dict[str, Any]:
@@ -106,14 +110,16 @@ class ConditionMeans(Dataset):
 
     Item: {"condition": int, "x": float32 [n, G] controls, "y": float32 [n, G] cells, "pert_idx": int64 [2],
     "de_idx": int64 [20], "cells": int64 [n] rows}. The control of cell r is drawn from
-    `derive_seed("gears/eval-pair", seed, r)`: the same at every evaluation.
+    `derive_seed("gears/eval-pair", seed, r)`: the same at every evaluation. `paired_controls=False` leaves
+    the controls out (x is [n, 0]) for an evaluation that feeds the control mean instead.
     """
 
     def __init__(self, data: PerturbationData, conditions: Sequence[str | Condition], seed: int,
-                 max_cells: int | None = None, de_field: str = "de_idx"):
+                 max_cells: int | None = None, de_field: str = "de_idx", paired_controls: bool = True):
         self.data = data
         self.seed = int(seed)
         self.max_cells = max_cells
+        self.paired_controls = paired_controls
         self.conditions = [as_condition(c) for c in conditions]
         unknown = [format_condition(c) for c in self.conditions if c not in data.condition_index]
         if unknown:
@@ -143,7 +149,9 @@ class ConditionMeans(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         code = self.data.condition_index[self.conditions[index]]
         rows = self.cell_rows(index)
-        return {"condition": code, "x": torch.from_numpy(dense_rows(self.data.X, self.control_rows(rows, code))),
+        x = (torch.from_numpy(dense_rows(self.data.X, self.control_rows(rows, code))) if self.paired_controls
+             else torch.zeros(len(rows), 0))
+        return {"condition": code, "x": x,
                 "y": torch.from_numpy(dense_rows(self.data.X, rows)),
                 "pert_idx": torch.tensor(self.tables.pert_idx[code]),
                 "de_idx": torch.tensor(self.tables.de_idx[code]), "cells": torch.from_numpy(rows)}

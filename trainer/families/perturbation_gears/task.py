@@ -78,6 +78,10 @@ GENE2GO_NAMES = ("gene2go.tsv", "gene2go.tsv.gz", "gene2go.gaf", "gene2go.gaf.gz
 CACHE_ENV = "TRAINER_CACHE_DIR"
 REPORT_CONDITIONS = 4
 """Test conditions drawn in the report's plot of predicted vs true change."""
+CONTROL_PAIRINGS = ("per_epoch", "fixed")
+"""task.control_pairing values."""
+EVAL_CONTROLS = ("mean", "paired")
+"""task.eval_controls values."""
 
 
 @dataclass
@@ -125,6 +129,14 @@ class PerturbationGearsConfig(TaskConfig):
     """Weight of the exp(-logvar) loss term with uncertainty=true."""
     direction_lambda: float = 0.1
     """Weight of the direction (sign) term of the loss; it has no gradient (logged value only, as in GEARS)."""
+    eval_controls: str = "mean"
+    """Validation/test input of a condition's cells: `mean` (the control mean: GEARS' prediction is a residual on
+    its input, so this is the exact expectation over control pairings, the input the no-change baseline uses, and
+    one forward per condition) or `paired` (each cell with a seeded random control cell, GEARS' protocol: the
+    mean prediction then carries the sampled controls' noise)."""
+    control_pairing: str = "per_epoch"
+    """Training control cell of each perturbed cell: `per_epoch` (drawn afresh every epoch, seeded per (seed, epoch,
+    cell): more control noise seen) or `fixed` (drawn once per cell and kept, as GEARS' data)."""
     coexpress_first_cell_only: bool = False
     """Reproduce GEARS' batch bug (only the first cell of a batch gets co-expression propagation); for
     side-by-side numbers with the original only."""
@@ -345,12 +357,17 @@ class PerturbationGearsTask(Task):
         graphs = cached_graphs(data, split, gene2go, cache, go_threshold=c.go_threshold, go_top_k=c.go_top_k,
                                coexpression_threshold=c.coexpression_threshold, coexpression_top_k=c.coexpression_top_k)
         logger.info("%s: %s; split %s (seed %d): %s", data.source, data.summary(), split.mode, split.seed, split.counts())
-        pairs = PerturbationPairs(data, split.conditions("train"), seed=self.seed)
+        if c.control_pairing not in CONTROL_PAIRINGS:
+            raise ConfigError(f"task.control_pairing must be one of {CONTROL_PAIRINGS}, got {c.control_pairing!r}")
+        pairs = PerturbationPairs(data, split.conditions("train"), seed=self.seed,
+                                  fixed_controls=c.control_pairing == "fixed")
         if len(pairs) == 0:
             raise DataError(f"{data.source}: the training split ({split.mode}, seed {split.seed}) has no cells")
-        max_cells = c.eval_max_cells or None
-        val = ConditionMeans(data, split.conditions("val"), seed=self.seed, max_cells=max_cells) if split.val else None
-        test = ConditionMeans(data, split.conditions("test"), seed=self.seed, max_cells=max_cells) if split.test else None
+        if c.eval_controls not in EVAL_CONTROLS:
+            raise ConfigError(f"task.eval_controls must be one of {EVAL_CONTROLS}, got {c.eval_controls!r}")
+        options = {"seed": self.seed, "max_cells": c.eval_max_cells or None, "paired_controls": c.eval_controls == "paired"}
+        val = ConditionMeans(data, split.conditions("val"), **options) if split.val else None
+        test = ConditionMeans(data, split.conditions("test"), **options) if split.test else None
         return TaskData(train=TrainingPairs(pairs, nonzero_masks(data)), eval=val, test=test,
                         stats=self.statistics(data, split, graphs))
 
@@ -393,14 +410,21 @@ class PerturbationGearsTask(Task):
     # ------------------------------------------------------------------ eval
     def eval_step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per condition of the batch: its index, cell count, mean predicted and mean observed profile [G]."""
-        pred, _ = predict_cells(model, batch["x"], batch["pert_idx"], cells_per_forward(self.cfg, batch["x"].size(-1)))
-        num_items = batch["condition"].size(0)
-        item = batch["item"].to(pred.device)
-        counts = batch["num_cells"].to(pred.device, torch.float32).clamp(min=1.0)[:, None]
-        pred_sum = pred.new_zeros(num_items, pred.size(1)).index_add_(0, item, pred.float())
-        true_sum = pred.new_zeros(num_items, pred.size(1)).index_add_(0, item, batch["y"].float())
-        return {"condition": batch["condition"], "num_cells": batch["num_cells"],
-                "pred_mean": pred_sum / counts, "true_mean": true_sum / counts}
+        y, num_items = batch["y"], batch["condition"].size(0)
+        chunk = cells_per_forward(self.cfg, y.size(-1))
+        item = batch["item"].to(y.device)
+        counts = batch["num_cells"].to(y.device, torch.float32).clamp(min=1.0)[:, None]
+        true_mean = y.new_zeros(num_items, y.size(1), dtype=torch.float32).index_add_(0, item, y.float()) / counts
+        if self.cfg.eval_controls == "mean":
+            # pred = x + f(perturbation): fed the control mean, one row per condition is the exact mean over pairings.
+            first_cell = torch.cumsum(batch["num_cells"], 0) - batch["num_cells"]
+            x = self._ctrl_mean.to(y.device)[None].expand(num_items, -1)
+            pred_mean, _ = predict_cells(model, x, batch["pert_idx"][first_cell.to(y.device)], chunk)
+            pred_mean = pred_mean.float()
+        else:
+            pred, _ = predict_cells(model, batch["x"], batch["pert_idx"], chunk)
+            pred_mean = pred.new_zeros(num_items, pred.size(1), dtype=torch.float32).index_add_(0, item, pred.float()) / counts
+        return {"condition": batch["condition"], "num_cells": batch["num_cells"], "pred_mean": pred_mean, "true_mean": true_mean}
 
     def per_condition_metrics(self, values: Mapping[str, torch.Tensor], predictions: Mapping[str, np.ndarray] | None = None
                               ) -> dict[str, dict[str, float]]:
