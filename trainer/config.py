@@ -119,8 +119,9 @@ class TrainConfig:
     Not under DeepSpeed, whose engine clips by norm only."""
     compile: bool = False
     """torch.compile (inductor) the model's hot regions, as its `compile_regions()` declares them (GEARS: its dense
-    decoder, ~1.6x faster steps on CPU). Costs a one-off compile (~10 s on CPU) and needs a C++ compiler on CPU;
-    single process and DDP only (not DeepSpeed/FSDP). Checkpoints and parameter names are unchanged."""
+    decoder, ~1.6x faster steps on CPU). Costs a one-off compile (~15 s on 2 CPU cores with a cold inductor cache)
+    and needs a C++ compiler on CPU; single process and DDP only (not DeepSpeed/FSDP). Checkpoints and parameter
+    names are unchanged."""
     ema_decay: float = 0.0
     """EMA decay of the weights (0 disables); warm-up min(decay, (1+n)/(10+n)). EMA weights are used for eval and export."""
     skip_nonfinite: bool = True

@@ -320,7 +320,7 @@ class GEARSModel(nn.Module):
         Only that region: the sparse graph products and the data-dependent perturbation sum stay eager (dynamo
         cannot trace sparse COO construction), and evaluation stays eager (its varying chunk sizes would each
         compile). On 2 CPU cores it makes a GEARS training step ~1.6x faster (BatchNorm, ReLU and the
-        gene-specific products fuse) for a one-off compile of ~10 s. Parameter names and checkpoints are
+        gene-specific products fuse) for a one-off compile of ~15 s (cold cache). Parameter names and checkpoints are
         unchanged. The compiled function is unbound (``self`` is an argument), so a deep copy (EMA) stays right.
         """
         self._compiled_decode = torch.compile(GEARSModel._decode, dynamic=False)
