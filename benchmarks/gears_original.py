@@ -332,6 +332,10 @@ def original_table(result: dict[str, Any]) -> str:
         own_vals = [[own[c][k] for c in members.get(group, []) if k in own.get(c, {})] for k in ("pearson_delta", "mse_de")]
         own_cells = " | ".join(f"{sum(v) / len(v):.4f}" if v else "" for v in own_vals)
         rows.append(f"| {group} | {int(n)} | {cells} | {own_cells} |")
+        exact = result.get("metrics_control_mean")
+        if exact:  # the same predictions moved to the control mean (how gears.py compares them with ours)
+            cells = " | ".join(f"{exact[prefix + k]:.4f}" if prefix + k in exact else "" for k in HEADLINE)
+            rows.append(f"| {group}, at the control mean | {int(n)} | {cells} | | |")
     return "\n".join(rows)
 
 
@@ -356,7 +360,9 @@ def section(result: dict[str, Any], command: str, now: str) -> str:
             f"{ep['eval_wall_s']:.1f} s; peak RSS {result['peak_rss_mb']:.0f} MiB\n\n"
             f"Test metrics of GEARS' best model per subgroup (cell-mean profiles per condition, then the mean over "
             f"conditions, scored by our `metrics.py`; the last two columns: GEARS' own `deeper_analysis` / "
-            f"`compute_metrics` values):\n\n"
+            f"`compute_metrics` values). The rows 'at the control mean' score the same predictions with the mean of "
+            f"the control cells GEARS paired replaced by the control mean, as `task.eval_controls=mean` evaluates "
+            f"ours:\n\n"
             f"{original_table(result)}\n")
 
 
