@@ -139,7 +139,8 @@ class PerturbationGearsConfig(TaskConfig):
     cell): more control noise seen) or `fixed` (drawn once per cell and kept, as GEARS' data)."""
     coexpress_first_cell_only: bool = False
     """Reproduce GEARS' batch bug (only the first cell of a batch gets co-expression propagation); for
-    side-by-side numbers with the original only."""
+    side-by-side numbers with the original only (with eval_controls=paired, as GEARS evaluates: at the control
+    mean the first row of each eval chunk is a condition, not a cell)."""
     on_invalid: str = "drop"
     """Unusable conditions (gene outside GO/var, malformed, no cells, no DE ranking): `drop` (counted and logged
     at start) or `error`."""
