@@ -193,3 +193,8 @@ def test_process_plan_and_configs():
     assert norman.task.hidden_size == 64 and norman.train.epochs == 20 and norman.optim.weight_decay == 5e-4
     with pytest.raises(ConfigError, match="train_gene_set_sise"):
         train_multi_gpu(*DATA, {"train_gene_set_sise": 0.5}, {"save_path": "/nonexistent"})
+    from trainer.families.perturbation_gears.task import PerturbationGearsConfig, PerturbationGearsTask
+
+    for key in ("split", "control_pairing", "eval_controls"):
+        with pytest.raises(ValueError, match=f"task.{key} must be one of"):
+            PerturbationGearsTask(PerturbationGearsConfig(**{key: "nope"}))

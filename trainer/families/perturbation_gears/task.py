@@ -321,7 +321,8 @@ class PerturbationGearsTask(Task):
     def __init__(self, cfg: PerturbationGearsConfig, seed: int = 0):
         super().__init__(cfg, seed)
         for key, choices in (("split", SPLIT_MODES), ("on_invalid", ("drop", "error")),
-                             ("pert_gene_set", ("var", "conditions"))):
+                             ("pert_gene_set", ("var", "conditions")), ("control_pairing", CONTROL_PAIRINGS),
+                             ("eval_controls", EVAL_CONTROLS)):
             if getattr(cfg, key) not in choices:
                 raise ValueError(f"task.{key} must be one of {list(choices)}, got {getattr(cfg, key)!r}")
         if cfg.split == "custom" and not cfg.custom_split_path:
@@ -358,14 +359,10 @@ class PerturbationGearsTask(Task):
         graphs = cached_graphs(data, split, gene2go, cache, go_threshold=c.go_threshold, go_top_k=c.go_top_k,
                                coexpression_threshold=c.coexpression_threshold, coexpression_top_k=c.coexpression_top_k)
         logger.info("%s: %s; split %s (seed %d): %s", data.source, data.summary(), split.mode, split.seed, split.counts())
-        if c.control_pairing not in CONTROL_PAIRINGS:
-            raise ConfigError(f"task.control_pairing must be one of {CONTROL_PAIRINGS}, got {c.control_pairing!r}")
         pairs = PerturbationPairs(data, split.conditions("train"), seed=self.seed,
                                   fixed_controls=c.control_pairing == "fixed")
         if len(pairs) == 0:
             raise DataError(f"{data.source}: the training split ({split.mode}, seed {split.seed}) has no cells")
-        if c.eval_controls not in EVAL_CONTROLS:
-            raise ConfigError(f"task.eval_controls must be one of {EVAL_CONTROLS}, got {c.eval_controls!r}")
         options = {"seed": self.seed, "max_cells": c.eval_max_cells or None, "paired_controls": c.eval_controls == "paired"}
         val = ConditionMeans(data, split.conditions("val"), **options) if split.val else None
         test = ConditionMeans(data, split.conditions("test"), **options) if split.test else None
