@@ -28,11 +28,11 @@ def test_lookup_imports_only_the_family_asked_for():
 
 
 def test_core_imports_no_family():
-    """Nothing outside trainer/families (but the registry and the trainer.crystals alias) names a family."""
+    """Nothing outside trainer/families (but the registry) names a family."""
     offenders = []
     for path in (ROOT / "trainer").rglob("*.py"):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith("trainer/families/") or rel in ("trainer/registry.py", "trainer/crystals.py"):
+        if rel.startswith("trainer/families/") or rel == "trainer/registry.py":
             continue
         if "trainer.families." in path.read_text():
             offenders.append(rel)

@@ -123,7 +123,7 @@ def test_train_from_list_launches_two_processes_from_plain_python(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
         import json, pickle
-        from trainer.crystals import train_from_list
+        from trainer.families.crystals.api import train_from_list
         atoms, labels = pickle.load(open({str(tmp_path / 'data.pkl')!r}, "rb"))
         res = train_from_list(atoms, labels, batch_size=8, n_epochs=2, learning_rate=2e-3, random_seed=1,
                               output_dir={str(tmp_path / 'out')!r}, num_processes=2, preset="tiny",
@@ -155,7 +155,7 @@ def test_train_from_extxyz_unchanged_under_accelerate_launch(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
         import json
-        from trainer.crystals import train_from_extxyz
+        from trainer.families.crystals.api import train_from_extxyz
         res = train_from_extxyz({str(tmp_path / 'mo.extxyz')!r}, "energy_per_atom", batch_size=8, n_epochs=2,
                                 output_dir={str(tmp_path / 'out')!r}, preset="tiny", test_fraction=0.2,
                                 variant="ecomformer", distributed=True)
@@ -247,7 +247,7 @@ def _si_atoms(split: str, n: int):
 
 
 def test_train_from_list_refuses_a_none_label(tmp_path):
-    from trainer.crystals import train_from_list
+    from trainer.families.crystals.api import train_from_list
     from trainer.families.crystals.readers import CrystalDataError
 
     atoms, labels = _si_atoms("training", 4)
@@ -264,7 +264,7 @@ def test_train_from_list_refuses_a_none_label(tmp_path):
 def test_unknown_element_names_record_and_element(tmp_path):
     from pymatgen.core import Lattice, Structure
 
-    from trainer.crystals import train_from_list
+    from trainer.families.crystals.api import train_from_list
     from trainer.families.crystals.dataset import build_crystal_dataset
     from trainer.families.crystals.readers import CrystalDataError
 
@@ -286,7 +286,7 @@ def test_train_from_list_reads_test_files_in_the_training_formats(tmp_path):
     target under its own name, not only files written by train_from_list."""
     import ase.io
 
-    from trainer.crystals import train_from_list
+    from trainer.families.crystals.api import train_from_list
 
     atoms, labels = _si_atoms("training", 24)  # labels: energy per atom
     test_atoms, test_labels = _si_atoms("test", 25)
