@@ -13,15 +13,8 @@ import json
 import logging
 import os
 import sys
-import warnings
 
 from trainer.errors import ConfigError, TrainerError
-
-# The sampling options the `sample` command took as flags before they became the task's SampleConfig.
-# They keep working (with a deprecation warning) for one release.
-LEGACY_SAMPLE_FLAGS = {"--num-samples": "num_samples", "--out": "out", "--steps": "steps", "--sampler": "sampler",
-                       "--length": "length", "--seed": "seed", "--batch-size": "batch_size",
-                       "--checkpoint": "checkpoint", "--weights": "weights"}
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -44,27 +37,6 @@ def _export(args: argparse.Namespace) -> int:
     out = export_run(args.run_dir, out=args.out, checkpoint=args.checkpoint, weights=args.weights)
     print(out)
     return 0
-
-
-def legacy_sample_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
-    """Turn old `--num-samples 8`-style flags into `num_samples=8` overrides; return (overrides, rest)."""
-    overrides, rest, i = [], [], 0
-    while i < len(extra):
-        flag, _, inline = extra[i].partition("=")
-        if flag in LEGACY_SAMPLE_FLAGS:
-            if inline:
-                value, i = inline, i + 1
-            elif i + 1 < len(extra):
-                value, i = extra[i + 1], i + 2
-            else:
-                raise ConfigError(f"{flag} needs a value")
-            warnings.warn(f"`trainer sample {flag} V` is deprecated; write {LEGACY_SAMPLE_FLAGS[flag]}=V",
-                          FutureWarning, stacklevel=2)
-            overrides.append(f"{LEGACY_SAMPLE_FLAGS[flag]}={value}")
-        else:
-            rest.append(extra[i])
-            i += 1
-    return overrides, rest
 
 
 def _sample(args: argparse.Namespace) -> int:
@@ -224,13 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if first is not None and argv[first] in commands:  # a family command parses its own options (--help too)
         return argparse.Namespace(command=argv[first], entry=commands[argv[first]], args=argv[first + 1:],
                                   func=_family_command, overrides=None, debug="--debug" in argv[:first])
-    legacy: list[str] = []
-    if "sample" in argv:  # old flags may sit anywhere, even before RUN_DIR: take them out first
-        at = argv.index("sample") + 1
-        legacy, rest = legacy_sample_overrides(argv[at:])
-        argv = argv[:at] + rest
     args, extra = parser.parse_known_args(argv)
-    args.overrides = [*args.overrides, *legacy] if args.overrides is not None else None
     if args.overrides is not None:
         overrides = [a for a in extra if "=" in a and not a.startswith("-")]
         args.overrides = [*args.overrides, *overrides]

@@ -15,14 +15,10 @@ def test_overrides_after_launcher_flags():
         parse_args(["train", "c.yaml", "--no-such-flag"])
 
 
-def test_sample_options_and_legacy_flags():
-    with pytest.warns(FutureWarning, match="num_samples=V"):
-        args = parse_args(["sample", "run", "steps=4", "--num-samples", "7", "--out=x.fasta", "seed=3"])
+def test_sample_options_are_overrides():
+    args = parse_args(["sample", "run", "steps=4", "num_samples=7", "out=x.fasta", "seed=3"])
     assert args.run_dir == "run"
     assert sorted(args.overrides) == ["num_samples=7", "out=x.fasta", "seed=3", "steps=4"]
-    with pytest.warns(FutureWarning):  # an old flag before RUN_DIR must not take RUN_DIR's place
-        args = parse_args(["sample", "--num-samples", "8", "run"])
-    assert args.run_dir == "run" and args.overrides == ["num_samples=8"]
 
 
 def test_sample_help_lists_the_tasks_options(tmp_path, capsys):

@@ -101,10 +101,9 @@ def test_sampling_same_sequences_with_one_and_two_processes(tmp_path):
              "eval.every_steps=0", "log.progress_bar=false", f"task.cache_dir={tmp_path / 'cache'}"])
     one, two = tmp_path / "one.fasta", tmp_path / "two.fasta"
     run_cmd([str(BIN / "trainer"), "sample", str(run), f"out={one}", "num_samples=7", "steps=12"])
-    # The flags of earlier releases still work as aliases of the task's sample options.
     run_cmd([str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
-             "--main_process_port", str(free_port()), "-m", "trainer", "sample", str(run), "--out", str(two),
-             "--batch-size", "2", "--num-samples", "7", "--steps", "12"])
+             "--main_process_port", str(free_port()), "-m", "trainer", "sample", str(run), f"out={two}",
+             "batch_size=2", "num_samples=7", "steps=12"])
     assert one.read_text() == two.read_text()
     assert list((run / "tb" / "trainer_samples").glob("events.out.tfevents.*"))  # the run's TensorBoard gets them
     records = one.read_text().split(">")[1:]
