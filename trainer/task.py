@@ -16,7 +16,8 @@ later call needs is left behind as a side effect of another call.
 Optional capabilities are `typing.Protocol`s checked with `isinstance`, never `hasattr`:
 `GenerativeTask` (has a `SampleConfig` and `generate`/`write_samples`), `EpochAwareDataset`
 (a map-style dataset whose item depends on the epoch), `ShardedStream` (an IterableDataset that
-shards itself over ranks) and `EpochAwareStream`.
+shards itself over ranks), `EpochAwareStream` and `CompilableModel` (a model that compiles its own
+hot regions for `train.compile`).
 """
 
 from __future__ import annotations
@@ -218,3 +219,17 @@ class EpochAwareStream(Protocol):
     """A stream with a different order each epoch."""
 
     def set_epoch(self, epoch: int) -> None: ...
+
+
+@runtime_checkable
+class CompilableModel(Protocol):
+    """A model that knows which of its parts torch.compile can trace, for `train.compile`.
+
+    `compile_regions()` compiles those parts in place (e.g. a dense block, leaving data-dependent or sparse
+    code eager) and keeps parameter names, so checkpoints are the same with and without it. What it compiles
+    must stay right in a deep copy of the model (the EMA): compile unbound functions, not `self.forward`.
+    The core calls it once, on the single-device model, before wrapping it for DDP; a model without it is
+    refused for `train.compile` rather than compiled whole.
+    """
+
+    def compile_regions(self) -> None: ...

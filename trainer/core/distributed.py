@@ -28,6 +28,7 @@ from accelerate.utils import DistributedType, GradientAccumulationPlugin, Projec
 from trainer.config import Config, ConfigError
 from trainer.core.run_lock import RunLockedError, acquire_run_lock
 from trainer.core.watchdog import guard_against_orphaning
+from trainer.task import CompilableModel
 
 logger = logging.getLogger("trainer")
 
@@ -216,11 +217,10 @@ def compile_model(model: torch.nn.Module, distributed_type: DistributedType) -> 
     forward to this instance and a deep copy (the EMA) would call back into it."""
     if distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         raise ConfigError(f"train.compile is supported in single-process and DDP runs, not under {distributed_type.value}")
-    compile_regions = getattr(model, "compile_regions", None)
-    if not callable(compile_regions):
+    if not isinstance(model, CompilableModel):
         raise ConfigError(f"train.compile: the model {type(model).__name__} declares no compile_regions(); "
                           "set train.compile=false")
-    compile_regions()
+    model.compile_regions()
 
 
 def scale_factor(mode: str, world_size: int, base_world_size: int) -> float:

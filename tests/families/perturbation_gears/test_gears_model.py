@@ -9,6 +9,7 @@ import torch
 from trainer.errors import DataError
 from trainer.families.perturbation_gears.model import GearsMLP, GEARSModel, MaxNormEmbedding
 from trainer.families.perturbation_gears.sgconv import SGConv, build_normalized_adjacency
+from trainer.task import CompilableModel
 
 G, P, H = 12, 6, 8
 
@@ -284,6 +285,7 @@ def test_compiled_decoder_matches_eager() -> None:
     same parameter names; evaluation stays eager. With the uncertainty head, the region's largest form."""
     uncertainty = True
     eager, compiled = _model(uncertainty=uncertainty), _model(uncertainty=uncertainty)
+    assert isinstance(compiled, CompilableModel)  # what the core's train.compile checks
     compiled.compile_regions()
     x, pert = _inputs()
     outputs = []
