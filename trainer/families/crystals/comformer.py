@@ -170,10 +170,6 @@ class ComFormerConfig:
                 "and a last edge layer would feed nothing"
             )
 
-    @property
-    def atom_input_features(self) -> int:
-        return 92 if self.atom_features == "cgcnn" else 0
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -275,10 +275,6 @@ class EDMDiffusion(nn.Module):
         """sigma_t of integer time(s) t."""
         return self._sigma(self.gamma[t_int])
 
-    def alpha_at(self, t_int: int | torch.Tensor) -> torch.Tensor:
-        """alpha_t of integer time(s) t."""
-        return self._alpha(self.gamma[t_int])
-
     # --- inputs -------------------------------------------------------------------------------------------
 
     def normalize(self, x: torch.Tensor, one_hot: torch.Tensor, charges: torch.Tensor,

@@ -88,10 +88,6 @@ class ForceGuidance:
         return {"steps_guided": self.steps_guided, "force_evaluations": self.force_evaluations,
                 "failures": self.failures, "forcefield_seconds": self.forcefield_seconds}
 
-    def reset_counters(self) -> None:
-        self.steps_guided = self.force_evaluations = self.failures = 0
-        self.forcefield_seconds = 0.0
-
     def active(self, sigma_t: float) -> bool:
         """Whether a step at noise level sigma_t is guided."""
         return self.config.scale != 0 and sigma_t <= self.config.noise_threshold

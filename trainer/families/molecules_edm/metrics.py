@@ -169,19 +169,6 @@ def _largest_fragment_smiles(mol: Any) -> str | None:
         return Chem.MolToSmiles(largest)
 
 
-def canonical_smiles(smiles: str) -> str | None:
-    """The SMILES of `molecule_smiles`' form (RDKit canonical, no stereo, no explicit H) of a SMILES
-    string, or None when RDKit cannot parse it."""
-    from rdkit import Chem, rdBase
-
-    with rdBase.BlockLogs():
-        mol = Chem.MolFromSmiles(smiles)
-    if mol is None:
-        return None
-    Chem.RemoveStereochemistry(mol)
-    return Chem.MolToSmiles(mol)
-
-
 # --------------------------------------------------------------------------------------------------
 # force field
 

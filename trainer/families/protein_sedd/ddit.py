@@ -221,12 +221,6 @@ class DDiT(nn.Module):
         )
         self.output_layer = DDitFinalLayer(hidden_size, vocab_size, cond_dim)
 
-    @classmethod
-    def from_preset(cls, name: str, vocab_size: int, **overrides: Any) -> DDiT:
-        """Build from ``DDIT_PRESETS[name]`` with keyword overrides (e.g. dropout, absorbing)."""
-        cfg = {**DDIT_PRESETS[name], **overrides}
-        return cls(vocab_size=vocab_size, **cfg)
-
     def forward(
         self, indices: torch.Tensor, sigma: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:

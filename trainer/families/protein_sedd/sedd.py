@@ -297,10 +297,6 @@ class AbsorbingGraph(Graph):
     def absorb(self) -> bool:
         return True
 
-    @property
-    def mask_index(self) -> int:
-        return self.dim - 1
-
     def rate(self, i: torch.Tensor) -> torch.Tensor:
         return F.one_hot(torch.full_like(i, self.dim - 1), num_classes=self.dim) - F.one_hot(i, num_classes=self.dim)
 

@@ -52,9 +52,3 @@ def encode_residues(seq: str | bytes) -> np.ndarray:
         # 'replace' keeps one byte per character, so non-ASCII characters become one <unk> each.
         seq = seq.encode("ascii", errors="replace")
     return _TABLE[np.frombuffer(seq, dtype=np.uint8)]
-
-
-def decode_residues(ids: np.ndarray | list[int]) -> str:
-    """Inverse of `encode_residues` for residue ids; special tokens are written as their names."""
-    inv = {i: t for t, i in VOCAB.items()}
-    return "".join(inv[int(i)] for i in ids)
