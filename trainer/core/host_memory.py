@@ -1,12 +1,12 @@
 """Host (CPU) memory of a training process: give freed heap pages back to the OS during long evaluations.
 
-glibc serves allocations below its mmap threshold (128 KiB rising to 32 MiB) from a heap that only shrinks
-from the top. An evaluation that keeps small per-batch outputs (gathered for metrics) while it allocates
-and frees large batches leaves the heap full of holes: GEARS on a Norman-size set grew 1.8 GiB over 104
-eval batches of one condition, on top of 1.8 GiB. `malloc_trim` returns the free pages inside those holes.
-It costs ~17 ms on that heap, so `HeapTrimmer` calls it only when the RSS has grown by `grow_mb` since
-the last call; checking costs one read of /proc/self/statm. (A fixed M_MMAP_THRESHOLD also stops the growth
-but slowed GEARS' training 1.4-1.6x: every mid-size activation then costs fresh page faults.)
+glibc serves allocations below its mmap threshold from a heap that only shrinks from the top. An
+evaluation that keeps small per-batch outputs (gathered for metrics) while it allocates and frees large
+batches leaves the heap full of holes, so the RSS grows with every batch although little is live.
+`malloc_trim` returns the free pages inside those holes. It walks the whole heap, so `HeapTrimmer` calls it
+only when the RSS has grown by `grow_mb` since the last call; checking costs one read of /proc/self/statm.
+(A fixed M_MMAP_THRESHOLD also stops the growth but slows training: every mid-size activation then costs
+fresh page faults.)
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def _balanced_split(sizes: np.ndarray, parts: int, capacity: int | None = None) 
 
 
 class BalancedBatchSampler(Sampler[list[int]]):
-    """This rank's batches when samples differ in cost (atoms of a crystal, tokens of a sequence).
+    """This rank's batches when samples differ in cost (atoms, tokens, edges).
 
     Every rank computes the same global plan from (seed, epoch), so a resumed or rescaled run needs no
     iterator state, and every rank gets the same number of micro-batches.
