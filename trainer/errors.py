@@ -21,3 +21,7 @@ class DataError(TrainerError, ValueError):
 
 class CheckpointError(TrainerError, RuntimeError):
     """A checkpoint that is missing, incomplete, corrupt or unsafe to load."""
+
+
+class LaunchError(TrainerError, RuntimeError):
+    """A run started on several local processes (`trainer.api.train`) that exited with an error status."""

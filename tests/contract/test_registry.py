@@ -85,3 +85,73 @@ def test_families_import_neither_torch_distributed_nor_accelerate():
             if any(n == "accelerate" or n.startswith(("accelerate.", "torch.distributed")) for n in names):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders
+
+
+FAMILY_MAY_IMPORT = ("trainer.task", "trainer.config", "trainer.errors", "trainer.atomic_io", "trainer.rundir",
+                     "trainer.seeding", "trainer.data", "trainer.registry", "trainer.api")
+"""The shared modules a family builds on (each also as a package prefix: `trainer.data.splits`); the core is
+reached only through the `trainer.api` facade (training, results, loading a trained model)."""
+
+
+def _imported_modules(rel_path: str, source: str) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in a file's source, inside functions too (and constant
+    `importlib.import_module` / `__import__` names); `from pkg import name` gives `pkg.name` as well (a
+    submodule, or a name of the package) and relative imports are resolved against `rel_path`."""
+    import ast
+
+    package = rel_path.split("/")[:-1]  # a module's package; for __init__.py the package itself
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            found.append((node.lineno, module))
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and (getattr(node.func, "attr", None) == "import_module" or getattr(node.func, "id", None) == "__import__")):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def _family_may_import(module: str, family: str | None) -> bool:
+    import trainer
+
+    if module.split(".")[0] != "trainer":
+        return True  # the standard library and third-party packages
+    if module == "trainer" or module.removeprefix("trainer.") in trainer.__all__:
+        return True  # the package's public names (the task contract, the registry, load_config)
+    own = f"trainer.families.{family}" if family else None
+    allowed = (*FAMILY_MAY_IMPORT, *((own,) if own else ()))
+    return module in ("trainer.families",) or any(module == a or module.startswith(a + ".") for a in allowed)
+
+
+def test_families_import_only_the_contract_shared_modules_and_the_api():
+    """A family is single-device model code on the task contract: it imports the shared leaf modules
+    (trainer.task, config, errors, atomic_io, rundir, seeding, data, registry), the `trainer.api` facade
+    and its own package, never `trainer.core`, the sweep, the CLI or another family."""
+    offenders = []
+    for path in sorted((ROOT / "trainer" / "families").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        parts = rel.split("/")
+        family = parts[2] if len(parts) > 3 else None  # trainer/families/<family>/...
+        bad = {line: module for line, module in reversed(_imported_modules(rel, path.read_text()))
+               if not _family_may_import(module, family)}  # per line the first module named
+        offenders += [f"{rel}:{line}: {module}" for line, module in sorted(bad.items())]
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize("source, allowed", [
+    ("from trainer.core.trainer import Trainer", False), ("import trainer.core.export", False),
+    ("from trainer import core", False), ("from trainer.families.crystals import task", False),
+    ("import importlib\nimportlib.import_module('trainer.core.launch')", False),
+    ("def f():\n    from ...core import checkpoint", False), ("from trainer.sweep import spec", False),
+    ("from trainer.api import train", True), ("from trainer.data.splits import split_indices", True),
+    ("from trainer import Task", True), ("from . import readers", True), ("import numpy", True),
+    ("from trainer.families.regression.task import RegressionConfig", True),
+])
+def test_family_import_rule_reads_every_kind_of_import(source, allowed):
+    found = _imported_modules("trainer/families/regression/probe.py", source)
+    assert all(_family_may_import(name, "regression") for _, name in found) == allowed, (source, found)

@@ -4,9 +4,9 @@ The keywords are those ComFormer users know (batch_size per device, n_epochs, le
 num_workers, random_seed, output_dir, cache_graphs, use_lattice, use_angle, distributed). Under
 `torchrun` or `accelerate launch` each process runs the same call and the Trainer does the rest
 (DDP, exact-once evaluation, rank-0 writing). From plain Python, `num_processes=N` starts N
-processes itself through `torch.distributed.run --standalone` (a free port, no fixed
-MASTER_PORT) on a config file it writes into the run directory, so the run can be repeated with
-`trainer train RUN_DIR/launch_config.yaml`.
+processes through the core's `trainer.api.train` (`torch.distributed.run --standalone`: a free port,
+no fixed MASTER_PORT) on a config file it writes into the run directory, so the run can be repeated
+with `trainer train RUN_DIR/launch_config.yaml`.
 
 In-memory structures are written once to `OUTPUT_DIR/data/structures.extxyz` (a real file the
 launched processes read and the Arrow cache fingerprints), with the labels in `info["target"]`.
@@ -20,15 +20,14 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer.api import RunResult, train, under_launcher
 from trainer.atomic_io import atomic_write_bytes
-from trainer.config import Config, load_config, save_config
+from trainer.config import Config, load_config
 from trainer.families.crystals.readers import CrystalDataError, iter_crystals, log_skips
 from trainer.rundir import RunDir
 
@@ -82,10 +81,6 @@ TEMPORARY_CACHE = ".graph_cache_tmp"
 """The graph cache of a `cache_graphs=False` run (under output_dir; removed when the run ends)."""
 
 
-def _under_launcher() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def _build_config(*, data_path: str, target: str, per_atom: bool, batch_size: int, n_epochs: float,
                   learning_rate: float, num_workers: int, random_seed: int, output_dir: str, cache_graphs: bool,
                   use_lattice: bool, config: str | None, overrides: Sequence[str],
@@ -103,31 +98,11 @@ def _build_config(*, data_path: str, target: str, per_atom: bool, batch_size: in
 
 
 def _run(cfg: Config, num_processes: int, distributed: bool, deepspeed: str | None) -> dict[str, Any]:
-    out = Path(cfg.run.output_dir)
-    if num_processes > 1 and not _under_launcher():
-        out.mkdir(parents=True, exist_ok=True)
-        launch_config = out / "launch_config.yaml"
-        save_config(cfg, launch_config)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
-               "-m", "trainer", "train", str(launch_config)]
-        if deepspeed:
-            cmd += ["--deepspeed", deepspeed]
-        logger.info("launching %d processes: %s", num_processes, " ".join(cmd))
-        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-        if proc.returncode != 0:
-            raise RuntimeError(f"the {num_processes}-process run exited with status {proc.returncode}; "
-                               f"see the output above and {out / 'metrics.jsonl'}")
-    else:
-        if distributed and not _under_launcher():
-            logger.warning("distributed=True but no launcher started this process: training in one process "
-                           "(use torchrun / accelerate launch, or pass num_processes=N)")
-        from trainer.core.trainer import Trainer
-
-        trainer = Trainer(cfg, deepspeed_config=deepspeed)
-        trainer.fit()
-        if not trainer.accelerator.is_main_process:
-            return {}
-    return read_results(out)
+    if distributed and num_processes == 1 and not under_launcher():
+        logger.warning("distributed=True but no launcher started this process: training in one process "
+                       "(use torchrun / accelerate launch, or pass num_processes=N)")
+    result = train(cfg, num_processes, deepspeed_config=deepspeed)
+    return _results(result) if result.main_process else {}
 
 
 def _run_and_clean(cfg: Config, num_processes: int, distributed: bool, deepspeed: str | None,
@@ -141,16 +116,17 @@ def _run_and_clean(cfg: Config, num_processes: int, distributed: bool, deepspeed
 
 def read_results(run_dir: str | Path) -> dict[str, Any]:
     """Last eval metrics, test metrics and paths of a finished run directory."""
-    run = RunDir(run_dir)
-    records = run.read_metrics()
-    last_eval = next((r for r in reversed(records) if any(k.startswith("eval/") for k in r)), {})
-    last_test = next((r for r in reversed(records) if any(k.startswith("test/") for k in r)), {})
-    parity = run.test / "parity.png"
-    return {"run_dir": str(run.root),
-            "eval": {k[5:]: v for k, v in last_eval.items() if k.startswith("eval/")},
-            "test": {k[5:]: v for k, v in last_test.items() if k.startswith("test/")},
+    return _results(RunResult.read(run_dir))
+
+
+def _results(result: RunResult) -> dict[str, Any]:
+    test = dict(result.test_metrics)
+    if result.test_weights_step is not None:
+        test["weights_step"] = result.test_weights_step
+    parity = RunDir(result.run_dir).test / "parity.png"
+    return {"run_dir": str(result.run_dir), "eval": dict(result.eval_metrics), "test": test,
             "parity_plot": str(parity) if parity.exists() else None,
-            "checkpoints": str(run.checkpoints)}
+            "checkpoints": str(RunDir(result.run_dir).checkpoints)}
 
 
 def train_from_list(strucs: Sequence[Any], labels: Sequence[Any], *, ids: Sequence[str] | None = None,

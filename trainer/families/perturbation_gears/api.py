@@ -6,13 +6,13 @@ seed's arguments (`split_config` as GEARS' `prepare_split`, `args` with `model_c
 `perturbation_gears` task on the Trainer: exact resume, checkpoints, the best model by validation
 `mse_de`, logging and trackers, each validation/test condition counted once whatever the world size.
 
-Processes: `n_gpus=None` means every visible GPU (`gpu_ids` when given); with several it starts them
-itself through `torch.distributed.run --standalone` (a free port: no fixed MASTER_PORT, no
-mp.spawn, nothing left to kill by name) on a config file written to `save_path/launch_config.yaml`, which
-`trainer train` repeats. On a machine without GPUs `n_gpus=N` starts N CPU processes (gloo) and
-`n_gpus=None` trains in this process. When the calling script itself runs under `torchrun` or
-`accelerate launch` (LOCAL_RANK / WORLD_SIZE set) nothing is started: every process trains in place
-and the launcher's world size wins.
+Processes: `n_gpus=None` means every visible GPU (`gpu_ids` when given); with several (or with
+`gpu_ids`) the core's `trainer.api.train` starts them through `torch.distributed.run --standalone` (a
+free port: no fixed MASTER_PORT, no mp.spawn, nothing left to kill by name) on a config file written to
+`save_path/launch_config.yaml`, which `trainer train` repeats. On a machine without GPUs `n_gpus=N`
+starts N CPU processes (gloo) and `n_gpus=None` trains in this process. When the calling script itself
+runs under `torchrun` or `accelerate launch` (`trainer.api.under_launcher()`) nothing is started: every
+process trains in place and the launcher's world size wins.
 """
 
 from __future__ import annotations
@@ -21,16 +21,15 @@ import difflib
 import json
 import logging
 import os
-import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from trainer.config import Config, ConfigError, load_config, save_config
-from trainer.errors import DataError
+from trainer.api import RunResult, train, under_launcher
+from trainer.config import Config, ConfigError, load_config
+from trainer.errors import CheckpointError, DataError
 from trainer.rundir import RunDir
 
 logger = logging.getLogger(__name__)
@@ -105,11 +104,6 @@ def build_gears_config(pert_data_path: str | Path, dataset_name: str | None, spl
     return load_config(args.get("config"), [*cli, *args.get("overrides", ())])
 
 
-def under_launcher() -> bool:
-    """True in a process started by torchrun / accelerate launch (each such process trains in place)."""
-    return "LOCAL_RANK" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def plan_processes(n_gpus: int | None, gpu_ids: Sequence[int] | None, visible_gpus: int) -> tuple[int, str | None]:
     """(processes to start, CUDA_VISIBLE_DEVICES for them or None) for the seed's n_gpus / gpu_ids."""
     if gpu_ids is not None:
@@ -132,36 +126,17 @@ def plan_processes(n_gpus: int | None, gpu_ids: Sequence[int] | None, visible_gp
     return n_gpus, None
 
 
-def _launch(cfg: Config, processes: int, cuda_visible: str | None) -> None:
-    out = Path(cfg.run.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    launch_config = out / "launch_config.yaml"
-    save_config(cfg, launch_config)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-           "-m", "trainer", "train", str(launch_config)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    if cuda_visible is not None:
-        env["CUDA_VISIBLE_DEVICES"] = cuda_visible
-    logger.info("launching %d processes%s: %s", processes, f" on GPUs {cuda_visible}" if cuda_visible else "", " ".join(cmd))
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the {processes}-process run exited with status {proc.returncode}; see the output above "
-                           f"and {out / 'metrics.jsonl'} (run it again to resume from the latest checkpoint)")
-
-
 def read_results(run_dir: str | Path) -> dict[str, Any]:
     """Final eval and test metrics, the baselines of the test report and the paths of a finished run."""
-    run = RunDir(run_dir)
-    records = run.read_metrics()
-    last_eval = next((r for r in reversed(records) if any(k.startswith("eval/") for k in r)), {})
-    last_test = next((r for r in reversed(records) if any(k.startswith("test/") for k in r)), {})
-    start = next((r for r in reversed(records) if r.get("event") == "start"), {})
+    return _results(RunResult.read(run_dir))
+
+
+def _results(result: RunResult) -> dict[str, Any]:
+    run = RunDir(result.run_dir)
     report = run.test / "metrics.json"
     baselines = json.loads(report.read_text()).get("baselines", {}) if report.is_file() else {}
-    return {"run_dir": str(run.root), "world_size": start.get("world_size"),
-            "eval": {k[5:]: v for k, v in last_eval.items() if k.startswith("eval/")},
-            "test": {k[5:]: v for k, v in last_test.items() if k.startswith("test/") and k != "test/weights_step"},
-            "test_weights_step": last_test.get("test/weights_step"),
+    return {"run_dir": str(run.root), "world_size": result.world_size, "eval": dict(result.eval_metrics),
+            "test": dict(result.test_metrics), "test_weights_step": result.test_weights_step,
             "baselines": baselines, "report": str(run.test), "checkpoints": str(run.checkpoints)}
 
 
@@ -193,16 +168,9 @@ def train_multi_gpu(pert_data_path: str | Path, dataset_name: str | None, split_
         import torch
 
         processes, cuda_visible = plan_processes(n_gpus, gpu_ids, torch.cuda.device_count())
-    if processes > 1 or cuda_visible is not None:
-        _launch(cfg, processes, cuda_visible)
-        return read_results(cfg.run.output_dir)
-    from trainer.core.trainer import Trainer
-
-    trainer = Trainer(cfg)
-    trainer.fit()
-    if not trainer.accelerator.is_main_process:
-        return {}
-    return read_results(cfg.run.output_dir)
+    devices = [int(g) for g in cuda_visible.split(",")] if cuda_visible is not None else None
+    result = train(cfg, processes, gpu_ids=devices)
+    return _results(result) if result.main_process else {}
 
 
 # ---------------------------------------------------------------------------------------------- inference
@@ -215,9 +183,8 @@ def load_gears_model(run_or_export_dir: str | Path, checkpoint: str = "best") ->
     """
     import yaml
 
+    from trainer.api import consolidated_weights, load_exported, read_task_stats
     from trainer.config import config_from_dict
-    from trainer.core.checkpoint import CheckpointError
-    from trainer.core.export import consolidated_weights, load_exported, read_task_stats
     from trainer.registry import get_task
 
     path = Path(run_or_export_dir)
