@@ -56,12 +56,17 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(run_dir) if "loss" in r}
 
 
-@pytest.fixture
-def fresh_accelerate():
-    """In-process Trainers share accelerate's global state; reset it around each test."""
+def reset_accelerate() -> None:
+    """Forget accelerate's process-global singletons, so the next in-process Trainer builds them afresh."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """In-process Trainers share accelerate's global state; reset it after each test."""
+    yield
+    reset_accelerate()

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import reset_accelerate
 
 from trainer.config import load_config
 from trainer.core.export import consolidated_weights, export_run, load_exported
@@ -15,14 +16,6 @@ from trainer.registry import available_tasks, get_task
 from trainer.task import GenerativeTask
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
-
-
-def _reset_accelerate():
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
 
 
 @pytest.mark.slow
@@ -36,7 +29,7 @@ def test_tiny_preset_train_resume_eval_export_sample(name, tmp_path):
 
     first = Trainer(load_config(None, [*common, "train.max_steps=2"]))
     assert first.fit() == "completed"
-    _reset_accelerate()
+    reset_accelerate()
 
     generative = issubclass(task_cls, GenerativeTask)
     sampling = ["eval.sample_every=1", "eval.num_samples=2"] if generative else []
@@ -63,7 +56,7 @@ def test_tiny_preset_train_resume_eval_export_sample(name, tmp_path):
     weights, _ = consolidated_weights(run)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, weights[key])
-    _reset_accelerate()
+    reset_accelerate()
 
     if generative:
         samples = tmp_path / "samples" / "out.json"  # a .json out must not be overwritten by the statistics

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import reset_accelerate
 from safetensors.torch import load_file
 
 from trainer.config import load_config
@@ -35,9 +36,7 @@ def test_accumulation_weights_uneven_micro_batches(tmp_path):
     """Micro-batches of 3 and 5 samples give the same step as one batch of 8."""
     accum = make(tmp_path / "a", "train.grad_accum_steps=2")
     accum.train_step([batch(0, 3, accum), batch(3, 8, accum)])
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     whole = make(tmp_path / "b", "train.grad_accum_steps=1")
     whole.train_step([batch(0, 8, whole)])
     for a, b in zip(params(accum), params(whole)):
@@ -144,9 +143,7 @@ def test_corrupt_truncated_and_incomplete_checkpoints(tmp_path):
     latest = root / (root / "latest").read_text().strip()
 
     def resume(which):
-        from accelerate.state import AcceleratorState, GradientState
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerate()
         return make(tmp_path, "train.max_steps=6", f"run.resume={which}")
 
     weights = latest / "model.safetensors"
@@ -175,9 +172,7 @@ def test_interrupted_save_leaves_latest_intact(tmp_path):
     root = tmp_path / "checkpoints"
     (root / ".tmp-step_00000006").mkdir()  # a save killed half-way
     (root / ".tmp-step_00000006" / "model.safetensors").write_bytes(b"garbage")
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     again = make(tmp_path, "train.max_steps=6")
     assert again.state.step == 4
     again.fit()
@@ -217,9 +212,7 @@ def test_best_checkpoint_is_kept_and_pointed_to(tmp_path):
 
 def test_resume_none_moves_old_checkpoints_aside(tmp_path):
     make(tmp_path, "train.max_steps=2").fit()
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     fresh = make(tmp_path, "train.max_steps=2", "run.resume=none")
     assert fresh.state.step == 0
     aside = list(tmp_path.glob("checkpoints.replaced-*"))

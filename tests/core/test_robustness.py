@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, TINY, TRAIN, accelerate_cmd, child_env, run_cmd
+from conftest import BIN, ROOT, TINY, TRAIN, accelerate_cmd, child_env, reset_accelerate, run_cmd
 
 from trainer.config import ConfigError, load_config
 from trainer.core import checkpoint as ckpt
@@ -28,14 +28,6 @@ QUIET = ["log.progress_bar=false", "log.tensorboard=false"]
 LIVENESS_S = 120  # generous: each case below ends within seconds
 
 
-def reset() -> None:
-    """Between two Trainers of one test (the fixture resets after the test)."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def make(out: Path, *overrides: str) -> Trainer:
     return Trainer(load_config(None, ["task.preset=tiny", f"run.output_dir={out}", *QUIET, *overrides]))
 
@@ -46,11 +38,11 @@ def test_unrestorable_rng_state_is_an_error_unless_allowed(tmp_path, caplog):
     rng = step / "random_states_0.pkl"
     rng.write_bytes(rng.read_bytes()[:40])  # truncated, and the manifest re-signed: only loading can tell
     ckpt.write_manifest(step, json.loads((step / ckpt.STATE).read_text()), with_hashes=True)
-    reset()
+    reset_accelerate()
     with pytest.raises(CheckpointError, match=r"step_00000002: random_states_0.pkl \(rank 0's RNG state\) cannot "
                                               r"be restored .*run.allow_inexact_resume"):
         make(tmp_path, "train.max_steps=4")
-    reset()
+    reset_accelerate()
     with caplog.at_level(logging.WARNING, logger="trainer"):
         trainer = make(tmp_path, "train.max_steps=4", "run.allow_inexact_resume=true")
     assert trainer.state.step == 2
@@ -69,7 +61,7 @@ def test_resume_recovers_from_a_kill_during_finalisation(tmp_path):
     (root / ".old-step_00000004").mkdir()
     assert ckpt.latest_checkpoint(root) == root / "step_00000004"
     assert ckpt.best_checkpoint(root) == root / f"step_{best_step:08d}"
-    reset()
+    reset_accelerate()
     trainer = make(tmp_path, "train.max_steps=6", "ckpt.every_steps=2", "eval.every_steps=2", "ckpt.keep_last=5")
     assert trainer.state.step == 4 and trainer.state.best_step == best_step
     assert (root / "latest").read_text().strip() == "step_00000004"
@@ -107,7 +99,7 @@ def test_unwritable_output_dir_is_one_config_error_before_data_and_model(tmp_pat
     monkeypatch.setattr("trainer.core.trainer.get_task", no_data)
     try:
         code = cli.main(["train", TINY, f"run.output_dir={parent / 'run'}", *QUIET])
-        reset()
+        reset_accelerate()
         with pytest.raises(ConfigError):  # the type, for API users
             make(parent / "run")
     finally:
@@ -232,7 +224,7 @@ def test_resume_keeps_the_checkpoints_task_statistics(tmp_path, caplog):
     """The weights were trained with the checkpoint's statistics (e.g. target mean/std): a resume on data
     whose statistics changed keeps those, with a warning, instead of silently mixing the two."""
     make(tmp_path, "train.max_steps=2").fit()
-    reset()
+    reset_accelerate()
     step = ckpt.latest_checkpoint(tmp_path / "checkpoints")
     (step / ckpt.TASK_STATS).write_text(json.dumps({"target_mean": [1.5]}))
     ckpt.write_manifest(step, json.loads((step / ckpt.STATE).read_text()), with_hashes=True)
@@ -244,7 +236,7 @@ def test_resume_keeps_the_checkpoints_task_statistics(tmp_path, caplog):
 
 def test_resuming_with_changed_task_settings_warns_loudly(tmp_path, caplog):
     make(tmp_path, "train.max_steps=2").fit()
-    reset()
+    reset_accelerate()
     with caplog.at_level(logging.WARNING, logger="trainer"):
         make(tmp_path, "train.max_steps=3", "task.noise=0.5")
     assert "RESUMING A CHANGED RUN" in caplog.text and "task.noise" in caplog.text and "0.1 -> 0.5" in caplog.text

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, train_losses
+from conftest import ROOT, reset_accelerate, train_losses
 from torch.utils.data import DataLoader
 
 from trainer.errors import DataError
@@ -23,14 +23,6 @@ from trainer.families.perturbation_gears.task import METRIC_NAMES
 EPOCHS = 10
 SHORT_EPOCHS = 2
 GLOBAL_BATCH = 64
-
-
-def _reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
 
 
 def _args(save_path, batch_size: int, epochs: int, cache, **overrides) -> dict:
@@ -59,7 +51,7 @@ def runs(tmp_path_factory):
                                                                 **{"log.every_steps": 10, "train.grad_accum_steps": accum,
                                                                    "train.compile": str(compiled).lower()}))
         finally:
-            _reset_accelerate()
+            reset_accelerate()
     results["two"] = train_multi_gpu(*DATA, SPLIT, _args(tmp / "two", GLOBAL_BATCH // 2, SHORT_EPOCHS, cache,
                                                          **{"eval.batch_size": 3, "log.every_steps": 10,
                                                             "train.compile": "true"}), n_gpus=2)
@@ -164,7 +156,7 @@ def test_predict_with_the_uncertainty_head(tmp_path):
     try:
         run = train_multi_gpu(*DATA, SPLIT, args)
     finally:
-        _reset_accelerate()
+        reset_accelerate()
     assert math.isfinite(run["test"]["mse_de"])
     table = predict(run["run_dir"], [["G012"], "G003+G017"], num_control_cells=9)
     assert table.index.names == ["perturbation", "stat"] and table.shape == (4, 200)

@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from conftest import BIN, ROOT, accelerate_cmd, free_port, read_jsonl, run_cmd
+from conftest import BIN, ROOT, accelerate_cmd, free_port, read_jsonl, reset_accelerate, run_cmd
 
 from trainer.config import load_config
 from trainer.core.samplers import EpochIndexed
@@ -53,9 +53,7 @@ def test_no_validation_sequences_trains_without_eval_and_checkpoints(tmp_path, c
 @pytest.mark.usefixtures("fresh_accelerate")
 def test_eval_nelbo_does_not_depend_on_batch_size(tmp_path):
     a = make(tmp_path / "a", "eval.batch_size=32").evaluate()
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     b = make(tmp_path / "b", "eval.batch_size=7").evaluate()
     assert a["nelbo_per_token"] == pytest.approx(b["nelbo_per_token"], rel=1e-5)
 
