@@ -24,6 +24,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	# deepspeed's setup imports torch: build it against the torch installed above.
 	$(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
+	# DeepSpeed compiles its CPU communication op on first use (1-2 min, silent): do it here, once.
+	@echo "building DeepSpeed's CPU communication op (once, about 1-2 minutes)..."
+	$(PY) -c "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b and b.load()" > /dev/null \
+		|| echo "(not prebuilt: DeepSpeed builds it on first use)"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -177,7 +177,7 @@ def guard_cost(c: dict, steps: int, workdir: str) -> tuple[float, float]:
             if i >= 20:  # warm-up
                 times[k].append(time.thread_time_ns() - t0)
             if i % LOG_EVERY == 0:
-                trainers[k].guard.read()  # what a logging step does; the flags do not pile up
+                trainers[k].engine.guard.read()  # what a logging step does; the flags do not pile up
     return statistics.median(times[0]) / 1e3, statistics.median(times[1]) / 1e3
 
 

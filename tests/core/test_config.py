@@ -144,7 +144,7 @@ def test_step_scheduler_decays_every_epoch_like_steplr():
     import torch
 
     from trainer.core.loaders import resolve_epochs
-    from trainer.core.trainer import build_scheduler
+    from trainer.core.optim import build_scheduler
 
     cfg = load_config(None, ["optim.scheduler=step", "optim.decay_every_epochs=1", "optim.decay_gamma=0.5",
                              "train.epochs=3", "optim.lr=1.0"])

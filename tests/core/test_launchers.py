@@ -35,15 +35,16 @@ LAUNCHES = {
     "zero2": lambda out: accelerate_cmd("zero2.yaml", TINY, *TWO, f"run.output_dir={out}"),
     "zero3": lambda out: accelerate_cmd("zero3.yaml", TINY, *TWO, f"run.output_dir={out}"),
     "zero3_offload": lambda out: accelerate_cmd("zero3_offload.yaml", TINY, *TWO, f"run.output_dir={out}"),
+    # The deepspeed launcher with the HF Trainer guide's ZeRO-2/3 json files (optimizer and scheduler "auto").
     "deepspeed_zero2": lambda out: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                                     TRAIN, TINY, *TWO, f"run.output_dir={out}", "--deepspeed",
-                                    str(Path(TRAIN).parents[1] / "ds_configs" / "zero2.json")],
+                                    str(ROOT / "tests" / "core" / "ds_configs_hf" / "zero2.json")],
     "deepspeed_zero1": lambda out: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                                     TRAIN, TINY, *TWO, f"run.output_dir={out}", "--deepspeed",
                                     str(Path(TRAIN).parents[1] / "ds_configs" / "zero1.json")],
     "deepspeed_zero3": lambda out: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                                     TRAIN, TINY, *TWO, f"run.output_dir={out}", "--deepspeed",
-                                    str(Path(TRAIN).parents[1] / "ds_configs" / "zero3.json")],
+                                    str(ROOT / "tests" / "core" / "ds_configs_hf" / "zero3.json")],
     # On a CPU-only machine accelerate runs FSDP as DDP (it supports FSDP on GPUs only): same numbers.
     "fsdp": lambda out: accelerate_cmd("fsdp.yaml", TINY, *TWO, f"run.output_dir={out}"),
     # Two "machines" on one host, one process each, as scripts/slurm/train.sbatch starts them.

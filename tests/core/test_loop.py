@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import reset_accelerate
+from conftest import ROOT, reset_accelerate
 from safetensors.torch import load_file
 
 from trainer.config import load_config
@@ -59,7 +59,7 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
         assert torch.equal(a, b)
     state = trainer.optimizer.optimizer.state
     assert all(float(s["step"]) == 0 for s in state.values())  # Adam's step counter did not advance
-    assert trainer.guard.read() == (1, 1)  # (skipped since the last read, longest run)
+    assert trainer.engine.guard.read() == (1, 1)  # (skipped since the last read, longest run)
     trainer.task.loss = good_loss
     trainer.train_step([batch(0, 8, trainer)])
     assert any(not torch.equal(a, b) for a, b in zip(params(trainer), before))
@@ -229,10 +229,40 @@ def test_deepspeed_json_must_agree_with_trainer_config():
     assert filled["zero_optimization"]["stage3_param_persistence_threshold"] == 0  # EMA needs partitions
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=4"):
         fill_deepspeed_config({"gradient_accumulation_steps": 4}, cfg)
-    with pytest.raises(ConfigError, match="must not define 'optimizer'"):
+    with pytest.raises(ConfigError, match="optimizer.type=Adam contradicts optim.name=adamw"):
         fill_deepspeed_config({"optimizer": {"type": "Adam"}}, cfg)
     with pytest.raises(ConfigError, match="persistence_threshold"):
         fill_deepspeed_config({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e5}}, cfg)
+
+
+def test_hf_trainer_deepspeed_configs_are_accepted(caplog):
+    """The HF docs' ZeRO-2/3 files: their "auto" optimizer and scheduler sections mean the optim section;
+    explicit values must agree with it (one line naming both values otherwise)."""
+    import json
+
+    from trainer.config import ConfigError
+    from trainer.core.distributed import fill_deepspeed_config
+
+    cfg = load_config(None, ["optim.lr=3e-4", "optim.warmup_steps=10", "train.max_steps=100"])
+    for stage in (2, 3):
+        hf = json.loads((ROOT / "tests" / "core" / "ds_configs_hf" / f"zero{stage}.json").read_text())
+        filled = fill_deepspeed_config(hf, cfg)
+        assert "optimizer" not in filled and "scheduler" not in filled  # the trainer builds both
+        assert filled["zero_optimization"]["stage"] == stage
+        assert "auto" not in json.dumps(filled)  # nothing left for accelerate to guess from a model.config
+    assert "WarmupLR means optim.scheduler=constant_with_warmup" not in caplog.text  # the default schedule
+    cosine = load_config(None, ["optim.scheduler=cosine"])
+    fill_deepspeed_config({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}, cosine)
+    assert "WarmupLR means optim.scheduler=constant_with_warmup" in caplog.text  # said, not silently changed
+    agreeing = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.999], "weight_decay": 0}},
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-4, "warmup_num_steps": 10}}}
+    fill_deepspeed_config(agreeing, cfg)
+    with pytest.raises(ConfigError, match=r"optimizer.params.lr=0.001 but the trainer config implies 0.0003"):
+        fill_deepspeed_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, cfg)
+    with pytest.raises(ConfigError, match=r"scheduler.params.warmup_num_steps=500 .* implies 10"):
+        fill_deepspeed_config({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 500}}}, cfg)
+    with pytest.raises(ConfigError, match="scheduler.type=OneCycle has no counterpart"):
+        fill_deepspeed_config({"scheduler": {"type": "OneCycle"}}, cfg)
 
 
 @pytest.mark.usefixtures("fresh_accelerate")
@@ -296,7 +326,7 @@ def test_compile_needs_model_regions(tmp_path):
 
 
 def test_weight_decay_exempts_1d_parameters_unless_decay_all(tmp_path):
-    from trainer.core.trainer import build_optimizer
+    from trainer.core.optim import build_optimizer
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
     for decay_all, expected in ((False, [(0.1, 1), (0.0, 3)]), (True, [(0.1, 4)])):

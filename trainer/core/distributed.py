@@ -92,10 +92,11 @@ def fill_deepspeed_config(ds: dict, cfg: Config) -> dict:
     if ds["bf16"]["enabled"] != (t.mixed_precision == "bf16") or ds["fp16"]["enabled"] != (t.mixed_precision == "fp16"):
         raise ConfigError(f"DeepSpeed config precision (bf16={ds['bf16']['enabled']}, fp16={ds['fp16']['enabled']}) "
                           f"contradicts train.mixed_precision={t.mixed_precision}; use \"auto\" in the json")
-    if "optimizer" in ds or "scheduler" in ds:
-        raise ConfigError("DeepSpeed config must not define 'optimizer' or 'scheduler': the trainer builds them "
-                          "from the optim section (one schedule under every backend)")
+    _absorb_optimizer_sections(ds, cfg)
     zero = ds.setdefault("zero_optimization", {})
+    for key in _HIDDEN_SIZE_KEYS:  # accelerate fills these from a transformers model.config: ours have none
+        if zero.get(key) == "auto":
+            del zero[key]  # DeepSpeed's own default
     if zero.get("stage") == 3 and t.ema_decay > 0:
         # The EMA lives on each rank's partition; a parameter kept whole ("persistent") is not read from it.
         if zero.get("stage3_param_persistence_threshold", 0) not in (0, "auto"):
@@ -104,6 +105,78 @@ def fill_deepspeed_config(ds: dict, cfg: Config) -> dict:
     ds.setdefault("zero_force_ds_cpu_optimizer", False)
     ds.setdefault("steps_per_print", 10**9)
     return ds
+
+
+_HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+
+# DeepSpeed optimizer and scheduler types (as the HF Trainer's ds_config.json examples write them) and
+# the optim section's values they mean.
+_DS_OPTIMIZERS = {"adamw": "adamw", "adam": "adam", "sgd": "sgd"}
+_DS_SCHEDULERS = {"warmuplr": "constant_with_warmup", "warmupdecaylr": "linear", "warmupcosinelr": "cosine"}
+
+
+def _absorb_optimizer_sections(ds: dict, cfg: Config) -> None:
+    """Accept the `optimizer` / `scheduler` sections of a migrated (HF Trainer) DeepSpeed config when they
+    say what the `optim` section says: every value "auto" or equal to the trainer config's. They are
+    then removed (the trainer builds optimizer and schedule from `optim`, the same under every backend);
+    a real contradiction is a ConfigError naming both values."""
+    o, t = cfg.optim, cfg.train
+    section = ds.pop("optimizer", None)
+    if section is not None:
+        kind = str(section.get("type", "auto"))
+        if kind != "auto" and _DS_OPTIMIZERS.get(kind.lower()) != o.name:
+            raise ConfigError(f"DeepSpeed config optimizer.type={kind} contradicts optim.name={o.name}; "
+                              f"write \"auto\" or remove the optimizer section (the trainer builds it from optim)")
+        _agree("optimizer.params", section.get("params", {}),
+               {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+                "momentum": o.momentum, "torch_adam": None, "adam_w_mode": None, "bias_correction": None})
+    section = ds.pop("scheduler", None)
+    if section is not None:
+        kind = str(section.get("type", "auto"))
+        meant = _DS_SCHEDULERS.get(kind.lower()) if kind != "auto" else o.scheduler
+        if meant is None:
+            raise ConfigError(f"DeepSpeed config scheduler.type={kind} has no counterpart in optim.scheduler; "
+                              f"remove the scheduler section and set optim.scheduler")
+        if meant != o.scheduler:
+            logger.warning("DeepSpeed config scheduler.type=%s means optim.scheduler=%s; this run uses "
+                           "optim.scheduler=%s (the trainer's schedule, the same under every backend)",
+                           kind, meant, o.scheduler)
+        _agree("scheduler.params", section.get("params", {}),
+               {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr, "warmup_num_steps": o.warmup_steps,
+                "total_num_steps": t.max_steps, "warmup_type": None, "cos_min_ratio": None})
+
+
+def _agree(where: str, given: dict, implied: dict) -> None:
+    for key, value in given.items():
+        if value == "auto":
+            continue
+        if key not in implied:
+            raise ConfigError(f"DeepSpeed config {where}.{key}={value} has no counterpart in the trainer config; "
+                              f"remove it or write \"auto\"")
+        want = implied[key]
+        if want is None:  # a DeepSpeed implementation detail of its own optimizer/schedule: meaningless here
+            continue
+        same = ([float(v) for v in value] == [float(v) for v in want] if isinstance(want, list)
+                else float(value) == float(want))
+        if not same:
+            raise ConfigError(f"DeepSpeed config sets {where}.{key}={value} but the trainer config implies {want}; "
+                              f"write \"auto\" in the json so both agree")
+
+
+def announce_deepspeed_cpu_op_build() -> None:
+    """DeepSpeed on CPU compiles its shared-memory communication op on first use, silently, for a minute
+    or two: say so once (main process) when it is not in torch's extension cache yet. `make setup` builds it."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        built = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "deepspeed_shm_comm.so"
+    except Exception:  # noqa: BLE001 - a private helper of torch: if it moved, say nothing rather than fail
+        return
+    if not built.is_file():
+        logger.warning("DeepSpeed compiles its CPU communication op once (about 1-2 minutes on 2 cores; "
+                       "cached in %s for later runs)", built.parent)
 
 
 def launched_with_deepspeed(deepspeed_config: str | None) -> bool:
@@ -142,6 +215,7 @@ def build_accelerator(cfg: Config, deepspeed_config: str | None = None) -> Accel
         if not use_cuda:
             # cpu=True would silently drop DeepSpeed; without an explicit backend each rank runs alone.
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+            announce_deepspeed_cpu_op_build()
     else:
         if not use_cuda and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
             logger.warning("accelerate runs FSDP only on GPUs: on this CPU-only machine the FSDP config "

@@ -193,7 +193,7 @@ def resume(trainer: Trainer) -> Path | None:
     trainer.state = TrainState(**{k: v for k, v in saved.items() if k in fields})
     trainer.state.world_size, trainer.state.backend = acc.num_processes, str(acc.distributed_type.value)
     trainer.state.grad_accum_steps = cfg.train.grad_accum_steps
-    trainer.guard.resume(trainer.model)
+    trainer.engine.after_resume()
     if trainer.ema is not None:
         ema_file = path / "ema.safetensors"
         if not ema_file.is_file():
@@ -292,7 +292,7 @@ def _restore_rng(states: dict[str, Any]) -> None:
 
 def _check_compatible(trainer: Trainer, path: Path, saved: dict[str, Any]) -> None:
     acc, accum = trainer.accelerator, trainer.cfg.train.grad_accum_steps
-    deepspeed = trainer.is_deepspeed or "DEEPSPEED" in saved.get("backend", "")
+    deepspeed = "DEEPSPEED" in (trainer.state.backend, saved.get("backend", ""))
     if saved.get("world_size") != acc.num_processes and deepspeed:
         raise CheckpointError(f"checkpoint {path} was written by {saved.get('world_size')} DeepSpeed "
                               f"processes; resume it with the same number (now {acc.num_processes})")
