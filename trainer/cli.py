@@ -40,7 +40,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from trainer.core.sampling import run_task, sample_options
+    from trainer.core.generation import run_task, sample_options
 
     if args.help:
         if args.run_dir is None:
@@ -56,7 +56,7 @@ def _sample(args: argparse.Namespace) -> int:
         return 0
     if args.run_dir is None:
         raise ConfigError("trainer sample needs RUN_DIR")
-    from trainer.core.sampling import sample_run
+    from trainer.core.generation import sample_run
 
     stats = sample_run(args.run_dir, args.overrides)
     if stats is not None:

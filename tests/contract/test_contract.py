@@ -10,7 +10,7 @@ from conftest import reset_accelerate
 
 from trainer.config import load_config
 from trainer.core.export import consolidated_weights, export_run, load_exported
-from trainer.core.sampling import sample_run
+from trainer.core.generation import sample_run
 from trainer.core.trainer import Trainer
 from trainer.registry import available_tasks, get_task
 from trainer.task import GenerativeTask

@@ -125,7 +125,7 @@ def test_budget_mode_rejects_samples_over_budget():
 def test_sampling_batches_are_world_size_independent_and_exact(num_samples, batch_size):
     """`trainer sample` draws every index once at any world size, and a sample's batch-mates never change
     (so batch-dependent floating point gives the same samples with 1 or N processes)."""
-    from trainer.core.sampling import rank_batches
+    from trainer.core.generation import rank_batches
 
     single = [list(b) for b in rank_batches(num_samples, batch_size, 0, 1)]
     for world in (1, 2, 3, 8):
