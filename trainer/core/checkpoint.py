@@ -63,7 +63,7 @@ def verify_checkpoint(ckpt_dir: Path, check_hashes: bool = True) -> dict[str, An
         raise CheckpointError(f"checkpoint {ckpt_dir} does not exist")
     manifest_path = ckpt_dir / MANIFEST
     if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {ckpt_dir} is incomplete: no {MANIFEST} (the save was interrupted)")
+        raise CheckpointError(no_manifest_reason(ckpt_dir))
     try:
         files = json.loads(manifest_path.read_text())["files"]
     except (json.JSONDecodeError, KeyError) as err:
@@ -84,8 +84,44 @@ def verify_checkpoint(ckpt_dir: Path, check_hashes: bool = True) -> dict[str, An
         raise CheckpointError(f"checkpoint {ckpt_dir}: {STATE} is unreadable ({err})") from None
 
 
+def no_manifest_reason(ckpt_dir: Path) -> str:
+    """Why a folder without a manifest is no checkpoint. An interrupted save leaves a `.tmp-` folder (the
+    manifest is written before the rename), so a `step_N` folder without one came from elsewhere."""
+    ckpt_dir = Path(ckpt_dir)
+    if ckpt_dir.name.startswith(".tmp-"):
+        return (f"checkpoint {ckpt_dir} is an unfinished save (the run stopped before it was complete and renamed "
+                f"into place; the next save removes it)")
+    return (f"checkpoint {ckpt_dir} is incomplete: no {MANIFEST} (written by another tool, copied incompletely, "
+            f"or its manifest was removed; an interrupted save leaves a .tmp- folder instead)")
+
+
+def skipped_checkpoints(root: Path) -> list[str]:
+    """Why each checkpoint-like folder under `root` that `list_checkpoints` leaves out is left out, by step."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        name = path.name.removeprefix(".tmp-").removeprefix(".old-")
+        match = STEP_DIR.match(name)
+        if not path.is_dir() or match is None:
+            continue
+        if path.name.startswith(".old-"):
+            replaced = (root / name / MANIFEST).is_file()
+            reason = (f"checkpoint {path} is an older copy of {name}, set aside while {name} was saved again" +
+                      (" (the next save removes it)" if replaced else
+                       f" by a save that did not finish (the next save removes it; rename it to {name} to keep it)"))
+        elif path.name.startswith(".tmp-") or not (path / MANIFEST).is_file():
+            reason = no_manifest_reason(path)
+        else:
+            continue
+        found.append((int(match.group(1)), path.name, reason))
+    return [reason for *_, reason in sorted(found)]
+
+
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete-looking step directories, oldest first (by step)."""
+    """Complete-looking step directories (with a manifest), oldest first (by step); `skipped_checkpoints`
+    says why any other checkpoint-like folder is left out."""
     root = Path(root)
     if not root.is_dir():
         return []

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from trainer.atomic_io import disk_bytes, format_bytes, free_bytes, no_space_reason, temp_path
 from trainer.core.checkpoint import STATE, TASK_STATS, CheckpointError, resolve_checkpoint, verify_checkpoint
 
 
@@ -61,33 +64,120 @@ def consolidated_weights(run_dir: str | Path, checkpoint: str = "latest",
 
 def export_run(run_dir: str | Path, out: str | Path | None = None, checkpoint: str = "latest",
                weights: str = "auto") -> Path:
-    """Write RUN's weights (EMA when kept, unless weights='model') as fp32 safetensors plus its config."""
+    """Write RUN's weights (EMA when kept, unless weights='model') as fp32 safetensors plus its config.
+
+    The export is a function of the checkpoint alone (sorted tensors and metadata, no time stamps, the
+    checkpoint named relative to its run), so two exports of it are byte-identical and compare by hash.
+    All files are written beside their targets first and then renamed over them: a failure (a full disk)
+    leaves the previous export as it was."""
     run_dir = Path(run_dir)
     state_dict, ckpt_dir = consolidated_weights(run_dir, checkpoint, weights)
     state = json.loads((ckpt_dir / STATE).read_text())
     step = state.get("step")
     out = Path(out) if out else run_dir / "export" / "model.safetensors"
-    out.parent.mkdir(parents=True, exist_ok=True)
     used_ema = weights != "model" and (ckpt_dir / "ema.safetensors").is_file()
     # The statistics the model is built from travel inside the file too: another export into the same
     # folder may replace the task_stats.json beside it.
     stats_text = (ckpt_dir / TASK_STATS).read_text() if (ckpt_dir / TASK_STATS).is_file() else "{}"
-    save_file(state_dict, str(out), metadata={"checkpoint": str(ckpt_dir), "step": str(step),
-                                              "weights": "ema" if used_ema else "model", "task_stats": stats_text})
+    metadata = {"checkpoint": f"{ckpt_dir.parent.name}/{ckpt_dir.name}", "step": str(step),
+                "weights": "ema" if used_ema else "model", "task_stats": stats_text}
+    copies = []  # (source, target): the run's config, then what the manifest lists (task_stats.json, ...)
     config = ckpt_dir.parent.parent / "config.yaml"
     if config.is_file():
-        shutil.copyfile(config, out.with_name(out.stem + ".config.yaml"))
-    for artifact in state.get("artifacts", []):  # what the manifest lists (task_stats.json, Task.save_artifacts)
+        copies.append((config, out.with_name(out.stem + ".config.yaml")))
+    for artifact in state.get("artifacts", []):
         source = ckpt_dir / artifact
         # Checkpoint contents are not trusted: an artifact is a plain name inside the checkpoint.
         if Path(artifact).name != artifact or artifact in ("", ".", "..") or not source.exists():
             raise CheckpointError(f"checkpoint {ckpt_dir} lists the artifact {artifact!r}, which is not a file or "
                                   f"folder directly inside it")
-        if source.is_dir():
-            shutil.copytree(source, out.parent / artifact, dirs_exist_ok=True)
+        copies.append((source, out.parent / artifact))
+    header, ordered = safetensors_layout(state_dict, metadata)
+    needed = len(header) + sum(t.numel() * t.element_size() for _, t in ordered)
+    needed += sum(disk_bytes(source) for source, _ in copies)
+    previous = out.is_file()
+    staged: list[tuple[Path, Path]] = []  # (temp, target)
+    target, replaced = out, 0
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staged.append((temp_path(out), out))
+        write_safetensors(staged[-1][0], header, ordered)
+        for source, target in copies:
+            staged.append((temp_path(target), target))
+            if source.is_dir():
+                shutil.copytree(source, staged[-1][0])
+            else:
+                shutil.copyfile(source, staged[-1][0])
+        for tmp, target in staged:  # renames: no space needed, nothing half-written is ever visible
+            _replace(tmp, target)
+            replaced += 1
+    except OSError as err:
+        for tmp, _ in staged:
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+        full = no_space_reason(err)
+        if full:  # named by the target: shutil's copies name their source, our writes a temp file
+            why = (f"{full} writing {target} ({format_bytes(free_bytes(out.parent))} free there, the export needs "
+                   f"{format_bytes(needed)})")
         else:
-            shutil.copyfile(source, out.parent / artifact)
+            named = err.filename and not Path(err.filename).name.startswith(".")
+            why = f"{err.filename if named else target}: {err.strerror or err}"
+        kept = (f"{replaced} of its {len(staged)} files were replaced already: export again" if replaced else
+                f"the previous export {out} is intact" if previous else "nothing was written")
+        raise CheckpointError(f"could not export checkpoint {ckpt_dir} to {out}: {why}; {kept}") from err
     return out
+
+
+def _replace(tmp: Path, target: Path) -> None:
+    """Rename `tmp` over `target`; a folder replaces a folder (the old one renamed aside, then removed)."""
+    if target.is_dir() and not target.is_symlink():
+        aside = temp_path(target.with_name(target.name + ".old"))
+        os.rename(target, aside)
+        os.rename(tmp, target)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
+SAFETENSORS_DTYPES.update({getattr(torch, name): code for name, code in (("uint16", "U16"), ("uint32", "U32"),
+                                                                         ("uint64", "U64")) if hasattr(torch, name)})
+
+
+def safetensors_layout(tensors: dict[str, torch.Tensor],
+                       metadata: dict[str, str]) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
+    """The header (8-byte length + JSON) of a safetensors file and its tensors in file order, both fixed by
+    the contents alone: safetensors' own writer orders its metadata by a per-process hash seed."""
+    ordered = sorted(((k, v.detach().cpu().contiguous()) for k, v in tensors.items()),
+                     key=lambda kv: (-kv[1].element_size(), kv[0]))  # larger items first: every tensor aligned
+    entries: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for name, tensor in ordered:
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}, which the exporter cannot write")
+        size = tensor.numel() * tensor.element_size()
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                         "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(entries, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text, ordered
+
+
+def write_safetensors(path: Path, header: bytes, ordered: list[tuple[str, torch.Tensor]]) -> None:
+    """Write (and fsync) a safetensors file from `safetensors_layout`'s header and tensors, one at a time
+    (their bytes as this little-endian machine holds them, as safetensors expects)."""
+    with open(path, "wb") as f:
+        f.write(header)
+        for _, tensor in ordered:
+            if tensor.numel():
+                f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_task_stats(directory: Path) -> dict:

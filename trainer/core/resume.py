@@ -16,6 +16,7 @@ import logging
 import random
 import shutil
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from accelerate.utils import gather_object
 from accelerate.utils import load as accelerate_load
 from safetensors.torch import load_file, save_file
 
+from trainer.atomic_io import disk_bytes, format_bytes, free_bytes, no_space_reason
 from trainer.core import checkpoint as ckpt
 from trainer.core.distributed import unwrap_model
 from trainer.core.safe_load import weights_only_loading
@@ -95,7 +97,10 @@ def save_checkpoint(trainer: Trainer, best: bool = False) -> Path:
 class _SaveErrors:
     """The first error of this rank's part of a save; `agree()` (a barrier) makes every rank raise the same
     one-line CheckpointError, so a full disk or a read-only directory on one rank leaves no rank waiting,
-    and removes the unfinished temp directory. Earlier checkpoints are never touched by a failed save."""
+    and removes the unfinished temp directory. Earlier checkpoints are never touched by a failed save.
+
+    A full disk is named as such, however the writer reported it (OSError, safetensors' error or torch's
+    "unexpected pos"), with the free space once the temp directory is gone and an estimate of the size."""
 
     def __init__(self, acc: Accelerator, root: Path, tmp: Path):
         self.acc, self.root, self.tmp = acc, root, tmp
@@ -109,10 +114,31 @@ class _SaveErrors:
             yield
         except Exception as err:  # noqa: BLE001 - disk errors surface as OSError, RuntimeError, SafetensorError
             if self.error is None:
-                what = (f"{err.filename}: {err.strerror}" if isinstance(err, OSError) and err.filename
-                        else f"{type(err).__name__}: {err}")
-                self.error = f"rank {self.acc.process_index}: {what}"
+                self.error = f"rank {self.acc.process_index}: {self._describe(err)}"
                 self.cause = err
+
+    def _describe(self, err: Exception) -> str:
+        filename = err.filename if isinstance(err, OSError) and err.filename else None
+        full = no_space_reason(err)
+        if full is not None:  # torch's and safetensors' errors name no file: the folder then
+            # The failed writer's frames hold its open file: clear them, so the space is freed with the folder.
+            chained: BaseException | None = err
+            while chained is not None:
+                traceback.clear_frames(chained.__traceback__)
+                chained = chained.__cause__ or chained.__context__
+            return f"{full} writing {filename or self.tmp} ({format_bytes(disk_bytes(self.tmp))} of it written)"
+        if filename:
+            return f"{filename}: {err.strerror}"
+        text = str(err).strip()
+        return f"{type(err).__name__}: {text.splitlines()[0] if text else '(no message)'}"
+
+    def _space(self) -> str:
+        """Free space after the temp directory is removed, and how much the checkpoint needs (estimated)."""
+        free = f"{format_bytes(free_bytes(self.root))} free in {self.root} now"
+        if self.previous is None:
+            return f"{free}, the checkpoint needs more than was written"
+        return (f"{free}, the checkpoint needs about {format_bytes(disk_bytes(self.previous))} (estimate: the "
+                f"previous checkpoint's size)")
 
     def agree(self) -> None:
         problems = [self.error] if self.error else []
@@ -122,9 +148,14 @@ class _SaveErrors:
             return
         if self.acc.is_main_process:
             shutil.rmtree(self.tmp, ignore_errors=True)
+        space = ""
+        if any(reason in p for p in problems for reason in ("no space left on device", "disk quota exceeded")):
+            if self.acc.num_processes > 1:
+                self.acc.wait_for_everyone()  # the temp directory is gone before any rank measures
+            space = f"; {self._space()}"
         kept = f"the previous checkpoint {self.previous} is intact" if self.previous else "no earlier checkpoint exists"
         raise CheckpointError(f"could not save checkpoint {self.tmp.name.removeprefix('.tmp-')} "
-                              f"({'; '.join(problems)}); {kept}") from self.cause
+                              f"({'; '.join(problems)}){space}; {kept}") from self.cause
 
 
 def _warn_changed_task(trainer: Trainer, path: Path) -> None:
@@ -151,9 +182,13 @@ def resume(trainer: Trainer) -> Path | None:
     if mode == "none":
         set_aside_old_checkpoints(acc, root)
         return None
+    skipped: list[str] = []  # nothing is passed over silently
     if mode == "auto":
         candidates = ckpt.resume_candidates(root)
+        if acc.is_main_process:  # the folders are the same for every rank: one report
+            skipped = ckpt.skipped_checkpoints(root)
         if not candidates:
+            _warn_skipped(skipped, "no complete checkpoint: starting from step 0")
             return None
     else:
         candidates = [ckpt.resolve_checkpoint(mode)]
@@ -162,8 +197,10 @@ def resume(trainer: Trainer) -> Path | None:
         if problem is None:
             break
         if mode != "auto" or i == len(candidates) - 1:
+            _warn_skipped(skipped, "no checkpoint is left to resume from")
             raise CheckpointError(problem)
-        logger.warning("%s; falling back to the previous checkpoint", problem)
+        skipped.append(problem)  # every rank: one that fails on rank 1 only says why there
+    _warn_skipped(skipped, f"resuming from {path.name}")
     _check_compatible(trainer, path, saved)
     _warn_changed_task(trainer, path)
     rng_states = _saved_rng_states(trainer, path, saved.get("world_size"))
@@ -203,6 +240,11 @@ def resume(trainer: Trainer) -> Path | None:
     if mode == "auto" and acc.is_main_process:
         _repair_pointers(root, path)
     return path
+
+
+def _warn_skipped(reasons: list[str], then: str) -> None:
+    for reason in reasons:
+        logger.warning("%s; skipped it, %s", reason, then)
 
 
 def load_weights(trainer: Trainer, path: Path) -> None:

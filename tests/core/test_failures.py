@@ -1,0 +1,281 @@
+"""Failures that still surprised (issue 19): a full disk during an export or a checkpoint save, checkpoint
+folders that a resume passes over, exports that differed byte-wise. A full disk is simulated (no root for a
+small tmpfs): writes that fill up and then fail as Python, torch's zip writer and safetensors report it."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import reset_accelerate
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from trainer import cli
+from trainer.atomic_io import disk_bytes, format_bytes, no_space_reason
+from trainer.config import load_config
+from trainer.core import checkpoint as ckpt
+from trainer.core import export, resume
+from trainer.core.trainer import Trainer
+from trainer.errors import CheckpointError
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
+
+QUIET = ["log.progress_bar=false", "log.tensorboard=false"]
+STEPS = ["train.max_steps=6", "ckpt.every_steps=2", "ckpt.keep_last=5", "train.ema_decay=0.9"]
+SIZE = r"\d+(\.\d)? (B|KiB|MiB|GiB)"
+
+
+def make(out: Path, *overrides: str) -> Trainer:
+    return Trainer(load_config(None, ["task.preset=tiny", f"run.output_dir={out}", *QUIET, *overrides]))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """One tiny run with checkpoints at steps 2, 4 and 6 (and EMA), trained once for this module."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    make(run, *STEPS).fit()
+    reset_accelerate()
+    return run
+
+
+@pytest.fixture
+def run(trained, tmp_path) -> Path:
+    """A copy of the trained run that a test may damage."""
+    return Path(shutil.copytree(trained, tmp_path / "run"))
+
+
+def hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder` (hidden ones too: a temp file left behind shows)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+class FillingFile:
+    """A file on a disk with `room` bytes left: a write beyond them writes what fits, then fails as the OS does."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        if len(data) > self.room:
+            self.file.write(data[:self.room])
+            self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+# ---------------------------------------------------------------- a) export onto a full disk
+
+def fill_model_write(monkeypatch) -> None:
+    monkeypatch.setattr(export, "open", lambda path, mode="r": FillingFile(open(path, mode), room=1000),
+                        raising=False)
+
+
+def fill_config_copy(monkeypatch) -> None:
+    real = shutil.copyfile
+
+    def copyfile(src, dst, **kwargs):
+        if str(src).endswith("config.yaml"):  # as shutil reports a full disk: naming the source
+            Path(dst).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src), None, str(dst))
+        return real(src, dst, **kwargs)
+
+    monkeypatch.setattr(shutil, "copyfile", copyfile)
+
+
+@pytest.mark.parametrize("fill, written", [(fill_model_write, "model.safetensors"),
+                                           (fill_config_copy, "model.config.yaml")])
+def test_export_onto_a_full_disk_is_one_line_and_keeps_the_previous_export(run, tmp_path, monkeypatch, capsys,
+                                                                           fill, written):
+    out = tmp_path / "export" / "model.safetensors"
+    assert cli.main(["export", str(run), "--out", str(out)]) == 0
+    before = hashes(out.parent)
+    fill(monkeypatch)
+    code = cli.main(["export", str(run), "--out", str(out), "--weights", "model"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(err)
+    step = run / "checkpoints" / "step_00000006"
+    assert re.fullmatch(
+        rf"trainer: error: could not export checkpoint {re.escape(str(step))} to {re.escape(str(out))}: no space "
+        rf"left on device writing {re.escape(str(out.parent / written))} \({SIZE} free there, the export needs "
+        rf"{SIZE}\); the previous export {re.escape(str(out))} is intact", err[-1]), err[-1]
+    assert hashes(out.parent) == before  # the previous export, and no temp file left
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"no space left on device .*; nothing was written$"):
+        fill(monkeypatch)
+        export.export_run(run, tmp_path / "fresh" / "model.safetensors")
+    assert not any((tmp_path / "fresh").iterdir())
+
+
+# ---------------------------------------------------------------- b) a checkpoint save on a full disk
+
+def torch_short_write(monkeypatch) -> None:
+    """torch's zip writer on a full disk: a short write, reported only as "unexpected pos"."""
+    real = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if ".tmp-step_00000008" in str(f):
+            Path(f).write_bytes(b"x" * 300)
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8448 vs 8342")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def safetensors_full(monkeypatch) -> None:
+    """safetensors on a full disk (the EMA's file here), as 0.4-0.8 word it."""
+    def save_file(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(resume, "save_file", save_file)
+
+
+def python_full(monkeypatch) -> None:
+    def write_manifest(ckpt_dir, state, with_hashes):
+        with open(ckpt_dir / ckpt.STATE, "w") as f:
+            f.write("{")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # a write's error names no file
+
+    monkeypatch.setattr(ckpt, "write_manifest", write_manifest)
+
+
+def test_checkpoint_save_on_a_full_disk_says_so(run, monkeypatch):
+    trainer = make(run, *STEPS[1:], "train.max_steps=8")
+    assert trainer.state.step == 6
+    trainer.state.step = 8
+    root = run / "checkpoints"
+    previous, tmp = root / "step_00000006", root / ".tmp-step_00000008"
+    for fill in (torch_short_write, safetensors_full, python_full):
+        with monkeypatch.context() as patch:
+            fill(patch)
+            with pytest.raises(CheckpointError) as raised:
+                resume.save_checkpoint(trainer)
+        message = str(raised.value)
+        assert re.fullmatch(
+            rf"could not save checkpoint step_00000008 \(rank 0: no space left on device writing {re.escape(str(tmp))} "
+            rf"\({SIZE} of it written\)\); {SIZE} free in {re.escape(str(root))} now, the checkpoint needs about "
+            rf"{re.escape(format_bytes(disk_bytes(previous)))} \(estimate: the previous checkpoint's size\); the "
+            rf"previous checkpoint {re.escape(str(previous))} is intact", message), (fill.__name__, message)
+        assert not tmp.exists()
+        assert (root / "latest").read_text().strip() == "step_00000006"
+        ckpt.verify_checkpoint(previous)
+    assert resume.save_checkpoint(trainer) == root / "step_00000008"  # with room again: saved
+
+
+@pytest.mark.parametrize("err, reason", [
+    (OSError(errno.ENOSPC, "No space left on device"), "no space left on device"),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), "disk quota exceeded"),
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8448 vs 8342"), "no space left on device"),
+    (RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"), "no space left on device"),
+    (SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+     "no space left on device"),
+    (PermissionError(errno.EACCES, "Permission denied"), None),
+    (RuntimeError("CUDA out of memory"), None),
+])
+def test_full_disk_is_recognised_however_the_writer_reports_it(err, reason):
+    assert no_space_reason(err) == reason
+    try:
+        try:
+            raise err
+        except Exception as inner:
+            raise RuntimeError("saving failed") from inner
+    except RuntimeError as outer:
+        assert no_space_reason(outer) == reason
+
+
+# ---------------------------------------------------------------- c) what a resume passes over, and why
+
+def test_resume_names_every_checkpoint_it_skips_and_why(run, caplog):
+    root = run / "checkpoints"
+    foreign = Path(shutil.copytree(root / "step_00000002", root / "step_00000010"))
+    (foreign / ckpt.MANIFEST).unlink()  # a final name without a manifest: not from an interrupted save
+    (root / ".tmp-step_00000012").mkdir()  # an interrupted save
+    (root / ".tmp-step_00000012" / "model.safetensors").write_bytes(b"half")
+    shutil.copytree(root / "step_00000002", root / ".old-step_00000002")  # a kill while step 2 was saved again
+    weights = root / "step_00000006" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))  # same size: only the hash tells
+    (root / "step_00000004" / "optimizer.bin").unlink()
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        trainer = make(run, *STEPS[1:], "train.max_steps=8")
+    assert trainer.state.step == 2
+    then = "; skipped it, resuming from step_00000002"
+    expected = [
+        f"checkpoint {root / '.old-step_00000002'} is an older copy of step_00000002, set aside while step_00000002 "
+        f"was saved again (the next save removes it){then}",
+        f"checkpoint {root / 'step_00000010'} is incomplete: no manifest.json (written by another tool, copied "
+        f"incompletely, or its manifest was removed; an interrupted save leaves a .tmp- folder instead){then}",
+        f"checkpoint {root / '.tmp-step_00000012'} is an unfinished save (the run stopped before it was complete and "
+        f"renamed into place; the next save removes it){then}",
+        f"checkpoint {root / 'step_00000006'} is corrupt: file model.safetensors fails its sha256 check{then}",
+        f"checkpoint {root / 'step_00000004'} is corrupt: file optimizer.bin is missing{then}",
+    ]
+    assert [r.getMessage() for r in caplog.records if "skipped it" in r.getMessage()] == expected
+
+
+def test_resume_with_no_complete_checkpoint_says_what_it_passed_over(run, caplog):
+    root = run / "checkpoints"
+    for step in ckpt.list_checkpoints(root):
+        (step / ckpt.MANIFEST).unlink()
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        trainer = make(run, *STEPS[1:])
+    assert trainer.state.step == 0
+    skipped = [r.getMessage() for r in caplog.records if "skipped it" in r.getMessage()]
+    assert [m.split(" ")[1] for m in skipped] == [str(root / f"step_0000000{n}") for n in (2, 4, 6)]
+    assert all(m.endswith("; skipped it, no complete checkpoint: starting from step 0") for m in skipped)
+
+
+# ---------------------------------------------------------------- d) exports compare by hash
+
+def test_exports_of_one_checkpoint_are_byte_identical(run, tmp_path, monkeypatch):
+    first = export.export_run(run, tmp_path / "a" / "model.safetensors")
+    monkeypatch.chdir(run.parent)  # the run spelled another way: same bytes
+    second = export.export_run(run.name, tmp_path / "b" / "model.safetensors")
+    assert hashes(first.parent) == hashes(second.parent)
+    assert set(hashes(first.parent)) == {"model.safetensors", "model.config.yaml", ckpt.TASK_STATS}
+    weights, _ = export.consolidated_weights(run)
+    loaded = load_file(first)
+    assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
+    with safe_open(str(first), framework="pt") as f:
+        metadata = f.metadata()
+    assert metadata == {"checkpoint": "checkpoints/step_00000006", "step": "6", "weights": "ema",
+                        "task_stats": (run / "checkpoints" / "step_00000006" / ckpt.TASK_STATS).read_text()}
+    header = first.read_bytes()[8:8 + int.from_bytes(first.read_bytes()[:8], "little")]
+    assert json.dumps(json.loads(header), sort_keys=True, separators=(",", ":")) == header.decode().rstrip()
+
+
+def test_export_replaces_a_folder_artifact_whole(run, tmp_path):
+    """A folder artifact (e.g. a tokenizer) is staged beside its target and swapped in: no stale files remain."""
+    step = run / "checkpoints" / "step_00000006"
+    state = json.loads((step / ckpt.STATE).read_text())
+    (step / "vocab").mkdir()
+    (step / "vocab" / "new.txt").write_text("new")
+    ckpt.write_manifest(step, {**state, "artifacts": [*state["artifacts"], "vocab"]}, with_hashes=True)
+    out = tmp_path / "export" / "model.safetensors"
+    (out.parent / "vocab").mkdir(parents=True)
+    (out.parent / "vocab" / "stale.txt").write_text("from an older export")
+    export.export_run(run, out)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.config.yaml", "model.safetensors",
+                                                           ckpt.TASK_STATS, "vocab"]
+    assert [p.name for p in (out.parent / "vocab").iterdir()] == ["new.txt"]
