@@ -19,7 +19,7 @@ from trainer.errors import ConfigError, TrainerError
 
 def _train(args: argparse.Namespace) -> int:
     from trainer.config import load_config
-    from trainer.core.distributed import PREEMPTED_EXIT_CODE
+    from trainer.core.preemption import PREEMPTED_EXIT_CODE
     from trainer.core.trainer import Trainer
     from trainer.core.watchdog import arm_exit_guard, started_by_launcher
 

@@ -15,8 +15,8 @@ from conftest import BIN, ROOT, TINY, TRAIN, accelerate_cmd, child_env, run_cmd,
 from safetensors.torch import load_file
 
 from trainer.core.checkpoint import latest_checkpoint
-from trainer.core.distributed import PREEMPTED_EXIT_CODE
 from trainer.core.export import load_model_weights
+from trainer.core.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = [pytest.mark.slow]
 

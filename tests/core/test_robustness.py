@@ -143,7 +143,7 @@ def test_run_lock_is_released_when_fit_returns(tmp_path):
 
 def test_preemption_without_a_step_boundary_exits_after_the_grace_period(tmp_path):
     """A rank that never reaches a step boundary (here: a busy loop) still ends after SIGTERM."""
-    stuck = ("import os, signal\nfrom trainer.core.distributed import PreemptionWatcher\n"
+    stuck = ("import os, signal\nfrom trainer.core.preemption import PreemptionWatcher\n"
              "watcher = PreemptionWatcher(1, grace_s=1.0)\nos.kill(os.getpid(), signal.SIGTERM)\nwhile True: pass\n")
     proc = subprocess.run([sys.executable, "-c", stuck], env=child_env(), capture_output=True, text=True,
                           timeout=LIVENESS_S)

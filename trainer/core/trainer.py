@@ -25,20 +25,14 @@ from tqdm.auto import tqdm
 from trainer.atomic_io import atomic_write_text
 from trainer.config import Config, save_config
 from trainer.core import checkpoint as ckpt
-from trainer.core.distributed import (
-    PREEMPTED_EXIT_CODE,
-    PreemptionWatcher,
-    build_accelerator,
-    compile_model,
-    scale_factor,
-    unwrap_model,
-)
+from trainer.core.distributed import build_accelerator, compile_model, scale_factor, unwrap_model
 from trainer.core.ema import EMA
 from trainer.core.engine import build_engine, check_backend_supports
 from trainer.core.generation import generate_distributed
 from trainer.core.host_memory import HeapTrimmer
 from trainer.core.loaders import TrainBatches, agreed_start, build_eval_loader, resolve_epochs
 from trainer.core.optim import build_optimizer, build_scheduler
+from trainer.core.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher
 from trainer.core.resume import TrainState, load_weights, resume, save_checkpoint
 from trainer.core.run_lock import release_run_lock
 from trainer.core.run_logger import RunLogger, StepWindow

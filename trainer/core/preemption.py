@@ -1,0 +1,188 @@
+"""Preemption: SIGTERM/SIGUSR1 become a stop at a step boundary that every rank agrees on.
+
+The Trainer asks `PreemptionWatcher.should_stop()` at each step boundary; on a stop it writes a
+checkpoint and the process exits with `PREEMPTED_EXIT_CODE`, which batch systems read as "requeue".
+A rank that cannot reach a boundary exits without a checkpoint instead of hanging (see the class).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import torch
+
+PREEMPTED_EXIT_CODE = 75
+"""Exit status after a SIGTERM/SIGUSR1 checkpoint (EX_TEMPFAIL: try again, i.e. requeue)."""
+PREEMPT_GRACE_S = float(os.environ.get("TRAINER_PREEMPT_GRACE_S", "60"))
+"""After SIGTERM/SIGUSR1, the longest wait for the next step boundary (environment variable
+`TRAINER_PREEMPT_GRACE_S`). A rank stuck in a collective or in its data never reaches one: it then
+exits with status 128 + signal and no checkpoint, as it does at once on a second signal."""
+DUPLICATE_SIGNAL_S = 2.0
+"""A second signal this soon after the first is the same request delivered twice (the batch system
+signals every process and the launcher forwards its own copy), not a request to stop at once."""
+
+
+class PreemptionWatcher:
+    """Turns SIGTERM/SIGUSR1 into a stop request that all ranks agree on at the same step.
+
+    With several processes the local flags are OR-reduced over a gloo group, asynchronously: the
+    reduction started at step k is read at step k+1, so no step waits on the device.
+
+    A rank that never reaches a step boundary (stuck in a collective, or in data that yields nothing)
+    would wait for one forever, so a listener thread, woken by the signal itself through
+    `signal.set_wakeup_fd` (Python-level handlers only run when the main thread runs Python), ends the
+    process when no boundary came within `grace_s` of the signal (or of the last boundary), or at once
+    on a second signal. Once the ranks agreed to stop, the checkpoint may take as long as it needs.
+    """
+
+    signals = (signal.SIGTERM, signal.SIGUSR1)
+    _active: PreemptionWatcher | None = None  # the one whose listener owns the wakeup fd
+
+    def __init__(self, world_size: int, grace_s: float = PREEMPT_GRACE_S):
+        if PreemptionWatcher._active is not None:  # left open by a fit() that raised
+            PreemptionWatcher._active._release()
+        self.requested = False
+        self.received: str | None = None
+        self.grace_s = grace_s
+        self._world_size = world_size
+        self._pending = None
+        self._flag = torch.zeros(1)
+        self._group = None
+        self._previous = {}
+        self._boundary_at = time.monotonic()
+        self._stopping = False  # the stop is agreed: the final checkpoint is being written
+        self._listener: threading.Thread | None = None
+        for sig in self.signals:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave handlers alone
+                pass
+        if self._previous:
+            self._start_listener()
+        if world_size > 1:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        self.requested = True
+        self.received = signal.Signals(signum).name
+
+    def _start_listener(self) -> None:
+        self._reader, self._writer = socket.socketpair()
+        self._writer.setblocking(False)  # set_wakeup_fd needs a non-blocking fd
+        try:
+            self._previous_wakeup = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        except ValueError:
+            self._reader.close()
+            self._writer.close()
+            return
+        self._listener = threading.Thread(target=self._listen, name="trainer-preemption-grace", daemon=True)
+        self._listener.start()
+        PreemptionWatcher._active = self
+
+    def _listen(self) -> None:
+        watched = {int(s) for s in self.signals}
+        first_at: float | None = None
+        while True:
+            timeout = None
+            if first_at is not None and not self._stopping:
+                timeout = max(0.0, max(first_at, self._boundary_at) + self.grace_s - time.monotonic())
+            self._reader.settimeout(timeout)
+            try:
+                data = self._reader.recv(64)
+            except TimeoutError:
+                if not self._stopping and time.monotonic() - max(first_at, self._boundary_at) >= self.grace_s:
+                    self._give_up(f"{self.received or 'a stop signal'} received, but no step ended within "
+                                  f"{self.grace_s:g} s (a rank waiting in a collective or for its data?)")
+                continue
+            except OSError:
+                return
+            if self._previous_wakeup >= 0:  # someone else's wakeup fd (an event loop): pass it on
+                try:
+                    os.write(self._previous_wakeup, data.replace(b"\0", b""))
+                except OSError:
+                    pass
+            for signum in data:
+                if signum == 0:  # close() or nothing more to read
+                    return
+                if signum not in watched:
+                    continue
+                name = signal.Signals(signum).name
+                if first_at is None:
+                    first_at, self.requested, self.received = time.monotonic(), True, name
+                    sys.stderr.write(f"trainer: {name} received: stopping after the current step "
+                                     f"(a second {name} stops at once, without a checkpoint)\n")
+                    sys.stderr.flush()
+                elif time.monotonic() - first_at > DUPLICATE_SIGNAL_S:
+                    self._give_up(f"second {name} received before the step ended")
+            if not data:
+                return
+
+    def _give_up(self, reason: str) -> None:
+        """Exit now, from the listener thread: the main thread may never run Python again."""
+        signum = int(getattr(signal, self.received or "SIGTERM"))
+        try:
+            sys.stderr.write(f"trainer: {reason}; exiting with status {128 + signum} without a checkpoint "
+                             f"(the last complete checkpoint is intact; run.resume=auto continues from it)\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(128 + signum)
+
+    def should_stop(self) -> bool:
+        self._boundary_at = time.monotonic()
+        if self._world_size == 1:
+            self._stopping = self.requested
+            return self.requested
+        import torch.distributed as dist
+
+        agreed = False
+        if self._pending is not None:
+            self._pending.wait()
+            agreed = bool(self._flag.item() > 0)
+        self._flag = torch.tensor([1.0 if self.requested else 0.0])
+        self._pending = dist.all_reduce(self._flag, group=self._group, async_op=True)
+        self._stopping = agreed
+        return agreed
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        self._release()
+
+    def _release(self) -> None:
+        """Give back the signal handlers and the wakeup fd, and end the listener."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+        if self._listener is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            try:
+                self._writer.send(b"\0")  # wakes the listener, which ends
+            except OSError:
+                pass
+            self._listener.join(timeout=5)
+            self._reader.close()
+            self._writer.close()
+            self._listener = None
+        if PreemptionWatcher._active is self:
+            PreemptionWatcher._active = None
+
+
+def _forget_wakeup_fd_in_child() -> None:
+    """A forked child (a DataLoader worker) must not write its own signals into the parent's listener,
+    which would count a process-group SIGTERM twice and stop at once."""
+    if PreemptionWatcher._active is not None:
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:  # forked from another thread: not the child's main thread
+            pass
+
+
+os.register_at_fork(after_in_child=_forget_wakeup_fd_in_child)
