@@ -221,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         kind = "config error" if isinstance(err, ConfigError) else "error"
-        print(f"trainer: {kind}: {err}", file=sys.stderr)
+        # A config error is the same on every rank of a launch: the main one says it. Other errors may be a
+        # rank's own (its data, its disk), so every rank prints those.
+        if not (isinstance(err, ConfigError) and int(os.environ.get("RANK", "0") or 0) > 0):
+            print(f"trainer: {kind}: {err}", file=sys.stderr)
         return 2
 
 

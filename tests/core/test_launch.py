@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,26 @@ def test_two_launched_processes_and_one_in_place_give_the_same_result(tmp_path, 
     for key in ("loss", "mae"):
         assert launched.eval_metrics[key] == pytest.approx(here.eval_metrics[key], rel=1e-4)
         assert launched.test_metrics[key] == pytest.approx(here.test_metrics[key], rel=1e-4)
+
+
+def test_replicas_log_warnings_only():
+    """Under N processes every rank but the main one stays quiet: info lines (a family's ingest line, the
+    datasets progress bars) once, from rank 0; a replica's warnings still show."""
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s'); "
+            "from trainer.core.distributed import quiet_replica; quiet_replica(); "
+            "log = logging.getLogger('trainer.families.some_family.task'); log.info('ingest line'); "
+            "log.warning('rank warning'); "
+            "from datasets.utils.logging import is_progress_bar_enabled; print('bars', is_progress_bar_enabled())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["rank", "warning", "bars", "False"]
+
+
+def test_config_error_is_said_once_per_launch(monkeypatch, capsys):
+    """A config error is the same on every rank: rank 0 prints the line, the others only exit with status 2."""
+    from trainer.cli import main
+
+    for rank, printed in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["train", TINY, "train.max_step=3"]) == 2
+        err = capsys.readouterr().err
+        assert ("Did you mean: train.max_steps?" in err) is printed

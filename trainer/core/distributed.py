@@ -1,4 +1,4 @@
-"""Everything about processes and backends: building the Accelerator, DeepSpeed configs, signals.
+"""Processes and backends: building the Accelerator, filling DeepSpeed configs, unwrapping models.
 
 The same script runs under `python`, `accelerate launch`, `torchrun` and the `deepspeed`
 launcher. The launch topology comes from the launcher's config file (accelerate yaml or
@@ -209,8 +209,20 @@ def build_accelerator(cfg: Config, deepspeed_config: str | None = None) -> Accel
         # A MULTI_GPU (or FSDP) yaml on a machine without GPUs becomes MULTI_CPU over gloo this way.
         kwargs["cpu"] = not use_cuda
     accelerator = Accelerator(**kwargs)
+    if not accelerator.is_main_process:
+        quiet_replica()
     claim_output_dir(accelerator, cfg.run.output_dir)
     return accelerator
+
+
+def quiet_replica() -> None:
+    """Every rank but the main one logs warnings and errors only and draws no `datasets` progress bars (as
+    the HF Trainer's log_level_replica), so N processes print each message once; what is per rank by
+    nature (a rank's own failure) is a warning or an error and still shows."""
+    logging.getLogger("trainer").setLevel(logging.WARNING)
+    from datasets.utils import logging as datasets_logging
+
+    datasets_logging.disable_progress_bar()
 
 
 def claim_output_dir(accelerator: Accelerator, output_dir: str | Path) -> None:
@@ -272,7 +284,7 @@ def compile_model(model: torch.nn.Module, distributed_type: DistributedType) -> 
     """`train.compile`: let the model torch.compile its own hot regions (`model.compile_regions()`), in place.
 
     Regions rather than the whole module, as torchtitan compiles per block: a model knows which of its parts
-    trace cleanly (GEARS' sparse graph products do not), and parameter names stay unchanged. A model without
+    trace cleanly (sparse graph products, for one, do not), and parameter names stay unchanged. A model without
     `compile_regions` is refused rather than wrapped whole, since `nn.Module.compile()` binds the compiled
     forward to this instance and a deep copy (the EMA) would call back into it."""
     if distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):

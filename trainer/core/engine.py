@@ -6,7 +6,7 @@ engines cover every launch:
 
 - `TorchEngine`, plain PyTorch (one process, DDP on CPU or GPU): backward, `clip_grad_norm_`, the
   torch optimizer's step; accelerate's wrappers are bypassed where they would only forward the call
-  (they cost ~0.3 ms a step on a small model).
+  (their per-step Python work is measurable on small models: BENCHMARKS.md, overhead).
 - `TorchEngine` through accelerate (FSDP, or an fp16 GradScaler): `accelerator.backward`, its
   `clip_grad_norm_` (which unscales) and the wrapped optimizer (which skips overflowing steps).
 - `DeepSpeedEngine`: the DeepSpeed engine scales, clips and steps inside `accelerator.backward`; skipped
