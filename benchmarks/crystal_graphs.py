@@ -1,7 +1,8 @@
 """Periodic graph construction speed (structures/s): vesin + numpy selection vs an ASE-based baseline.
 
-All structures of /work/shared/data/crystals (mlearn Si and Mo, training + test, and the 50
-JARVIS crystals of jarvis_bandgap_50: 506 structures, 2 to 108 atoms) are parsed once (untimed);
+All structures of mlearn Si and Mo, training + test (the public files, fetched once with their checksums:
+`trainer data fetch mlearn_si_training ...`; or `--data FOLDER` holding mlearn/{Si,Mo}/{training,test}.json),
+and the 50 bundled JARVIS crystals of jarvis_bandgap_50: 506 structures, 2 to 108 atoms, are parsed once (untimed);
 then, in one process, median of `--repeats` interleaved repeats after one untimed warm-up:
 
   (a) baseline  `build_crystal_graph(..., backend="ase")`: `ase.neighborlist.primitive_neighbor_list`
@@ -39,15 +40,17 @@ from trainer.families.crystals.dataset import build_crystal_dataset
 from trainer.families.crystals.graphs import GraphSpec, build_crystal_graph
 from trainer.families.crystals.readers import bundled_crystal_path, iter_crystals
 
-DATA = Path("/work/shared/data/crystals")
+
+def sources(root: Path | None) -> list[Path]:
+    """mlearn Si/Mo training/test (from `root`/mlearn, else the fetch cache) and the bundled JARVIS folder."""
+    from trainer.data.fetch import fetch
+
+    mlearn = [root / "mlearn" / el / f"{split}.json" if root else fetch(f"mlearn_{el.lower()}_{split}")
+              for el in ("Si", "Mo") for split in ("training", "test")]
+    return [*mlearn, bundled_crystal_path("jarvis_bandgap_50")]
 
 
-def sources(root: Path) -> list[Path]:
-    return [root / "mlearn" / el / f"{split}.json" for el in ("Si", "Mo") for split in ("training", "test")] + [
-        root / "jarvis_bandgap_50"]
-
-
-def load(root: Path) -> list[dict]:
+def load(root: Path | None) -> list[dict]:
     return list(iter_crystals(sources(root), check_overlap=False))
 
 
@@ -80,7 +83,7 @@ def same_graphs(a: list[dict], b: list[dict]) -> bool:
     return all(all(np.array_equal(x[k], y[k]) for k in ("edge_src", "edge_dst", "edge_shift")) for x, y in zip(a, b))
 
 
-def end_to_end(root: Path, spec: GraphSpec, num_proc: int) -> float:
+def end_to_end(root: Path | None, spec: GraphSpec, num_proc: int) -> float:
     with tempfile.TemporaryDirectory(prefix="crystal-bench-") as cache:
         t0 = time.perf_counter()
         # One dataset of all 5 inputs (jarvis's id_prop value is its target whatever `target` says).
@@ -115,7 +118,8 @@ def machine() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=str(DATA), help="the shared crystals folder")
+    p.add_argument("--data", default=None, help="a folder with mlearn/{Si,Mo}/{training,test}.json (default: the "
+                   "public files, fetched once into the data cache)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per method; median reported")
     p.add_argument("--radius", type=float, default=5.0, help="cutoff of the radius graph, Å")
     p.add_argument("--profile", action="store_true", help="print the top functions of (a) and (b)")
@@ -128,7 +132,7 @@ def main() -> None:
         return
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
-    root = Path(a.data)
+    root = Path(a.data) if a.data else None
     started = time.perf_counter()
     structures = load(root)
     n, atoms = len(structures), sum(len(r["atomic_numbers"]) for r in structures)
@@ -175,7 +179,7 @@ def main() -> None:
     if a.out:
         write_section(a.out, (f"## Crystal graph construction benchmark, {utc_now()}\n\n- Machine: {machine()}\n"
                     f"- Command: `{command_line()}`\n"
-                    f"- Data: `{root}` (mlearn Si + Mo training + test, jarvis_bandgap_50): {n} structures, "
+                    f"- Data: `{root or 'the fetch cache'}` (mlearn Si + Mo training + test, jarvis_bandgap_50): {n} structures, "
                     f"{atoms:,} atoms; median of {a.repeats} interleaved repeats after one untimed warm-up, "
                     f"one process; both backends give identical edge sets\n"
                     f"- Target: b/a >= 10 for both graph kinds\n\n{table}\n\n{verdict}\n\n{e2e_line}\n"

@@ -1,14 +1,14 @@
 """Crystal property quality and CPU training throughput: test MAE of `crystal_property` next to the
 per-element linear baseline, and atoms/s of training.
 
-Datasets (from $TRAINER_CRYSTALS_DATA, default ../shared/data/crystals): mlearn Si and Mo (energy per
-atom, the given training.json / test.json files) and jarvis_bandgap_50 (OptB88vdW band gap, 80/10/10
-split by id hash). Each runs
+Datasets: mlearn Si and Mo (energy per atom, the given training.json / test.json files, fetched once with
+their checksums by `${fetch:NAME}`, see `trainer data list`; `--data FOLDER` reads FOLDER/mlearn/{Si,Mo}/
+instead) and the bundled jarvis_bandgap_50 (OptB88vdW band gap, 80/10/10 split by id hash). Each runs
 `trainer train configs/crystals/comformer_tiny.yaml` in-process with the dataset's overrides, one
 process; the test MAE is what the run writes to RUN_DIR/test/metrics.json. Throughput is atoms/s
 over the logged training steps (structures/s x mean atoms per training structure).
 
-    python benchmarks/crystal_quality.py [--epochs 150] [--preset tiny] [--out BENCH_DIR]
+    python benchmarks/crystal_quality.py [--epochs 150] [--preset tiny] [--out BENCH_DIR] [--data FOLDER]
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -27,16 +26,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_report import command_line, cpu_model, utc_now  # noqa: E402
 
-# the shared data sets: $TRAINER_CRYSTALS_DATA, else the checkout's sibling shared/data/crystals (as the configs)
-CRYSTALS = Path(os.environ.get("TRAINER_CRYSTALS_DATA") or ROOT.parent / "shared" / "data" / "crystals")
+# mlearn: the public files through the fetch cache (resolved when the config loads); JARVIS: the bundled sample
 DATASETS = {
-    "mlearn Si (energy/atom, eV)": [f"task.data_path={CRYSTALS / 'mlearn/Si/training.json'}",
-                                    f"task.test_path={CRYSTALS / 'mlearn/Si/test.json'}"],
-    "mlearn Mo (energy/atom, eV)": [f"task.data_path={CRYSTALS / 'mlearn/Mo/training.json'}",
-                                    f"task.test_path={CRYSTALS / 'mlearn/Mo/test.json'}"],
-    "jarvis_bandgap_50 (band gap, eV)": [f"task.data_path={CRYSTALS / 'jarvis_bandgap_50'}", "task.per_atom=false",
+    "mlearn Si (energy/atom, eV)": ["task.data_path=${fetch:mlearn_si_training}", "task.test_path=${fetch:mlearn_si_test}"],
+    "mlearn Mo (energy/atom, eV)": ["task.data_path=${fetch:mlearn_mo_training}", "task.test_path=${fetch:mlearn_mo_test}"],
+    "jarvis_bandgap_50 (band gap, eV)": ["task.data_path=${crystals_sample:jarvis_bandgap_50}", "task.per_atom=false",
                                          "task.test_fraction=0.1", "train.per_device_batch_size=8"],
 }
+
+
+def local_datasets(folder: Path) -> None:
+    """--data FOLDER: mlearn from FOLDER/mlearn/{Si,Mo}/{training,test}.json instead of the fetch cache."""
+    for el in ("Si", "Mo"):
+        DATASETS[f"mlearn {el} (energy/atom, eV)"] = [f"task.data_path={folder / 'mlearn' / el / 'training.json'}",
+                                                      f"task.test_path={folder / 'mlearn' / el / 'test.json'}"]
 
 
 def run_one(name: str, overrides: list[str], args: argparse.Namespace, work: Path) -> dict:
@@ -72,9 +75,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=150)
     parser.add_argument("--preset", default="tiny", choices=["tiny", "paper"])
     parser.add_argument("--out", default=None, help="run directories (default: a temp folder)")
+    parser.add_argument("--data", default=None, help="a folder with mlearn/{Si,Mo}/{training,test}.json (default: "
+                        "the public files, fetched once into the data cache)")
     parser.add_argument("--smoke", action="store_true", help="one epoch on the bundled mlearn Si sample: checks the "
                         "script runs (its MAE means nothing)")
     args = parser.parse_args()
+    if args.data:
+        local_datasets(Path(args.data))
     if args.smoke:
         args.epochs, args.preset, args.out = 1, "tiny", None
         samples = ROOT / "trainer" / "families" / "crystals" / "samples"

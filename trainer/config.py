@@ -21,11 +21,16 @@ from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
-from trainer.errors import ConfigError
+from trainer.data.fetch import resolve_fetch
+from trainer.errors import ConfigError, TrainerError
 from trainer.registry import get_task
 from trainer.task import TaskConfig
+
+# `${fetch:NAME}` in a config: the local path of a registered public data set, downloaded with its checksum
+# on first use (trainer/data/fetch.py; `trainer data list`).
+OmegaConf.register_resolver("fetch", resolve_fetch, replace=True)
 
 __all__ = ["Config", "ConfigError", "TaskConfig", "load_config"]
 
@@ -398,7 +403,15 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         schema = _merge(schema, task_cls.presets[preset_name], f"preset {task_name}:{preset_name}")
     schema = _merge(schema, file_layer, str(path))
     schema = _merge(schema, cli_layer, "command line")
-    cfg = OmegaConf.to_object(schema)
+    try:
+        cfg = OmegaConf.to_object(schema)
+    except InterpolationResolutionError as err:  # a resolver's own error (e.g. `${fetch:NAME}`) as its one line
+        cause: BaseException | None = err
+        while cause is not None and not isinstance(cause, TrainerError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            raise cause from None
+        raise ConfigError(f"config key '{getattr(err, 'full_key', '?')}': {str(err).splitlines()[0]}") from None
     _validate(cfg)
     _check_scheduler(cfg.optim.scheduler)
     _check_metric(cfg, task_cls)

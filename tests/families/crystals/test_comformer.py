@@ -2,13 +2,14 @@
 
 Test graphs are built here with ``ase.neighborlist.neighbor_list("ijS")`` (edge j -> i, shift S;
 the model's edge vector then equals ase's ``D``), plus optional ``use_lattice`` self-loops.
-The structures are real ones from /work/shared/data/crystals (mlearn Si, JARVIS POSCARs).
+The structures are real ones bundled with the package (mlearn Si, JARVIS POSCARs; see
+trainer/families/crystals/samples/README.md).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,10 +33,10 @@ from trainer.families.crystals.lattice import (  # noqa: E402
     canonical_lattice_coeffs,
     lattice_self_loop_shifts,
 )
+from trainer.families.crystals.readers import bundled_crystal_path  # noqa: E402
 
-DATA = Path("/work/shared/data/crystals")
-MLEARN_SI = DATA / "mlearn" / "Si" / "training.json"
-JARVIS = DATA / "jarvis_bandgap_50"
+MLEARN_SI = bundled_crystal_path("mlearn_Si_training")
+JARVIS = bundled_crystal_path("jarvis_bandgap_50")
 CUTOFF = 4.0
 VARIANTS = ["icomformer", "ecomformer"]
 
@@ -46,9 +47,7 @@ VARIANTS = ["icomformer", "ecomformer"]
 
 
 def _mlearn_si(n: int) -> list[Atoms]:
-    if not MLEARN_SI.exists():
-        pytest.skip(f"{MLEARN_SI} not available")
-    entries = json.loads(MLEARN_SI.read_text())[:n]
+    entries = json.loads(gzip.decompress(MLEARN_SI.read_bytes()))[:n]
     out = []
     for e in entries:
         s = e["structure"]
@@ -59,10 +58,7 @@ def _mlearn_si(n: int) -> list[Atoms]:
 
 
 def _poscar(jid: str) -> Atoms:
-    path = JARVIS / f"POSCAR-{jid}.vasp"
-    if not path.exists():
-        pytest.skip(f"{path} not available")
-    return read(str(path))
+    return read(str(JARVIS / f"POSCAR-{jid}.vasp"))
 
 
 def graph(atoms: Atoms, self_loops: str = "canonical", cutoff: float = CUTOFF) -> dict:

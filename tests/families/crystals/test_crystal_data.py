@@ -41,11 +41,12 @@ from trainer.families.crystals.readers import (
     read_structures,
 )
 
-DATA = Path("/work/shared/data/crystals")
-MLEARN = {el: {s: DATA / "mlearn" / el / f"{s}.json" for s in ("training", "test")} for el in ("Si", "Mo")}
-JARVIS = DATA / "jarvis_bandgap_50"
+# The data bundled with the package (trainer/families/crystals/samples/README.md): mlearn Si training and test
+# complete, every 5th record of mlearn Mo training (39) and test (5), the 50 JARVIS crystals (POSCARs + id_prop.csv).
+MLEARN = {"Si": {s: bundled_crystal_path(f"mlearn_Si_{s}") for s in ("training", "test")},
+          "Mo": {"training": bundled_crystal_path("mlearn_Mo_training_39"), "test": bundled_crystal_path("mlearn_Mo_test_5")}}
+JARVIS = bundled_crystal_path("jarvis_bandgap_50")
 
-pytestmark = pytest.mark.skipif(not DATA.exists(), reason="shared crystal data not available")
 pytest.importorskip("ase")
 pytest.importorskip("vesin")
 import ase.io  # noqa: E402
@@ -53,7 +54,7 @@ from ase.neighborlist import neighbor_list  # noqa: E402
 
 
 def mlearn_items(el: str = "Si", split: str = "test") -> list[dict]:
-    return json.loads(MLEARN[el][split].read_text())
+    return json.loads(gzip.decompress(MLEARN[el][split].read_bytes()))
 
 
 def write_json(tmp_path: Path, items: list[dict], name: str = "set.json") -> Path:
@@ -64,7 +65,7 @@ def write_json(tmp_path: Path, items: list[dict], name: str = "set.json") -> Pat
 
 @pytest.fixture(scope="module")
 def structures() -> list:
-    """Real structures: mlearn Si / Mo (2 to 64 atoms, surfaces, vacancies) and JARVIS crystals of
+    """Real structures: mlearn Si / Mo (8 to 64 atoms, surfaces, vacancies) and JARVIS crystals of
     2-4 atoms in small cells, where the cutoffs exceed the cell and images of one atom repeat."""
     out = []
     mo = sorted(mlearn_items("Mo", "training"), key=lambda r: r["num_atoms"])
@@ -173,10 +174,11 @@ def test_lattice_loops_comformer_and_matformer():
 
 def test_mlearn_json_and_gz(tmp_path):
     items = mlearn_items("Si", "test")
-    plain = list(read_mlearn_json(MLEARN["Si"]["test"], keep=("forces", "stress")))
-    gz = tmp_path / "test.json.gz"
-    gz.write_bytes(gzip.compress(MLEARN["Si"]["test"].read_bytes()))
-    zipped = list(read_mlearn_json(gz, keep=("forces", "stress")))
+    path = tmp_path / "Si" / "test.json"  # the public file's name and folder (the bundled one is gzipped)
+    path.parent.mkdir()
+    path.write_bytes(gzip.decompress(MLEARN["Si"]["test"].read_bytes()))
+    plain = list(read_mlearn_json(path, keep=("forces", "stress")))
+    zipped = list(read_mlearn_json(MLEARN["Si"]["test"], keep=("forces", "stress")))
     assert len(plain) == len(zipped) == len(items) == 25
     for rec, z, item in zip(plain, zipped, items):
         assert rec["target"] == z["target"] == item["outputs"]["energy"]
@@ -186,19 +188,31 @@ def test_mlearn_json_and_gz(tmp_path):
         np.testing.assert_allclose(rec["atom_forces"], item["outputs"]["forces"])
         np.testing.assert_allclose(rec["stress"], item["outputs"]["virial_stress"])
         assert rec["id"] == f"Si/test.json#{rec['index']}"
-    per_atom = list(read_mlearn_json(MLEARN["Si"]["test"], per_atom=True))
+        assert z["id"] == f"samples/mlearn_Si_test.json.gz#{rec['index']}"
+    per_atom = list(read_mlearn_json(path, per_atom=True))
     assert per_atom[3]["target"] == pytest.approx(items[3]["outputs"]["energy"] / items[3]["num_atoms"])
-    multi = next(read_mlearn_json(MLEARN["Si"]["test"], target=["energy", "stress"]))
+    multi = next(read_mlearn_json(path, target=["energy", "stress"]))
     assert multi["target"] == [items[0]["outputs"]["energy"], *items[0]["outputs"]["virial_stress"]]
 
 
-def test_bundled_sample_is_mlearn_si():
+def test_bundled_samples_are_the_public_files():
+    """The bundled mlearn Si files decompress to the public files (the sha256 the fetch registry checks
+    downloads against); the Mo subsets are whole mlearn records of every group; the JARVIS folder
+    labels 50 crystals."""
+    import hashlib
+
+    from trainer.data.fetch import REGISTRY
+
     assert bundled_crystal_path("mlearn_Si_training").name == "mlearn_Si_training.json.gz"
-    bundled = list(read_mlearn_json(bundled_crystal_path("mlearn_Si_test")))
-    shared = list(read_mlearn_json(MLEARN["Si"]["test"]))
-    assert [r["target"] for r in bundled] == [r["target"] for r in shared]
-    with gzip.open(bundled_crystal_path("mlearn_Si_training"), "rb") as f:
-        assert f.read() == MLEARN["Si"]["training"].read_bytes()
+    for split, count in (("training", 214), ("test", 25)):
+        raw = gzip.decompress(bundled_crystal_path(f"mlearn_Si_{split}").read_bytes())
+        assert hashlib.sha256(raw).hexdigest() == REGISTRY[f"mlearn_si_{split}"].sha256
+        assert len(list(read_mlearn_json(bundled_crystal_path(f"mlearn_Si_{split}")))) == count
+    mo = mlearn_items("Mo", "training")
+    assert len(mo) == 39 and {r["group"] for r in mo} == {"AIMD-NVT", "Elastic", "Vacancy", "Surface"}
+    assert len(mlearn_items("Mo", "test")) == 5
+    assert all(set(r) >= {"structure", "outputs", "num_atoms", "group"} and r["tag"] == "train" for r in mo)
+    assert len(list(read_id_prop_folder(bundled_crystal_path("jarvis_bandgap_50")))) == 50
     with pytest.raises(KeyError):
         bundled_crystal_path("nope")
 

@@ -5,6 +5,7 @@ from plain Python (launching its own processes) and under accelerate launch."""
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import textwrap
 from pathlib import Path
@@ -20,7 +21,26 @@ from trainer.data.splits import split_indices
 from trainer.families.crystals.readers import bundled_crystal_path, iter_crystals
 
 CONFIG = str(ROOT / "configs" / "crystals" / "comformer_tiny.yaml")
-MLEARN = ROOT.parent / "shared" / "data" / "crystals" / "mlearn"
+# bundled mlearn files (trainer/families/crystals/samples/README.md): Si complete, Mo every 5th record
+MLEARN = {("Si", "training"): "mlearn_Si_training", ("Si", "test"): "mlearn_Si_test",
+          ("Mo", "training"): "mlearn_Mo_training_39", ("Mo", "test"): "mlearn_Mo_test_5"}
+
+
+@pytest.fixture
+def mlearn_mirror(tmp_path, monkeypatch) -> Path:
+    """An empty data cache and a local mirror (`<mirror>/<NAME>/<file>`) holding the public mlearn Si files,
+    rebuilt from the bundled copies, so `${fetch:mlearn_si_*}` resolves offline and checks the real checksums."""
+    from trainer.data.fetch import CACHE_ENV, MIRROR_ENV, REGISTRY
+
+    mirror = tmp_path / "mirror"
+    for split in ("training", "test"):
+        entry = REGISTRY[f"mlearn_si_{split}"]
+        (mirror / entry.name).mkdir(parents=True)
+        (mirror / entry.name / entry.filename).write_bytes(
+            gzip.decompress(bundled_crystal_path(f"mlearn_Si_{split}").read_bytes()))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "data_cache"))
+    monkeypatch.setenv(MIRROR_ENV, str(mirror))
+    return mirror
 
 
 def split_sizes(ids: list[str], val_fraction: float, test_fraction: float, seed: int) -> dict[str, int]:
@@ -84,7 +104,7 @@ def test_standardisation_buffers_and_loss(tmp_path):
     assert torch.allclose(model.predict(batch), model(batch) * model.target_std + model.target_mean)
 
 
-def test_crystal_configs_load():
+def test_crystal_configs_load(mlearn_mirror):
     for name in ("crystals/comformer_tiny.yaml", "crystals/comformer_mlearn.yaml",
                  "crystals/comformer_jarvis_bandgap.yaml"):
         cfg = load_config(str(ROOT / "configs" / name))
@@ -109,7 +129,9 @@ def test_two_process_ddp_balanced_batches_exact_once_eval(tmp_path):
 def _mlearn_atoms(element: str, split: str, n: int):
     from ase import Atoms
 
-    records = json.loads((MLEARN / element / f"{split}.json").read_text())[:n]
+    records = json.loads(gzip.decompress(bundled_crystal_path(MLEARN[element, split]).read_bytes()))
+    assert len(records) >= n
+    records = records[:n]
     atoms = [Atoms([s["species"][0]["element"] for s in r["structure"]["sites"]],
                    positions=[s["xyz"] for s in r["structure"]["sites"]],
                    cell=r["structure"]["lattice"]["matrix"], pbc=True) for r in records]
@@ -148,7 +170,7 @@ def test_train_from_list_launches_two_processes_from_plain_python(tmp_path):
 def test_train_from_extxyz_unchanged_under_accelerate_launch(tmp_path):
     import ase.io
 
-    atoms, labels = _mlearn_atoms("Mo", "training", 40)
+    atoms, labels = _mlearn_atoms("Mo", "training", 39)  # the whole bundled Mo subset
     for a, y in zip(atoms, labels):
         a.info["energy_per_atom"] = y
     ase.io.write(tmp_path / "mo.extxyz", atoms, format="extxyz")
@@ -166,7 +188,7 @@ def test_train_from_extxyz_unchanged_under_accelerate_launch(tmp_path):
            "--main_process_port", str(free_port()), str(script)]
     proc = run_cmd(cmd, cwd=tmp_path, env=child_env())
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
-    ids = [f"{tmp_path.resolve().name}/mo.extxyz#{k}" for k in range(40)]
+    ids = [f"{tmp_path.resolve().name}/mo.extxyz#{k}" for k in range(39)]
     assert res["test"]["num_structures"] == split_sizes(ids, 0.1, 0.2, seed=123)["test"]
     assert next(r for r in read_jsonl(tmp_path / "out") if r.get("event") == "start")["world_size"] == 2
 
@@ -295,7 +317,7 @@ def test_train_from_list_reads_test_files_in_the_training_formats(tmp_path):
     ase.io.write(tmp_path / "test.extxyz", test_atoms, format="extxyz")
     quick = dict(batch_size=8, n_epochs=1, preset="tiny", overrides=["train.epochs=0", "train.max_steps=1",
                                                                      "log.tensorboard=false"])
-    for name, kw in (("mlearn", dict(test_path=str(MLEARN / "Si" / "test.json"), test_per_atom=True)),
+    for name, kw in (("mlearn", dict(test_path=str(bundled_crystal_path("mlearn_Si_test")), test_per_atom=True)),
                      ("extxyz", dict(test_path=str(tmp_path / "test.extxyz"), test_target="energy_per_atom"))):
         out = tmp_path / name
         res = train_from_list(atoms, labels, output_dir=str(out), cache_graphs=name == "mlearn", **quick, **kw)
@@ -306,15 +328,27 @@ def test_train_from_list_reads_test_files_in_the_training_formats(tmp_path):
         np.testing.assert_allclose(targets, sorted(test_labels), rtol=1e-6, err_msg=name)
 
 
-def test_mlearn_config_finds_its_data_from_any_directory(tmp_path, monkeypatch):
+def test_configs_find_their_data_from_any_directory(tmp_path, monkeypatch, mlearn_mirror):
+    """comformer_mlearn.yaml names the public mlearn Si files as `${fetch:...}`: the first load downloads them
+    (here from the local mirror) into the cache with their checksums, later loads use the cache without any
+    source; comformer_jarvis_bandgap.yaml names the bundled JARVIS folder. No path depends on the directory."""
+    import shutil
+
+    from trainer.errors import DataError
+
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("TRAINER_CRYSTALS_DATA", raising=False)
-    for name in ("comformer_mlearn.yaml", "comformer_jarvis_bandgap.yaml"):
-        cfg = load_config(str(ROOT / "configs" / "crystals" / name))
-        assert Path(cfg.task.data_path).exists(), (name, cfg.task.data_path)
-    assert Path(cfg.task.data_path).samefile(ROOT.parent / "shared" / "data" / "crystals" / "jarvis_bandgap_50")
+    cache = tmp_path / "data_cache"
     cfg = load_config(str(ROOT / "configs" / "crystals" / "comformer_mlearn.yaml"))
-    assert Path(cfg.task.test_path).samefile(MLEARN / "Si" / "test.json")
-    monkeypatch.setenv("TRAINER_CRYSTALS_DATA", str(tmp_path / "elsewhere"))
-    cfg = load_config(str(ROOT / "configs" / "crystals" / "comformer_mlearn.yaml"))
-    assert cfg.task.data_path == str(tmp_path / "elsewhere" / "mlearn" / "Si" / "training.json")
+    assert Path(cfg.task.data_path) == cache / "mlearn_si_training" / "training.json"
+    assert Path(cfg.task.test_path) == cache / "mlearn_si_test" / "test.json"
+    for path, split in ((cfg.task.data_path, "training"), (cfg.task.test_path, "test")):
+        assert Path(path).read_bytes() == gzip.decompress(bundled_crystal_path(f"mlearn_Si_{split}").read_bytes())
+    shutil.rmtree(mlearn_mirror)  # cached: no source needed any more
+    again = load_config(str(ROOT / "configs" / "crystals" / "comformer_mlearn.yaml"))
+    assert (again.task.data_path, again.task.test_path) == (cfg.task.data_path, cfg.task.test_path)
+    cfg = load_config(str(ROOT / "configs" / "crystals" / "comformer_jarvis_bandgap.yaml"))
+    assert Path(cfg.task.data_path).samefile(bundled_crystal_path("jarvis_bandgap_50"))
+    # not cached and no source: one line naming the data set and what to do (the mirror stands in for the network)
+    shutil.rmtree(cache)
+    with pytest.raises(DataError, match=r"data set 'mlearn_si_training': cannot download .*TRAINER_DATA_MIRROR"):
+        load_config(str(ROOT / "configs" / "crystals" / "comformer_mlearn.yaml"))

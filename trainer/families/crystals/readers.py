@@ -45,20 +45,25 @@ MIN_VOLUME_PER_ATOM = 1e-3
 PARSE_CALLS = 0
 """Number of files / in-memory lists opened for parsing (tests use it to prove cache hits)."""
 
-MLEARN_SAMPLES = {"mlearn_Si_training": "mlearn_Si_training.json.gz", "mlearn_Si_test": "mlearn_Si_test.json.gz"}
+MLEARN_SAMPLES = {"mlearn_Si_training": "mlearn_Si_training.json.gz", "mlearn_Si_test": "mlearn_Si_test.json.gz",
+                  "mlearn_Mo_training_39": "mlearn_Mo_training_39.json.gz", "mlearn_Mo_test_5": "mlearn_Mo_test_5.json.gz"}
+"""Bundled mlearn files: Si training and test complete, Mo every 5th record (samples/README.md)."""
+BUNDLED_SAMPLES = {**MLEARN_SAMPLES, "jarvis_bandgap_50": "jarvis_bandgap_50"}
+"""Every bundled crystal set: name -> file or folder under samples/ (the JARVIS set is a POSCAR folder + id_prop.csv)."""
 _SAMPLES = Path(__file__).resolve().parent / "samples"
 _MLEARN_ALIASES = {"stress": "virial_stress"}
 
 
 def bundled_crystal_path(name: str = "mlearn_Si_training") -> Path:
-    """Path of a bundled crystal file: "mlearn_Si_training" or "mlearn_Si_test" (file name also accepted).
+    """Path of a bundled crystal set (`BUNDLED_SAMPLES`): "mlearn_Si_training", "mlearn_Si_test",
+    "mlearn_Mo_training_39", "mlearn_Mo_test_5" (file name also accepted) or "jarvis_bandgap_50" (a folder).
 
     Provenance: trainer/families/crystals/samples/README.md.
     """
     key = name.removesuffix(".json.gz").removesuffix(".json")
-    if key not in MLEARN_SAMPLES:
-        raise KeyError(f"no bundled crystal set {name!r}; have {sorted(MLEARN_SAMPLES)}")
-    return _SAMPLES / MLEARN_SAMPLES[key]
+    if key not in BUNDLED_SAMPLES:
+        raise KeyError(f"no bundled crystal set {name!r}; have {sorted(BUNDLED_SAMPLES)}")
+    return _SAMPLES / BUNDLED_SAMPLES[key]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 import csv
 import io
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,26 +48,19 @@ logger = logging.getLogger(__name__)
 
 NUM_ELEMENTS = 119
 
-DATA_ENV = "TRAINER_CRYSTALS_DATA"
-"""Environment variable: the folder of the shared crystal data sets (mlearn/, jarvis_bandgap_50/)."""
+def crystal_sample_path(name: str = "mlearn_Si_training") -> str:
+    """`${crystals_sample:NAME}` in a config: the path of a set bundled with the package
+    (`readers.BUNDLED_SAMPLES`, e.g. `jarvis_bandgap_50`); an unknown name is a config error listing them.
+
+    Public sets too big to bundle are `${fetch:NAME}` (trainer/data/fetch.py, `trainer data list`)."""
+    try:
+        return str(bundled_crystal_path(name))
+    except KeyError as err:
+        raise DataError(err.args[0]) from None
 
 
-def crystal_data_path(relative: str = "") -> str:
-    """`$TRAINER_CRYSTALS_DATA/relative`, else `<checkout>/../shared/data/crystals/relative`.
-
-    The configs name their data as `${crystals_data:mlearn/Si/training.json}`, so they find it from
-    any working directory. The default root is the checkout's sibling `shared/data/crystals`, i.e.
-    `../../../shared/data/crystals` relative to a config in `configs/crystals/`.
-    """
-    root = os.environ.get(DATA_ENV) or str(Path(__file__).resolve().parents[3].parent / "shared" / "data" / "crystals")
-    if DATA_ENV not in os.environ and not Path(root).is_dir():  # an installed package, far from a checkout
-        raise DataError(f"crystal data folder {root} does not exist; set {DATA_ENV} to the folder that holds "
-                        f"mlearn/ and jarvis_bandgap_50/, or give task.data_path as a plain path")
-    return str(Path(root) / relative) if relative else root
-
-
-# `${crystals_data:...}` in a YAML config (resolved by load_config, which imports the family first).
-OmegaConf.register_resolver("crystals_data", crystal_data_path, replace=True)
+# `${crystals_sample:...}` in a YAML config (resolved by load_config, which imports the family first).
+OmegaConf.register_resolver("crystals_sample", crystal_sample_path, replace=True)
 
 
 @dataclass
@@ -77,7 +69,8 @@ class CrystalPropertyConfig(TaskConfig):
     """Registered task name."""
     data_path: str = ""
     """Training structures: .extxyz/.xyz(.gz), a folder with id_prop.csv, or mlearn .json(.gz); empty: bundled
-    mlearn Si. The configs name shared data as `${crystals_data:REL}` ($TRAINER_CRYSTALS_DATA/REL)."""
+    mlearn Si. `${fetch:NAME}` downloads a public set once (`trainer data list`), `${crystals_sample:NAME}` names
+    a bundled one (e.g. jarvis_bandgap_50)."""
     test_path: str = ""
     """Held-out test structures (same formats); empty: the bundled mlearn Si test file when data_path is empty,
     else `test_fraction` of data_path."""
