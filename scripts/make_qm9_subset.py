@@ -4,7 +4,7 @@ A deterministic random subset: `numpy.random.default_rng(SEED).choice(frames, SI
 kept in source-file order; every chosen frame is copied byte for byte (coordinates and the per-frame
 info line unchanged) and gzip-compressed with a zero timestamp, so the output is reproducible.
 
-    python scripts/make_qm9_subset.py [SOURCE] [OUTPUT]
+    python scripts/make_qm9_subset.py SOURCE [OUTPUT]
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import numpy as np
 
 from trainer.families.molecules_edm.readers import bundled_qm9_path, iter_xyz_frames
 
-SOURCE = Path("/work/shared/data/molecules/qm9_random_10k.extxyz.gz")
 SEED = 20220712
 """Fixed seed of the subset (EDM's ICML 2022 date)."""
 SIZE = 3000
@@ -40,6 +39,8 @@ def make_subset(source: Path, output: Path, size: int = SIZE, seed: int = SEED) 
 
 
 if __name__ == "__main__":
-    src = Path(sys.argv[1]) if len(sys.argv) > 1 else SOURCE
+    if len(sys.argv) < 2:
+        sys.exit("usage: python scripts/make_qm9_subset.py SOURCE [OUTPUT]  (SOURCE: the 10,000-molecule extxyz.gz)")
+    src = Path(sys.argv[1])
     out = Path(sys.argv[2]) if len(sys.argv) > 2 else bundled_qm9_path()
     make_subset(src, out)
