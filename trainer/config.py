@@ -120,13 +120,12 @@ class TrainConfig:
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
     grad_clip_value: float = 0.0
-    """Also clip every gradient component to [-v, v] after the norm clip (0: off): GEARS' clip_grad_value_(1.0).
+    """Also clip every gradient component to [-v, v] after the norm clip (0: off), as torch's clip_grad_value_.
     Not under DeepSpeed, whose engine clips by norm only."""
     compile: bool = False
-    """torch.compile (inductor) the model's hot regions, as its `compile_regions()` declares them (GEARS: its dense
-    decoder, ~1.6x faster steps on CPU). Costs a one-off compile (~15 s on 2 CPU cores with a cold inductor cache)
-    and needs a C++ compiler on CPU; single process and DDP only (not DeepSpeed/FSDP). Checkpoints and parameter
-    names are unchanged."""
+    """torch.compile (inductor) the model's hot regions, as its `compile_regions()` declares them (a model without
+    them is refused). Costs a one-off compile at the first steps and needs a C++ compiler on CPU; single process
+    and DDP only (not DeepSpeed/FSDP). Checkpoints and parameter names are unchanged."""
     ema_decay: float = 0.0
     """EMA decay of the weights (0 disables); warm-up min(decay, (1+n)/(10+n)). EMA weights are used for eval and export."""
     skip_nonfinite: bool = True
