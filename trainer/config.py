@@ -115,6 +115,10 @@ class TrainConfig:
     """Micro-batch size per process."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; effective batch = per_device x accum x world size."""
+    global_batch_size: int = 0
+    """Samples per optimizer step over all processes; when > 0 the accumulation follows from it (global / (per_device
+    x world size)). 0: per_device x accum x world size. A resumed run keeps its checkpoint's global batch on any
+    number of processes (the accumulation changes, and the start log says so)."""
     mixed_precision: str = "no"
     """`no`, `bf16` or `fp16` autocast (fp16 adds a dynamic loss scaler)."""
     grad_clip_norm: float = 1.0
@@ -373,7 +377,7 @@ def _validate(cfg: Config) -> None:
                     ("ckpt", "every_steps"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
                     ("data", "num_workers"), ("data", "max_units_per_batch"), ("data", "bucket_size"),
                     ("eval", "batch_size"), ("train", "grad_clip_norm"),
-                    ("train", "grad_clip_value")]
+                    ("train", "grad_clip_value"), ("train", "global_batch_size")]
     for section, key in non_negative:
         if getattr(getattr(cfg, section), key) < 0:
             raise ConfigError(f"config key '{section}.{key}' must be >= 0")

@@ -1,5 +1,6 @@
 """Exact resume: SIGKILL after a checkpoint (one process, bit-identical), explicit resume with
-2 processes under DDP and ZeRO-2 (loss sequence within 1e-6), SIGTERM checkpoint and exit code."""
+2 processes under DDP and ZeRO-2 (loss sequence within 1e-6), a DDP checkpoint resumed on one process
+(the global batch kept), SIGTERM checkpoint and exit code."""
 
 from __future__ import annotations
 
@@ -88,6 +89,19 @@ def test_two_process_resume_matches_uninterrupted(tmp_path, config):
     got_model, _ = final_state(resumed)
     for key in ref_model:
         torch.testing.assert_close(got_model[key], ref_model[key], rtol=0, atol=1e-6)
+    if config != "ddp.yaml":
+        return
+    # The same checkpoint on one process, with the same command line: the global batch of 32 is kept (8 per
+    # device x 4 accumulation now), so the run continues with the very samples and ends at the same weights.
+    single = tmp_path / "single"
+    proc = run_cmd([str(BIN / "python"), TRAIN, TINY, *common, f"run.output_dir={single}", f"run.resume={start}"])
+    assert "train.grad_accum_steps 2 -> 4" in proc.stdout + proc.stderr  # the start log says what it changed
+    got_losses = train_losses(single)
+    for step, loss in got_losses.items():
+        assert abs(loss - ref_losses[step]) <= 1e-5, (step, loss, ref_losses[step])
+    got_model, _ = final_state(single)
+    for key in ref_model:
+        torch.testing.assert_close(got_model[key], ref_model[key], rtol=0, atol=1e-5)
 
 
 def test_sigterm_checkpoints_and_exits_with_documented_code(tmp_path):

@@ -43,14 +43,17 @@ def build_batch_sampler(cfg: Config, task: Task, dataset: Any, rank: int, world_
                         with_epoch: bool) -> tuple[EpochSampler | BalancedBatchSampler,
                                                    RankBatchSampler | BalancedBatchSampler]:
     """(sampler, this rank's batch sampler): fixed counts, or balanced/budgeted by the task's unit sizes."""
-    global_batch = world_size * cfg.train.per_device_batch_size
+    t = cfg.train
+    global_batch = world_size * t.per_device_batch_size * t.grad_accum_steps
     if cfg.data.batching != "budget" and len(dataset) < global_batch:  # no batch at all: the loop would spin
         raise DataError(f"task '{cfg.task.name}', split train: {len(dataset)} samples, fewer than one global batch "
-                        f"of {global_batch} ({cfg.train.per_device_batch_size} per device x {world_size} "
-                        f"processes); lower train.per_device_batch_size or give more data")
+                        f"of {global_batch} ({t.per_device_batch_size} per device x {t.grad_accum_steps} "
+                        f"accumulation x {world_size} processes); lower train.per_device_batch_size or give more data")
     if cfg.data.batching == "fixed":
-        sampler = EpochSampler(len(dataset), cfg.run.seed, cfg.data.shuffle,
-                               multiple_of=world_size * cfg.train.per_device_batch_size)
+        # An epoch is whole global batches: optimizer step s reads global samples [s x G, (s+1) x G) of the
+        # (seed, epoch) order however G is split over ranks and micro-batches, so a run resumed on another
+        # world size continues with exactly the samples the uninterrupted run would have read.
+        sampler = EpochSampler(len(dataset), cfg.run.seed, cfg.data.shuffle, multiple_of=global_batch)
         return sampler, RankBatchSampler(sampler, cfg.train.per_device_batch_size, rank, world_size,
                                          with_epoch=with_epoch)
     sizes = task.unit_sizes(dataset)

@@ -44,7 +44,9 @@ logger = logging.getLogger("trainer")
 
 @dataclass
 class TrainState:
-    """What a checkpoint records besides model/optimizer/scheduler/RNG (the data position is step x accum)."""
+    """What a checkpoint records besides model/optimizer/scheduler/RNG. The batch layout (per-device x
+    accumulation x world size = global batch) lets a resume on another world size keep the global batch
+    (batch_plan.py); map-style data continues at global sample step x global batch."""
 
     step: int = 0
     best_metric: float | None = None
@@ -53,6 +55,10 @@ class TrainState:
     world_size: int = 1
     backend: str = ""
     grad_accum_steps: int = 1
+    per_device_batch_size: int = 0
+    global_batch_size: int = 0
+    lr_world_size: int = 1
+    """The world size the lr and warm-up scaling (optim.scale_lr) refer to: the run's first."""
 
 
 def save_checkpoint(trainer: Trainer, best: bool = False) -> Path:
@@ -230,6 +236,9 @@ def resume(trainer: Trainer) -> Path | None:
     trainer.state = TrainState(**{k: v for k, v in saved.items() if k in fields})
     trainer.state.world_size, trainer.state.backend = acc.num_processes, str(acc.distributed_type.value)
     trainer.state.grad_accum_steps = cfg.train.grad_accum_steps
+    trainer.state.per_device_batch_size = cfg.train.per_device_batch_size
+    trainer.state.global_batch_size = cfg.train.per_device_batch_size * cfg.train.grad_accum_steps * acc.num_processes
+    trainer.state.lr_world_size = trainer.batch_plan.lr_world_size
     trainer.engine.after_resume()
     if trainer.ema is not None:
         ema_file = path / "ema.safetensors"
@@ -338,9 +347,13 @@ def _check_compatible(trainer: Trainer, path: Path, saved: dict[str, Any]) -> No
     if saved.get("world_size") != acc.num_processes and deepspeed:
         raise CheckpointError(f"checkpoint {path} was written by {saved.get('world_size')} DeepSpeed "
                               f"processes; resume it with the same number (now {acc.num_processes})")
-    if saved.get("grad_accum_steps", accum) != accum:
-        logger.warning("train.grad_accum_steps changed from %s to %s: the data position counts optimizer steps, "
-                       "so the sample order differs from the original run", saved["grad_accum_steps"], accum)
+    t = trainer.cfg.train
+    saved_global = saved.get("global_batch_size") or (
+        saved.get("per_device_batch_size", 0) * saved.get("grad_accum_steps", accum) * saved.get("world_size", 1))
+    now_global = t.per_device_batch_size * accum * acc.num_processes
+    if saved_global and saved_global != now_global:  # batch_plan keeps it; only a hand-built Config gets here
+        logger.warning("the global batch changed from %s to %s: the data position counts optimizer steps, so the "
+                       "samples differ from the original run's", saved_global, now_global)
 
 
 def _restore_stream_position(trainer: Trainer, positions: list | None) -> None:

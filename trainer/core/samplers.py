@@ -13,9 +13,10 @@ from torch.utils.data import Dataset, Sampler
 class EpochSampler(Sampler[int]):
     """Shuffled (or sequential) indices, truncated to a multiple of `multiple_of`.
 
-    The trainer sets `multiple_of` = world size x per-device batch, so every rank gets the same
-    number of full batches and no sample is duplicated to pad a rank; the few samples left over
-    differ each epoch (the permutation changes) and their count is reported at start.
+    The trainer sets `multiple_of` = the global batch (world size x per-device batch x accumulation), so
+    every rank gets the same number of full batches, an epoch is whole optimizer steps and no sample is
+    duplicated to pad a rank; the few samples left over differ each epoch (the permutation changes) and
+    their count is reported at start.
     """
 
     def __init__(self, num_samples: int, seed: int, shuffle: bool = True, multiple_of: int = 1):
@@ -26,7 +27,7 @@ class EpochSampler(Sampler[int]):
         self.epoch = 0
         if len(self) == 0:
             raise ValueError(f"dataset of {num_samples} samples is smaller than one global batch "
-                             f"({self.multiple_of} = world size x per-device batch)")
+                             f"({self.multiple_of} = world size x per-device batch x accumulation)")
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

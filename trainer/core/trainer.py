@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from trainer.atomic_io import atomic_write_text
 from trainer.config import Config, save_config
 from trainer.core import checkpoint as ckpt
+from trainer.core.batch_plan import plan_batch
 from trainer.core.distributed import build_accelerator, compile_model, scale_factor, unwrap_model
 from trainer.core.ema import EMA
 from trainer.core.engine import build_engine, check_backend_supports
@@ -51,6 +52,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, deepspeed_config: str | None = None):
         self.cfg = cfg
+        self.batch_plan = plan_batch(cfg)  # the global batch is kept across world sizes: before the Accelerator
         self.accelerator = acc = build_accelerator(cfg, deepspeed_config)
         check_backend_supports(cfg, acc.distributed_type)
         self.is_main = acc.is_main_process
@@ -71,7 +73,7 @@ class Trainer:
         resolve_epochs(cfg, self.data.batches_per_epoch)
 
         # Optimizer and schedule, with lr and warm-up scaled to the world size.
-        factor = scale_factor(cfg.optim.scale_lr, world, cfg.optim.base_world_size)
+        factor = scale_factor(cfg.optim.scale_lr, self.batch_plan.lr_world_size, cfg.optim.base_world_size)
         self.lr = cfg.optim.lr * factor
         self.warmup_steps = round(cfg.optim.warmup_steps * (factor if cfg.optim.scale_warmup else 1.0))
         optimizer = build_optimizer(cfg, model, self.lr)
@@ -88,7 +90,8 @@ class Trainer:
 
         self.ema = EMA(unwrap_model(acc, self.model), t.ema_decay) if t.ema_decay > 0 else None
         self.state = TrainState(world_size=world, backend=str(acc.distributed_type.value),
-                                grad_accum_steps=t.grad_accum_steps)
+                                grad_accum_steps=t.grad_accum_steps, per_device_batch_size=t.per_device_batch_size,
+                                global_batch_size=self.batch_plan.global_batch, lr_world_size=self.batch_plan.lr_world_size)
         self.last_eval: dict[str, float] = {}
         self.test_weights_step: int | None = None
         """The step whose weights the test pass used (eval.test_weights), None: the current step."""
@@ -108,7 +111,7 @@ class Trainer:
                          f"epoch (a different remainder each epoch) so ranks stay even")
         if self.resumed_from:
             notes.append(f"resumed from {self.resumed_from} at step {self.state.step}")
-        return notes
+        return notes + self.batch_plan.changes
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> str:

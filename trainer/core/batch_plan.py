@@ -1,0 +1,124 @@
+"""The global batch is the invariant: per-device batch x accumulation x world size, planned before launch.
+
+A run's global batch is `train.global_batch_size` when given (the accumulation then follows from the
+per-device batch and the world size), else per-device x accumulation x world size. A resumed run keeps
+its checkpoint's global batch whatever the number of processes now: it changes the accumulation (or,
+when that cannot divide, the per-device batch) and says what it changed. With the global batch kept,
+map-style data continues at the same global sample (samplers.py: an epoch is whole global batches) and
+the learning rate and warm-up keep the scaling the run started with.
+
+The plan is made before the Accelerator exists (its accumulation plugin and a DeepSpeed json's
+"auto" values are filled from the config), from the launcher's WORLD_SIZE and the checkpoint's
+`trainer_state.json`; it edits `cfg.train` in place, so config.yaml records what the run used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.config import Config, ConfigError
+from trainer.core import checkpoint as ckpt
+
+logger = logging.getLogger("trainer")
+
+
+@dataclass
+class BatchPlan:
+    """What this run trains with, and what the checkpoint it resumes asked for."""
+
+    global_batch: int
+    lr_world_size: int
+    """The world size the lr / warm-up scaling refers to: the run's first (optim.scale_lr)."""
+    changes: list[str]
+    """What was changed to keep the checkpoint's global batch, for the start log (empty: nothing)."""
+
+
+def launch_world_size() -> int:
+    """The number of processes the launcher started (1 for a plain `python` run)."""
+    return max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
+
+
+def saved_batch(cfg: Config) -> dict | None:
+    """The batch layout recorded by the checkpoint this run will resume (run.resume), or None.
+
+    For run.resume=auto the newest checkpoint with a readable state is taken: the one resume() tries
+    first. Checkpoints of older versions record no per-device batch: the run's saved config gives it."""
+    mode = cfg.run.resume
+    if mode == "none":
+        return None
+    try:
+        candidates = (ckpt.resume_candidates(Path(cfg.run.output_dir) / "checkpoints") if mode == "auto"
+                      else [ckpt.resolve_checkpoint(mode)])
+    except ckpt.CheckpointError:
+        return None  # resume() reports it with the full story
+    for path in candidates:
+        try:
+            state = json.loads((path / ckpt.STATE).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if "per_device_batch_size" not in state:
+            state["per_device_batch_size"] = _configured_per_device(path)
+        if not all(isinstance(state.get(k), int) for k in ("world_size", "grad_accum_steps", "per_device_batch_size")):
+            return None
+        return state
+    return None
+
+
+def _configured_per_device(path: Path) -> int | None:
+    import yaml
+
+    config = path.parents[1] / "config.yaml"  # RUN_DIR/checkpoints/step_N -> RUN_DIR/config.yaml
+    try:
+        return int((yaml.safe_load(config.read_text()) or {}).get("train", {}).get("per_device_batch_size"))
+    except (OSError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def plan_batch(cfg: Config, world: int | None = None, saved: dict | None = None) -> BatchPlan:
+    """Fix `cfg.train`'s per-device batch and accumulation for `world` processes (see the module docstring).
+
+    Raises a one-line ConfigError when the global batch cannot be kept, or the user asked for another one
+    than the checkpoint's."""
+    t = cfg.train
+    world = launch_world_size() if world is None else world
+    saved = saved_batch(cfg) if saved is None else saved
+    if t.global_batch_size > 0:
+        _split(cfg, t.global_batch_size, world, "train.global_batch_size")
+    if not saved:
+        return BatchPlan(t.per_device_batch_size * t.grad_accum_steps * world, world, [])
+    was = (saved["per_device_batch_size"], saved["grad_accum_steps"], saved["world_size"])
+    kept = int(saved.get("global_batch_size") or was[0] * was[1] * was[2])
+    asked = t.per_device_batch_size * t.grad_accum_steps * world
+    if t.global_batch_size > 0 and t.global_batch_size != kept:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size}, but the checkpoint this run resumes was "
+                          f"trained with a global batch of {kept} ({was[0]} per device x {was[1]} accumulation x "
+                          f"{was[2]} processes); resume with train.global_batch_size={kept}, or start over with "
+                          f"run.resume=none")
+    changes = []
+    if asked != kept:
+        before = (t.per_device_batch_size, t.grad_accum_steps)
+        _split(cfg, kept, world, f"the checkpoint's global batch ({was[0]} per device x {was[1]} accumulation x "
+                                 f"{was[2]} processes)")
+        changes.append(f"kept the checkpoint's global batch of {kept} on {world} process(es): "
+                       f"per-device batch {before[0]} -> {t.per_device_batch_size}, train.grad_accum_steps "
+                       f"{before[1]} -> {t.grad_accum_steps} (was {was[0]} x {was[1]} x {was[2]} processes)")
+    lr_world = int(saved.get("lr_world_size") or saved["world_size"])
+    return BatchPlan(kept, lr_world, changes)
+
+
+def _split(cfg: Config, global_batch: int, world: int, source: str) -> None:
+    """Set the accumulation (keeping the per-device batch if it divides, else the nearest smaller one that
+    does) so that per-device x accumulation x world == `global_batch`."""
+    t = cfg.train
+    if global_batch % world:
+        raise ConfigError(f"{source}: a global batch of {global_batch} cannot be split evenly over {world} "
+                          f"processes; use a number of processes that divides {global_batch}, or start over with "
+                          f"another train.global_batch_size")
+    per_rank = global_batch // world
+    per_device = t.per_device_batch_size if per_rank % t.per_device_batch_size == 0 else \
+        max(d for d in range(1, min(t.per_device_batch_size, per_rank) + 1) if per_rank % d == 0)
+    t.per_device_batch_size, t.grad_accum_steps = per_device, per_rank // per_device
