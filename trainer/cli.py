@@ -1,8 +1,9 @@
 """`trainer` console script: train, export, sample, plot, tasks, config-help, run-experiments (sweep).
 
-Torch-heavy modules are imported inside the commands that need them, so `trainer tasks` and
-`trainer config-help` answer quickly. Errors in the user's input (config, data, checkpoints) print
-one line; `--debug` shows the traceback.
+Torch-heavy modules are imported inside the commands that need them, and only once the config is
+checked: `trainer --help`, `trainer tasks`, `trainer config-help`, `trainer sample RUN_DIR --help` and a
+config error work from the tasks' light specs (`trainer.registry.get_spec`) and import no torch. Errors in
+the user's input (config, data, checkpoints) print one line; `--debug` shows the traceback.
 """
 
 from __future__ import annotations
@@ -13,17 +14,22 @@ import json
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from trainer.errors import ConfigError, TrainerError
+
+if TYPE_CHECKING:
+    from trainer.task import TaskSpec
 
 
 def _train(args: argparse.Namespace) -> int:
     from trainer.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # a config error stops here, before torch is imported
     from trainer.core.preemption import PREEMPTED_EXIT_CODE
     from trainer.core.trainer import Trainer
     from trainer.core.watchdog import arm_exit_guard, started_by_launcher
 
-    cfg = load_config(args.config, args.overrides)
     status = Trainer(cfg, deepspeed_config=args.deepspeed).fit()
     code = PREEMPTED_EXIT_CODE if status == "preempted" else 0
     if started_by_launcher():
@@ -39,20 +45,31 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sample(args: argparse.Namespace) -> int:
-    from trainer.core.generation import run_task, sample_options
+def _generative_spec(name: str) -> TaskSpec:
+    """The light spec of task `name`; a task that cannot generate is a ConfigError."""
+    from trainer.registry import get_spec
 
+    spec = get_spec(name)
+    if not spec.generates:
+        raise ConfigError(f"task '{name}' cannot generate samples")
+    return spec
+
+
+def _sample(args: argparse.Namespace) -> int:
     if args.help:
         if args.run_dir is None:
             print("usage: trainer sample RUN_DIR [key=value ...]\n\nThe options are the task's; "
                   "`trainer sample RUN_DIR --help` or `trainer config-help --sample --task NAME` lists them.")
             return 0
-        from trainer.config import describe_fields
+        from trainer.config import describe_fields, load_yaml
 
-        task = run_task(args.run_dir)
-        sample_options(task)  # a task that cannot generate is an error here too
-        print(f"trainer sample {args.run_dir} [key=value ...]  (task {task.name})\n")
-        print(describe_fields({"": task.sample_config_cls()}))
+        path = os.path.join(args.run_dir, "config.yaml")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{args.run_dir} is not a run directory: no config.yaml")
+        name = (load_yaml(path).get("task") or {}).get("name", "")
+        spec = _generative_spec(name)
+        print(f"trainer sample {args.run_dir} [key=value ...]  (task {name})\n")
+        print(describe_fields({"": spec.sample_config_cls()}))
         return 0
     if args.run_dir is None:
         raise ConfigError("trainer sample needs RUN_DIR")
@@ -73,13 +90,15 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _tasks(args: argparse.Namespace) -> int:  # noqa: ARG001
-    from trainer.registry import available_tasks, get_task, unavailable_families
-    from trainer.task import GenerativeTask
+    from trainer.registry import available_tasks, get_spec, missing_requirements, unavailable_families
 
     for name in available_tasks():
-        cls = get_task(name)
-        generates = " generates" if issubclass(cls, GenerativeTask) else ""
-        print(f"{name}\tunit={cls.unit}\tpresets={','.join(sorted(cls.presets))}{generates}")
+        spec = get_spec(name)
+        generates = " generates" if spec.generates else ""
+        missing = missing_requirements(spec)
+        needs = (f"\t(needs {', '.join(missing)}: pip install 'sciml-trainer[{spec.extra or name}]')"
+                 if missing else "")
+        print(f"{name}\tunit={spec.unit}\tpresets={','.join(sorted(spec.presets))}{generates}{needs}")
     for reason in unavailable_families().values():
         print(f"(unavailable) {reason}")
     return 0
@@ -89,15 +108,9 @@ def _config_help(args: argparse.Namespace) -> int:
     from trainer.config import describe_config, describe_fields
 
     if args.sample:
-        from trainer.registry import get_task
-        from trainer.task import GenerativeTask
-
         if not args.task:
             raise ConfigError("config-help --sample needs --task NAME")
-        cls = get_task(args.task)
-        if not issubclass(cls, GenerativeTask):
-            raise ConfigError(f"task '{args.task}' cannot generate samples")
-        print(describe_fields({"": cls.sample_config_cls()}))
+        print(describe_fields({"": _generative_spec(args.task).sample_config_cls()}))
         return 0
     print(describe_config(args.task))
     return 0
@@ -109,7 +122,12 @@ def _run_experiments(args: argparse.Namespace) -> int:
     return run_experiments_main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+RUN_EXPERIMENTS = ("run-experiments", "sweep")
+
+
+def build_parser(sweep_arguments: bool = True) -> argparse.ArgumentParser:
+    """The `trainer` parser; `sweep_arguments=False` leaves out run-experiments' own options (it imports the
+    sweep runner), for a command line that does not run it."""
     parser = argparse.ArgumentParser(prog="trainer", description=__doc__)
     parser.set_defaults(overrides=None)  # commands that take key=value overrides set a list
     parser.add_argument("--debug", action="store_true", help="show tracebacks of config, data and checkpoint errors")
@@ -152,11 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     chelp.add_argument("--sample", action="store_true", help="the task's `trainer sample` options instead")
     chelp.set_defaults(func=_config_help)
 
-    from trainer.sweep.cli import add_arguments as add_run_experiments_arguments
-
-    runexp = sub.add_parser("run-experiments", aliases=["sweep"],
+    runexp = sub.add_parser(RUN_EXPERIMENTS[0], aliases=list(RUN_EXPERIMENTS[1:]),
                             help="run a grid of experiments over GPU/CPU slots or as a SLURM array")
-    add_run_experiments_arguments(runexp)
+    if sweep_arguments:
+        from trainer.sweep.cli import add_arguments as add_run_experiments_arguments
+
+        add_run_experiments_arguments(runexp)
     runexp.set_defaults(func=_run_experiments)
 
     for name, entry in sorted(family_commands().items()):
@@ -189,9 +208,9 @@ def _family_command(args: argparse.Namespace) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line; `key=value` overrides may sit anywhere, also after launcher-added flags
     such as `--deepspeed ds.json` (argparse alone stops at the first optional)."""
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     first = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    parser = build_parser(sweep_arguments=first is not None and argv[first] in RUN_EXPERIMENTS)
     commands = family_commands()
     if first is not None and argv[first] in commands:  # a family command parses its own options (--help too)
         return argparse.Namespace(command=argv[first], entry=commands[argv[first]], args=argv[first + 1:],

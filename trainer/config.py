@@ -25,8 +25,8 @@ from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, Omega
 
 from trainer.data.fetch import resolve_fetch
 from trainer.errors import ConfigError, TrainerError
-from trainer.registry import get_task
-from trainer.task import TaskConfig
+from trainer.registry import get_spec
+from trainer.task import TaskConfig, TaskSpec
 
 # `${fetch:NAME}` in a config: the local path of a registered public data set, downloaded with its checksum
 # on first use (trainer/data/fetch.py; `trainer data list`).
@@ -333,27 +333,31 @@ def _check_sections(layer: dict, source: str) -> None:
                               f"{type(value).__name__} {value!r}; write it as\n{example}")
 
 
-def _check_scheduler(name: str) -> None:
-    from transformers import SchedulerType
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+              "warmup_stable_decay", "greedy", "step")
+"""optim.scheduler values: `transformers.SchedulerType`'s (a test checks the list against the installed
+transformers; kept here so a config is checked without importing it) and our `step`."""
 
-    names = [s.value for s in SchedulerType] + ["step"]
-    if name not in names:
-        close = difflib.get_close_matches(name, names, n=1)
+
+def _check_scheduler(name: str) -> None:
+    if name not in SCHEDULERS:
+        close = difflib.get_close_matches(name, SCHEDULERS, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"config key 'optim.scheduler': unknown scheduler {name!r}; choose from "
-                          f"{', '.join(names)}.{hint}")
+                          f"{', '.join(SCHEDULERS)}.{hint}")
 
 
-def _check_metric(cfg: Config, task_cls: type) -> None:
+def _check_metric(cfg: Config, spec: TaskSpec) -> None:
     """eval.metric must be one the task reports (a vector target adds _0, _1, ... suffixes)."""
-    known = tuple(task_cls.metrics)
+    known = tuple(spec.metrics)
     if not cfg.eval.metric:
         cfg.eval.metric = known[0]
     metric = cfg.eval.metric
     base, _, suffix = metric.rpartition("_")
     if metric in known or (suffix.isdigit() and base in known):
         return
-    raise ConfigError(f"eval.metric={metric!r} is not a metric of task '{task_cls.name}'; it reports: "
+    raise ConfigError(f"eval.metric={metric!r} is not a metric of task '{spec.name}'; it reports: "
                       f"{', '.join(known)}")
 
 
@@ -388,7 +392,10 @@ def _validate(cfg: Config) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Resolve a Config from defaults, the task's preset, a YAML file and CLI overrides."""
+    """Resolve a Config from defaults, the task's preset, a YAML file and CLI overrides.
+
+    Works from the task's light spec (`trainer.registry.get_spec`): a config error is found without
+    importing torch or the family's model code."""
     file_layer = load_yaml(path) if path else {}
     cli_layer = parse_overrides(overrides)
     _check_sections(file_layer, str(path))
@@ -396,14 +403,14 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     task_name = (cli_layer.get("task", {}).get("name") or file_layer.get("task", {}).get("name")
                  or TaskConfig.name)
     preset_name = (cli_layer.get("task", {}).get("preset") or file_layer.get("task", {}).get("preset") or "")
-    task_cls = get_task(task_name)
-    schema = OmegaConf.structured(Config(task=task_cls.config_cls()))
+    spec = get_spec(task_name)
+    schema = OmegaConf.structured(Config(task=spec.config_cls()))
     OmegaConf.set_struct(schema, True)
     if preset_name:
-        if preset_name not in task_cls.presets:
+        if preset_name not in spec.presets:
             raise ConfigError(f"task '{task_name}' has no preset '{preset_name}'; "
-                              f"available: {', '.join(sorted(task_cls.presets))}")
-        schema = _merge(schema, task_cls.presets[preset_name], f"preset {task_name}:{preset_name}")
+                              f"available: {', '.join(sorted(spec.presets))}")
+        schema = _merge(schema, spec.presets[preset_name], f"preset {task_name}:{preset_name}")
     schema = _merge(schema, file_layer, str(path))
     schema = _merge(schema, cli_layer, "command line")
     try:
@@ -417,13 +424,16 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         raise ConfigError(f"config key '{getattr(err, 'full_key', '?')}': {str(err).splitlines()[0]}") from None
     _validate(cfg)
     _check_scheduler(cfg.optim.scheduler)
-    _check_metric(cfg, task_cls)
-    try:  # a task checks its own options when built (cheap: no data, no model): fail here, not later
-        task_cls(cfg.task, seed=cfg.run.seed)
+    _check_metric(cfg, spec)
+    try:  # the task's own checks of its options (TaskConfig.validate; no torch): fail here, not later
+        if isinstance(spec.task, str):
+            cfg.task.validate()
+        else:  # a task registered by its class checks its options when built (cheap: no data, no model)
+            spec.task(cfg.task, seed=cfg.run.seed)
     except ValueError as err:
         if isinstance(err, ConfigError):
             raise
-        raise ConfigError(f"task '{task_cls.name}': {err}") from None
+        raise ConfigError(f"task '{spec.name}': {err}") from None
     return cfg
 
 
@@ -437,8 +447,8 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 def config_from_dict(data: dict) -> Config:
     """Rebuild a Config from a saved resolved config (e.g. a run directory's config.yaml)."""
-    task_cls = get_task(data.get("task", {}).get("name", TaskConfig.name))
-    schema = OmegaConf.structured(Config(task=task_cls.config_cls()))
+    spec = get_spec(data.get("task", {}).get("name", TaskConfig.name))
+    schema = OmegaConf.structured(Config(task=spec.config_cls()))
     OmegaConf.set_struct(schema, True)
     return OmegaConf.to_object(_merge(schema, data, "saved config"))
 
@@ -458,7 +468,7 @@ def describe_config(task_name: str | None = None) -> str:
     """Markdown table of every config key with its default and docstring."""
     sections = {f.name: f.default_factory() for f in dataclasses.fields(Config)}
     if task_name:
-        sections["task"] = get_task(task_name).config_cls()
+        sections["task"] = get_spec(task_name).config_cls()
     return describe_fields(sections)
 
 

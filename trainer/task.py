@@ -1,6 +1,9 @@
 """The task contract: what a model family gives the Trainer.
 
-A task is a small spec registered by name (`trainer.registry`). It builds its data (`build_data`)
+A task is a small spec registered by name (`trainer.registry`): a `TaskSpec` holds what the registry, the
+config loader and the command line need without importing torch (the options dataclass, presets, unit,
+metrics, sampling options) and names the `Task` class, imported only when a run needs it. The task builds
+its data (`build_data`)
 and then a single-device model from the statistics of that data (`build_model(stats)`), collates
 samples, computes the loss of a micro-batch and per-sample eval values, and names a `tiny` preset.
 Nothing here knows about processes, devices or sharding: the core does that. `loss` and `eval_step`
@@ -40,6 +43,10 @@ class TaskConfig:
     preset: str = ""
     """Named preset of the task (e.g. `tiny`) applied under the YAML and CLI values."""
 
+    def validate(self) -> None:
+        """Raise ValueError for values the task cannot use (a subclass adds its own checks). The config
+        loader calls it (a config error, before torch is imported); so does `Task.__init__`."""
+
 
 @dataclass
 class SampleConfig:
@@ -68,6 +75,48 @@ class SampleConfig:
             raise ValueError(f"num_samples and batch_size must be >= 1, got {self.num_samples} and {self.batch_size}")
         if self.weights not in ("auto", "ema", "model"):
             raise ValueError(f"weights must be auto, ema or model, got {self.weights!r}")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A task as the registry knows it before the task's module is imported: everything `trainer tasks`,
+    `trainer config-help` and the config loader need (no torch), and where the `Task` class lives.
+
+    A family declares one in a light module (`trainer/families/<family>/spec.py`: the options dataclasses,
+    presets and metadata, importing neither torch nor the family's model code) with
+    `SPEC = register_spec(TaskSpec(...))`, and decorates its Task class with `@register_task(SPEC)`, which
+    sets the class's `name`, `config_cls`, `presets`, `unit`, `metrics` and `sample_config_cls` from it.
+    """
+
+    name: str
+    """Registered task name (`task.name` in a config)."""
+    task: str | type[Task]
+    """The Task class as `"package.module:Class"`, imported by `trainer.registry.get_task`; or the class
+    itself (a task registered the older way, by decorating the class with `@register_task(name)`)."""
+    config_cls: type[TaskConfig] = TaskConfig
+    """The `task:` section's dataclass (a TaskConfig subclass with a docstring per field)."""
+    presets: Mapping[str, dict] = field(default_factory=lambda: {"tiny": {}})
+    """Named config layers (`task.preset=NAME`) under the YAML and command-line values; `tiny` is required."""
+    unit: str = "samples"
+    """What `Task.batch_weight` counts (samples, tokens, atoms, graphs), for throughput logs."""
+    metrics: tuple[str, ...] = ("loss",)
+    """Names `Task.reduce_metrics` returns (eval.metric must be one of them)."""
+    sample_config_cls: type[SampleConfig] | None = None
+    """Options of `trainer sample` when the task generates (a `GenerativeTask`); None when it does not."""
+    requires: tuple[str, ...] = ()
+    """Top-level modules the task needs beyond the core install (checked without importing them)."""
+    extra: str = ""
+    """The pip extra that installs `requires` (`pip install 'sciml-trainer[EXTRA]'`)."""
+
+    @property
+    def generates(self) -> bool:
+        """Whether `trainer sample` can draw from the task."""
+        return self.sample_config_cls is not None
+
+    @property
+    def task_path(self) -> str:
+        """`"package.module:Class"` of the Task class."""
+        return self.task if isinstance(self.task, str) else f"{self.task.__module__}:{self.task.__qualname__}"
 
 
 @dataclass
@@ -99,7 +148,8 @@ class TaskData:
 
 
 class Task:
-    """Base class of task specs. Subclasses set `config_cls`, `presets` and implement the hooks."""
+    """Base class of tasks. Subclasses implement the hooks; `@register_task(spec)` sets the class attributes
+    below from the task's `TaskSpec` (a task registered by name sets them in its class body)."""
 
     name: ClassVar[str] = ""
     config_cls: ClassVar[type[TaskConfig]] = TaskConfig
@@ -108,10 +158,16 @@ class Task:
     """Name of the unit `batch_weight` counts (samples, tokens, atoms, graphs) for throughput logs."""
     metrics: ClassVar[tuple[str, ...]] = ("loss",)
     """Names of the metrics `reduce_metrics` returns (eval.metric must be one of them)."""
+    baselines: ClassVar[dict[str, str]] = {}
+    """Metric -> the metric holding its trivial baseline on the same eval data (both among `metrics`), e.g.
+    {"perplexity_bound": "unigram_perplexity"}: `trainer plot` draws the baseline in the metric's panel. A metric
+    `baseline_X` is paired with `X` without being declared."""
     sample_config_cls: ClassVar[type[SampleConfig]] = SampleConfig
     """Options of `trainer sample` for a `GenerativeTask` (a subclass of SampleConfig)."""
 
     def __init__(self, cfg: TaskConfig, seed: int = 0):
+        if isinstance(cfg, TaskConfig):
+            cfg.validate()
         self.cfg = cfg
         self.seed = seed
         self.stats: dict[str, Any] = {}

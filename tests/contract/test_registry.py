@@ -53,6 +53,9 @@ def test_third_party_family_through_entry_point(tmp_path):
     env["PYTHONPATH"] = str(site)
     tasks = run_cmd([sys.executable, "-m", "trainer", "tasks"], env=env).stdout
     assert "tiny_mean" in tasks
+    light = ("import sys; from trainer.registry import get_spec; print(get_spec('tiny_mean').presets['tiny'], "
+             "'tiny_family.task' in sys.modules, 'torch' in sys.modules)")
+    assert run_cmd([sys.executable, "-c", light], env=env).stdout.split()[-2:] == ["False", "False"]
     out, config = tmp_path / "run", tmp_path / "tiny_mean.yaml"
     config.write_text("task:\n  name: tiny_mean\n  preset: tiny\n")
     run_cmd([sys.executable, "-m", "trainer", "train", str(config), f"run.output_dir={out}",
@@ -71,6 +74,90 @@ def test_family_with_missing_dependency_names_its_extra(tmp_path, monkeypatch):
     registry._import_family("needs_extra", strict=False)
     assert "needs_extra" in registry.unavailable_families()
     registry._UNAVAILABLE.clear()
+
+
+def test_spec_lookup_imports_no_task_module():
+    """The config loader, `trainer tasks` and config-help read the light specs: no Task module, no torch."""
+    code = ("import sys; from trainer.registry import available_tasks, get_spec; from trainer.config import load_config; "
+            "names = available_tasks(); [get_spec(n).config_cls() for n in names]; "
+            "load_config(None, ['task.name=protein_sedd', 'task.preset=tiny']); "
+            "print(sorted(m for m in sys.modules if m.endswith('.task') or m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.strip() == "['trainer.task']"
+
+
+def test_every_builtin_spec_names_the_class_that_implements_it():
+    from trainer.registry import get_spec
+    from trainer.task import GenerativeTask
+
+    for name in available_tasks():
+        spec, cls = get_spec(name), get_task(name)
+        assert (cls.name, cls.config_cls, cls.unit, tuple(cls.metrics)) == (name, spec.config_cls, spec.unit, spec.metrics)
+        assert cls.presets == dict(spec.presets) and issubclass(cls, GenerativeTask) == spec.generates
+        if spec.generates:
+            assert cls.sample_config_cls is spec.sample_config_cls
+
+
+@pytest.fixture
+def scratch_registry():
+    """Registry state restored after a test that registers its own tasks."""
+    from trainer import registry
+
+    saved = dict(registry._SPECS), dict(registry._TASKS), dict(registry._UNAVAILABLE)
+    yield registry
+    for live, old in zip((registry._SPECS, registry._TASKS, registry._UNAVAILABLE), saved):
+        live.clear()
+        live.update(old)
+
+
+def test_family_registered_by_its_class_still_works(tmp_path, monkeypatch, scratch_registry):
+    """The older way: an entry point names a module whose Task class is decorated with @register_task(name);
+    looking the name up imports it (not fast, but it works), and load_config checks options by building it."""
+    import importlib.metadata
+
+    (tmp_path / "legacy_family.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from trainer import Task, TaskConfig, register_task\n\n"
+        "@dataclass\nclass LegacyConfig(TaskConfig):\n    name: str = 'legacy_mean'\n    width: int = 4\n\n"
+        "@register_task('legacy_mean')\nclass LegacyTask(Task):\n    config_cls = LegacyConfig\n"
+        "    presets = {'tiny': {'task': {'width': 2}}}\n    unit = 'vectors'\n    metrics = ('loss', 'mae')\n"
+        "    def __init__(self, cfg, seed=0):\n        super().__init__(cfg, seed)\n"
+        "        if cfg.width < 1:\n            raise ValueError('task.width must be >= 1')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entry = importlib.metadata.EntryPoint(name="legacy_mean", value="legacy_family", group=scratch_registry.ENTRY_POINT_GROUP)
+    real = scratch_registry._entry_points
+    monkeypatch.setattr(scratch_registry, "_entry_points", lambda: {**real(), "legacy_mean": entry})
+    from trainer.config import load_config
+
+    spec = scratch_registry.get_spec("legacy_mean")
+    assert spec.unit == "vectors" and spec.metrics == ("loss", "mae") and not spec.generates
+    cfg = load_config(None, ["task.name=legacy_mean", "task.preset=tiny"])
+    assert cfg.task.width == 2 and cfg.eval.metric == "loss"
+    with pytest.raises(ConfigError, match="task 'legacy_mean': task.width must be >= 1"):
+        load_config(None, ["task.name=legacy_mean", "task.width=0"])
+    assert get_task("legacy_mean").__name__ == "LegacyTask" and "legacy_mean" in available_tasks()
+    monkeypatch.delitem(sys.modules, "legacy_family")
+
+
+def test_a_spec_and_its_class_must_agree(scratch_registry):
+    from dataclasses import dataclass
+
+    from trainer.task import SampleConfig, Task, TaskConfig, TaskSpec
+
+    @dataclass
+    class Options(TaskConfig):
+        name: str = "probe_task"
+
+    spec = scratch_registry.register_spec(TaskSpec(name="probe_task", task=f"{__name__}:Elsewhere", config_cls=Options))
+    with pytest.raises(ValueError, match="its spec names"):
+        scratch_registry.register_task(spec)(type("Probe", (Task,), {"__module__": __name__}))
+    generating = TaskSpec(name="probe_gen", task=f"{__name__}:Probe", sample_config_cls=SampleConfig)
+    with pytest.raises(ValueError, match="is not a GenerativeTask"):
+        scratch_registry.register_task(generating)(type("Probe", (Task,), {"__module__": __name__}))
+    with pytest.raises(ValueError, match="tiny"):
+        scratch_registry.register_spec(TaskSpec(name="probe_no_tiny", task="x:Y", presets={"small": {}}))
+    with pytest.raises(ValueError, match="already registered"):
+        scratch_registry.register_spec(TaskSpec(name="regression", task="x:Y"))
 
 
 def test_families_import_neither_torch_distributed_nor_accelerate():

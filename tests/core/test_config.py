@@ -139,6 +139,15 @@ def test_dict_fields_take_any_keys_and_sections_stay_strict():
         parse_options(Options, ["inner.nme=y"])
 
 
+def test_scheduler_names_are_transformers_and_step():
+    """The config checks optim.scheduler against its own list (no transformers import); it is transformers'."""
+    from transformers import SchedulerType
+
+    from trainer.config import SCHEDULERS
+
+    assert set(SCHEDULERS) == {s.value for s in SchedulerType} | {"step"}
+
+
 def test_step_scheduler_decays_every_epoch_like_steplr():
     """optim.scheduler=step (GEARS' StepLR per epoch): epochs resolve to steps, the lr halves at each."""
     import torch

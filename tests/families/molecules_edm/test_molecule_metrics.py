@@ -230,10 +230,28 @@ def test_evaluate_file_and_command(tmp_path, capsys):
     assert summary["force_rms_mean"] == pytest.approx(3.0)
     scored, _ = read_molecules(tmp_path / "scored.extxyz", min_distance=0.0)
     assert [m.info["stable"] for m in scored] == [True, True, False] and scored[0].info["force_rms"] == pytest.approx(3.0)
-    assert main([str(src), "--training-smiles", str(src), "--out", str(tmp_path / "m.json")]) == 0
+    assert main([str(src), f"training_smiles={src}", f"out={tmp_path / 'm.json'}", "forcefield=none"]) == 0
     written = json.loads((tmp_path / "m.json").read_text())
     assert written["novelty"] == 0.0 and written["num_molecules"] == 3
     assert "molecule_stability" in capsys.readouterr().out
+
+
+def test_evaluate_command_takes_key_value_options(capsys):
+    """The options style of `trainer sample`: key=value, listed by --help, with "did you mean" errors."""
+    from trainer.errors import ConfigError
+
+    assert main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    assert "usage: trainer evaluate-molecules FILE [key=value ...]" in listed
+    for key in ("training_smiles", "forcefield", "forcefield_kwargs", "elements", "min_distance", "on_invalid", "out",
+                "write_extxyz"):
+        assert f"| `{key}` |" in listed, key
+    with pytest.raises(ConfigError, match="key=value options .*not --forcefield"):
+        main(["set.xyz", "--forcefield", "none"])
+    with pytest.raises(ConfigError, match="Did you mean: forcefield"):
+        main(["set.xyz", "forcefeld=none"])
+    with pytest.raises(ConfigError, match="on_invalid must be error or skip"):
+        main(["set.xyz", "on_invalid=drop"])
 
 
 # --------------------------------------------------------------------------------------------------

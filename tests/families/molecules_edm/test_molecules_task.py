@@ -81,7 +81,7 @@ def test_guided_sampling_is_paired_and_the_same_with_one_and_two_processes(train
     # The same metrics from the written file, by the stand-alone evaluator.
     summary = tmp_path / "summary.json"
     run_cmd([str(BIN / "trainer"), "evaluate-molecules", str(one / "baseline" / "molecules.extxyz"),
-             "--forcefield", "none", "--out", str(summary)])
+             "forcefield=none", f"out={summary}"])
     standalone = json.loads(summary.read_text())
     for key in ("atom_stability", "molecule_stability", "validity", "uniqueness"):
         assert standalone[key] == pytest.approx(table["baseline"][key])

@@ -18,7 +18,7 @@ from trainer.errors import DataError
 from trainer.families.perturbation_gears import plot_condition, predict, train_multi_gpu
 from trainer.families.perturbation_gears.anndata_reader import bundled_perturbation_path
 from trainer.families.perturbation_gears.api import load_gears_model, plan_processes
-from trainer.families.perturbation_gears.task import METRIC_NAMES
+from trainer.families.perturbation_gears.spec import METRIC_NAMES
 
 EPOCHS = 10
 SHORT_EPOCHS = 2

@@ -1,5 +1,8 @@
-"""Crystals: `crystal_property` with ComFormer on periodic graphs, readers, and `train_from_list`."""
+"""Crystals: `crystal_property` with ComFormer on periodic graphs, readers, and `train_from_list`.
 
-from trainer.families.crystals.task import CrystalPropertyConfig, CrystalPropertyTask
+`spec.py` (options, presets, metadata; no torch) registers the task; `task.py` holds `CrystalPropertyTask`, imported
+when a run needs it (importing this package imports no torch)."""
 
-__all__ = ["CrystalPropertyConfig", "CrystalPropertyTask"]
+from trainer.families.crystals.spec import CrystalPropertyConfig
+
+__all__ = ["CrystalPropertyConfig"]

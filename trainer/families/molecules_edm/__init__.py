@@ -1,5 +1,8 @@
-"""Molecules: `molecules_edm`, E(3)-equivariant diffusion (EDM) with force-field-guided sampling and EDM's metrics."""
+"""Molecules: `molecules_edm`, E(3)-equivariant diffusion (EDM) with force-field-guided sampling and EDM"s metrics.
 
-from trainer.families.molecules_edm.task import MoleculeSampleConfig, MoleculesEDMConfig, MoleculesEDMTask
+`spec.py` (options, presets, metadata; no torch) registers the task; `task.py` holds `MoleculesEDMTask`, imported
+when a run needs it (importing this package imports no torch)."""
 
-__all__ = ["MoleculeSampleConfig", "MoleculesEDMConfig", "MoleculesEDMTask"]
+from trainer.families.molecules_edm.spec import MoleculeSampleConfig, MoleculesEDMConfig
+
+__all__ = ["MoleculeSampleConfig", "MoleculesEDMConfig"]

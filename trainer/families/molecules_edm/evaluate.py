@@ -1,19 +1,21 @@
 """EDM's metrics for any molecule file, and the molecule writers (extxyz with per-molecule info, one xyz each).
 
 `evaluate_file` reads an xyz/extxyz/SDF set (`readers.py`) and runs `metrics.evaluate_molecules`;
-`main` is `trainer evaluate-molecules FILE [options]`. On the QM9 molecules it gives EDM's data row:
+`main` is `trainer evaluate-molecules FILE key=value ...` (the keys: `EvaluateOptions`, listed by `--help`).
+On the QM9 molecules it gives EDM's data row:
 
     trainer evaluate-molecules trainer/families/molecules_edm/samples/qm9_3k.extxyz.gz
 """
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import io
 import json
 import math
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -161,36 +163,73 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class EvaluateOptions:
+    """Options of `trainer evaluate-molecules FILE key=value ...`."""
+
+    training_smiles: str = ""
+    """Training SMILES for novelty: a text file (one per line, .gz ok: the run artifact training_smiles.txt.gz)
+    or a molecule file; empty: no novelty."""
+    forcefield: str = "gfn2"
+    """Force field of the force and energy metrics: gfn2 (GFN2-xTB), gfn1, ase:<module.Class>, uma:<name or
+    file>, springs, or none (skip them)."""
+    forcefield_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the force field, e.g. forcefield_kwargs={model: 7net-0}."""
+    elements: list = field(default_factory=lambda: list(QM9_ELEMENTS))
+    """Allowed elements, e.g. elements=[H,C,N,O,F]; [] allows any element."""
+    min_distance: float = 0.0
+    """Reject molecules with two atoms closer than this (Angstrom); 0 scores clashes (as unstable) instead."""
+    on_invalid: str = "error"
+    """Unreadable records: error or skip (counted in the summary)."""
+    out: str = ""
+    """Also write the summary as JSON here."""
+    write_extxyz: str = ""
+    """Also write the molecules with their per-molecule metrics (extxyz info) here."""
+
+    def validate(self) -> None:
+        if self.on_invalid not in ("error", "skip"):
+            raise ValueError(f"on_invalid must be error or skip, got {self.on_invalid!r}")
+
+
+USAGE = "usage: trainer evaluate-molecules FILE [key=value ...]"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`trainer evaluate-molecules FILE`: EDM's metrics of an xyz/extxyz/SDF set, printed and as JSON."""
-    parser = argparse.ArgumentParser(prog="trainer evaluate-molecules",
-                                     description="EDM's stability/validity/uniqueness/novelty metrics of a molecule file.")
-    parser.add_argument("file", help="molecules: .xyz/.extxyz/.sdf (optionally .gz)")
-    parser.add_argument("--training-smiles", default=None,
-                        help="training SMILES for novelty: a text file (one per line, .gz ok) or a molecule file")
-    parser.add_argument("--forcefield", default="gfn2",
-                        help="force field of the force and energy metrics: gfn2 (GFN2-xTB, default), ase:..., uma:..., none")
-    parser.add_argument("--forcefield-kwargs", default="{}", help="JSON object of force-field options")
-    parser.add_argument("--elements", default=",".join(QM9_ELEMENTS), help="allowed elements, comma-separated; 'any' for all")
-    parser.add_argument("--min-distance", type=float, default=0.0, help="reject molecules with atoms closer than this (A)")
-    parser.add_argument("--on-invalid", choices=("error", "skip"), default="error", help="unreadable records: error or skip")
-    parser.add_argument("--out", default=None, help="write the summary JSON here")
-    parser.add_argument("--write-extxyz", default=None, help="write the molecules with per-molecule metrics here")
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    elements = None if args.elements.strip().lower() == "any" else tuple(e.strip() for e in args.elements.split(",") if e.strip())
+    """`trainer evaluate-molecules FILE key=value ...`: EDM's metrics of an xyz/extxyz/SDF set, printed and
+    as JSON. The options are `EvaluateOptions`' fields, parsed as `trainer sample`'s (`--help` lists them)."""
+    from trainer.config import describe_fields, parse_options
+    from trainer.errors import ConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or "-h" in argv or "--help" in argv:
+        print(f"{USAGE}\n\nEDM's stability/validity/uniqueness/novelty metrics (and force-field metrics) of a "
+              "molecule file: .xyz/.extxyz/.sdf, optionally .gz.\n")
+        print(describe_fields({"": EvaluateOptions()}))
+        return 0
+    path, overrides = argv[0], argv[1:]
+    flags = [a for a in [path, *overrides] if a.startswith("-")]
+    if flags:
+        raise ConfigError(f"trainer evaluate-molecules takes key=value options (e.g. forcefield=none), not "
+                          f"{flags[0]}; `trainer evaluate-molecules --help` lists them")
+    options = parse_options(EvaluateOptions, overrides)
+    try:
+        options.validate()
+    except ValueError as err:
+        raise ConfigError(f"trainer evaluate-molecules: {err}") from None
     forcefield = None
-    if args.forcefield.strip().lower() != "none":
+    if options.forcefield.strip().lower() != "none":
         from trainer.families.molecules_edm.forcefields import build_forcefield
 
-        forcefield = build_forcefield(args.forcefield, **json.loads(args.forcefield_kwargs))
+        forcefield = build_forcefield(options.forcefield, **options.forcefield_kwargs)
     try:
-        summary = evaluate_file(args.file, forcefield, args.training_smiles, elements, min_distance=args.min_distance,
-                                on_invalid=args.on_invalid, write_extxyz=args.write_extxyz)
+        summary = evaluate_file(path, forcefield, options.training_smiles or None,
+                                tuple(str(e) for e in options.elements) or None, min_distance=options.min_distance,
+                                on_invalid=options.on_invalid, write_extxyz=options.write_extxyz or None)
     finally:
         if forcefield is not None:
             forcefield.close()
     print(format_summary(summary))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out, json.dumps(summary, indent=1))
+    if options.out:
+        Path(options.out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(options.out, json.dumps(summary, indent=1))
     return 0

@@ -39,13 +39,12 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from trainer.errors import DataError
+from trainer.families.perturbation_gears.spec import DIRECTION_TOP_K
 
 __all__ = ["DIRECTION_TOP_K", "TOP_EXPRESSED", "aggregate_metrics", "condition_metrics", "pearson", "top_expressed_genes"]
 
 logger = logging.getLogger(__name__)
 
-DIRECTION_TOP_K = (20, 50, 100, 200)
-"""The top-k DE gene counts of ``frac_correct_direction_k``."""
 TOP_EXPRESSED = 1000
 """Genes of ``l2_top1000``."""
 

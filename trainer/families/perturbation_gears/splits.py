@@ -46,13 +46,10 @@ import numpy as np
 from trainer.atomic_io import atomic_write_json
 from trainer.errors import ConfigError, DataError
 from trainer.families.perturbation_gears.conditions import Condition, as_condition, format_condition
+from trainer.families.perturbation_gears.spec import SPLIT_MODES, SUBGROUPS
 from trainer.seeding import derive_rng
 
 logger = logging.getLogger(__name__)
-
-SPLIT_MODES = ("simulation", "simulation_single", "combo_seen0", "combo_seen1", "combo_seen2", "single", "no_test",
-               "no_split", "custom")
-SUBGROUPS = ("combo_seen0", "combo_seen1", "combo_seen2", "unseen_single", "seen_single")
 
 
 @dataclass

@@ -1,5 +1,8 @@
-"""`protein_sedd`: Score Entropy Discrete Diffusion on protein sequences (FASTA ingest, DDiT, SEDD, sampling)."""
+"""`protein_sedd`: Score Entropy Discrete Diffusion on protein sequences (FASTA ingest, DDiT, SEDD, sampling).
 
-from trainer.families.protein_sedd.task import ProteinSEDDConfig, ProteinSEDDTask
+`spec.py` (options, presets, metadata; no torch) registers the task; `task.py` holds `ProteinSEDDTask`, imported
+when a run needs it (importing this package imports no torch)."""
 
-__all__ = ["ProteinSEDDConfig", "ProteinSEDDTask"]
+from trainer.families.protein_sedd.spec import ProteinSampleConfig, ProteinSEDDConfig
+
+__all__ = ["ProteinSEDDConfig", "ProteinSampleConfig"]

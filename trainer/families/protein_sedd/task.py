@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +34,11 @@ from trainer.families.protein_sedd.dataset import (
 )
 from trainer.families.protein_sedd.ddit import DDIT_PRESETS, DDiT
 from trainer.families.protein_sedd.sedd import build_diffusion_graph, build_noise, score_entropy_loss
+from trainer.families.protein_sedd.spec import SPEC, ProteinSampleConfig, ProteinSEDDConfig
 from trainer.families.protein_sedd.tokenizer import FIRST_RESIDUE_ID, RESIDUES, VOCAB_SIZE, build_protein_tokenizer
 from trainer.registry import register_task
 from trainer.seeding import derive_rng, derive_seed
-from trainer.task import LossOutput, SampleConfig, Task, TaskConfig, TaskData
+from trainer.task import LossOutput, Task, TaskData
 
 NUM_RESIDUES = len(RESIDUES)
 PAD_STATE = NUM_RESIDUES  # the state after the residues; the mask (absorbing graph) comes last
@@ -47,62 +47,6 @@ REFERENCE_ROWS = 10_000
 """Streaming without validation sequences: the first rows that give the reference statistics."""
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ProteinSEDDConfig(TaskConfig):
-    name: str = "protein_sedd"
-    """Registered task name."""
-    data_path: str = ""
-    """FASTA or FASTA.gz file (UniProtKB or UniRef50 headers); empty: the bundled 3,000-sequence sample."""
-    cache_dir: str = ""
-    """Arrow cache of the parsed and tokenized data (empty: the `datasets` default cache)."""
-    val_fraction: float = 0.05
-    """Share of sequences in validation, chosen by hashing the sequence id (stable across runs)."""
-    min_length: int = 0
-    """Drop (and count) sequences shorter than this (0: no limit)."""
-    nonstandard: str = "keep"
-    """Non-standard residues B Z J U O X: keep (J becomes X), map (to X) or drop (the record); counted."""
-    max_length: int = 128
-    """Residues per training crop (random window) and eval crop (first residues)."""
-    model_preset: str = "tiny"
-    """DDiT size: tiny, small (paper's 12 x 768) or medium (24 x 1024)."""
-    dropout: float = 0.1
-    """Dropout inside the DDiT blocks."""
-    graph: str = "absorb"
-    """Forward process: absorb (masking) or uniform."""
-    noise: str = "loglinear"
-    """Noise schedule: loglinear or geometric."""
-    sampling_eps: float = 1e-3
-    """Smallest diffusion time drawn for the loss."""
-    eval_seed: int = 1234
-    """Seed of the per-sample eval generators (diffusion times and corruption)."""
-    packing: bool = False
-    """SEDD-style packing: training sequences (in a seeded order) joined by a separator state and cut into
-    blocks of max_length, so no position is padding; eval stays one crop per sequence."""
-    streaming: bool = False
-    """Read the training split as a stream (bounded memory, for the full UniRef50 file); validation stays Arrow."""
-
-
-MAX_SAMPLE_LENGTH = 4096
-"""Longest sequence `trainer sample` draws (the DDiT attends over the whole sequence at every step)."""
-
-
-@dataclass
-class ProteinSampleConfig(SampleConfig):
-    steps: int = 0
-    """Sampler steps (0: the sequence length)."""
-    sampler: str = "analytic"
-    """`analytic` (Tweedie tau-leaping) or `euler`."""
-    length: int = 0
-    """Fixed sequence length (0: drawn from the training crops' length histogram, a run artifact)."""
-
-    def validate(self) -> None:
-        super().validate()
-        if self.sampler not in ("analytic", "euler"):
-            raise ValueError(f"sampler must be 'analytic' or 'euler', got {self.sampler!r}")
-        if self.steps < 0 or not 0 <= self.length <= MAX_SAMPLE_LENGTH:
-            raise ValueError(f"steps must be >= 0 and length in [0, {MAX_SAMPLE_LENGTH}], got {self.steps} and {self.length}")
 
 
 def residue_states(token_ids: np.ndarray) -> np.ndarray:
@@ -194,25 +138,12 @@ def collate_crops(samples: list[dict[str, Any]]) -> dict[str, Any]:
             "num_tokens": int(mask.sum())}
 
 
-@register_task("protein_sedd")
+@register_task(SPEC)  # options, presets, unit, metrics and sampling options: spec.py
 class ProteinSEDDTask(Task):
-    config_cls = ProteinSEDDConfig
-    presets = {
-        "tiny": {"task": {"model_preset": "tiny", "max_length": 64, "dropout": 0.0},
-                 "train": {"max_steps": 200, "per_device_batch_size": 16, "ema_decay": 0.99},
-                 "optim": {"lr": 1e-3, "warmup_steps": 20, "scheduler": "constant_with_warmup"}},
-        "small": {"task": {"model_preset": "small", "max_length": 512},
-                  "train": {"per_device_batch_size": 32, "ema_decay": 0.9999},
-                  "optim": {"lr": 3e-4, "warmup_steps": 2500}},
-    }
-    unit = "tokens"
-    metrics = ("loss", "nelbo_per_token", "perplexity_bound", "num_sequences", "num_unique", "unigram_perplexity")
-    sample_config_cls = ProteinSampleConfig
+    cfg: ProteinSEDDConfig
 
     def __init__(self, cfg: ProteinSEDDConfig, seed: int = 0):
-        super().__init__(cfg, seed)
-        if cfg.packing and cfg.streaming:
-            raise ValueError("task.packing works on the cached (non-streaming) training split; drop one of the two")
+        super().__init__(cfg, seed)  # checks the options (ProteinSEDDConfig.validate)
         states = NUM_RESIDUES + 1 + (1 if cfg.packing else 0)  # residues, pad, separator
         self.graph = build_diffusion_graph(cfg.graph, states + (1 if cfg.graph == "absorb" else 0))
         self.noise = build_noise(cfg.noise)

@@ -1,5 +1,8 @@
-"""`regression`: a synthetic problem for testing the trainer core (and the worked example of a family)."""
+"""`regression`: a synthetic problem for testing the trainer core (and the worked example of a family).
 
-from trainer.families.regression.task import RegressionConfig, RegressionTask
+`spec.py` (options, presets, metadata; no torch) registers the task; `task.py` holds `RegressionTask`, imported
+when a run needs it (importing this package imports no torch)."""
 
-__all__ = ["RegressionConfig", "RegressionTask"]
+from trainer.families.regression.spec import RegressionConfig
+
+__all__ = ["RegressionConfig"]

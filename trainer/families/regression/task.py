@@ -3,47 +3,15 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from trainer.families.regression.spec import SPEC, RegressionConfig
 from trainer.registry import register_task
 from trainer.seeding import derive_seed
-from trainer.task import LossOutput, Task, TaskConfig, TaskData
-
-
-@dataclass
-class RegressionConfig(TaskConfig):
-    name: str = "regression"
-    """Registered task name."""
-    num_train: int = 512
-    """Training samples."""
-    num_eval: int = 100
-    """Eval samples (deliberately not a multiple of common batch sizes)."""
-    num_test: int = 0
-    """Test samples, evaluated once at the end of a run (0: no test split)."""
-    in_dim: int = 16
-    """Input features."""
-    out_dim: int = 4
-    """Targets per sample."""
-    hidden: int = 64
-    """Hidden width of the MLP."""
-    depth: int = 2
-    """Hidden layers."""
-    dropout: float = 0.0
-    """Dropout after each hidden layer (draws from the rank's RNG: exercises RNG restore on resume)."""
-    noise: float = 0.1
-    """Standard deviation of the target noise."""
-    data_seed: int = 1234
-    """Seed of the synthetic data (independent of run.seed)."""
-    delay_s: float = 0.0
-    """Artificial delay per training micro-batch (seconds), so kill/preemption tests can hit a step."""
-    nan_sample: int = -1
-    """Training sample whose batch gets a NaN loss (tests the non-finite guard); -1 for none."""
-    streaming: bool = False
-    """Serve the training set as a stream (IterableDataset) sharded over ranks and workers."""
+from trainer.task import LossOutput, Task, TaskData
 
 
 class SyntheticRegression(Dataset):
@@ -98,15 +66,9 @@ class StreamedRegression(IterableDataset):
             yield self.data[k]
 
 
-@register_task("regression")
+@register_task(SPEC)  # options, presets, unit and metrics: spec.py
 class RegressionTask(Task):
-    config_cls = RegressionConfig
-    presets = {
-        "tiny": {"task": {"num_train": 256, "num_eval": 50, "hidden": 32},
-                 "train": {"max_steps": 20, "per_device_batch_size": 8}},
-    }
-    unit = "samples"
-    metrics = ("loss", "mae", "num_samples", "num_unique")
+    cfg: RegressionConfig
 
     def build_model(self, stats: dict) -> nn.Module:
         c = self.cfg

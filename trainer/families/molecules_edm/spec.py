@@ -1,0 +1,137 @@
+"""`molecules_edm` as the registry knows it without importing torch: the task options, the sampling options
+(`trainer sample`, with force-field guidance), presets, unit and metrics. The Task class (`task.py`) is
+imported only when a run needs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.errors import ConfigError
+from trainer.registry import register_spec
+from trainer.task import SampleConfig, TaskConfig, TaskSpec
+
+QM9_ELEMENTS: tuple[str, ...] = ("H", "C", "N", "O", "F")
+"""QM9's element vocabulary, in EDM's one-hot order."""
+MODEL_PRESETS = {"tiny": {"hidden": 32, "layers": 2}, "small": {"hidden": 128, "layers": 6},
+                 "paper": {"hidden": 256, "layers": 9}}
+"""EGNN sizes of `task.model_preset`."""
+
+
+@dataclass
+class MoleculesEDMConfig(TaskConfig):
+    name: str = "molecules_edm"
+    """Registered task name."""
+    data_path: str = ""
+    """Molecules: .extxyz/.xyz(.gz) or .sdf; empty: the bundled 3,000 QM9 molecules."""
+    elements: list = field(default_factory=lambda: list(QM9_ELEMENTS))
+    """Element vocabulary in one-hot order (QM9: H C N O F); another element in the data is an error."""
+    on_invalid: str = "error"
+    """`error`: a bad record (element outside `elements`, NaN, no atoms, atoms too close) stops with its
+    file, record and reason; `skip`: it is counted, reported and left out."""
+    min_distance: float = 0.5
+    """Two atoms closer than this (Angstrom) make a record invalid."""
+    val_fraction: float = 0.1
+    """Share of molecules (by id hash) for validation."""
+    test_fraction: float = 0.1
+    """Share of molecules (by id hash) held out for the final test evaluation."""
+    cache_dir: str = ""
+    """Arrow cache folder (empty: the `datasets` cache)."""
+    model_preset: str = "tiny"
+    """EGNN size: tiny (32 x 2), small (128 x 6) or paper (256 x 9)."""
+    hidden: int = 0
+    """EGNN width (0: from model_preset)."""
+    layers: int = 0
+    """EGNN equivariant blocks (0: from model_preset)."""
+    timesteps: int = 1000
+    """Diffusion steps T (EDM: 1000)."""
+    noise_precision: float = 1e-5
+    """s of the polynomial_2 schedule: alpha^2 <- (1 - 2s) alpha^2 + s."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.on_invalid not in ("error", "skip"):
+            raise ConfigError(f"task.on_invalid must be 'error' or 'skip', got {self.on_invalid!r}")
+        if self.model_preset not in MODEL_PRESETS:
+            raise ConfigError(f"task.model_preset must be one of {sorted(MODEL_PRESETS)}, got {self.model_preset!r}")
+
+
+@dataclass
+class GuidanceOptions:
+    scales: list = field(default_factory=list)
+    """Guidance scales (Angstrom per eV/Angstrom), e.g. [0.0005,0.0007,0.008]; each set starts from the
+    baseline's noise. Empty: the baseline only."""
+    forcefield: str = "gfn2"
+    """Guiding force field: gfn2 (GFN2-xTB via tblite), gfn1, ase:<module.Class>, uma:<name or file>, springs."""
+    forcefield_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the force field (e.g. {model: 7net-0} for an ASE calculator)."""
+    iterations: int = 1
+    """Force evaluations per guided step; each moves the atoms by scale/iterations x (1 - sigma_t) x F."""
+    noise_threshold: float = 0.8
+    """Guide only steps whose sigma_t is at most this (0.8: the last 632 of 1000 steps)."""
+    force_clip: float = 0.0
+    """Clip each atom's force norm to this (eV/Angstrom) before the update (0: no clip)."""
+    displacement_clip: float = 0.0
+    """Clip each atom's displacement per iteration to this (Angstrom; 0: no clip)."""
+
+
+@dataclass
+class MoleculeSampleConfig(SampleConfig):
+    """`trainer sample RUN_DIR key=value ...` for molecules_edm."""
+
+    num_samples: int = 64
+    """Molecules per set, split over the ranks with exact counts."""
+    batch_size: int = 32
+    """Molecules sampled together per rank."""
+    out: str = ""
+    """Output folder (empty: RUN_DIR/samples/molecules)."""
+    num_atoms: int = 0
+    """Atoms per molecule (0: drawn from the training node-count histogram with the sample's generator)."""
+    guidance: GuidanceOptions = field(default_factory=GuidanceOptions)
+    """Force-field guidance of the late sampling steps."""
+    evaluation_forcefield: str = "gfn2"
+    """Force field for the per-molecule force RMS/max and energy metrics (`none`: skip them)."""
+    evaluation_forcefield_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the evaluation force field."""
+    chains: int = 1
+    """Keep the full trajectory of the first this many samples of every set (xyz + PNG strip)."""
+    chain_frames: int = 20
+    """Frames kept per trajectory (evenly spaced, the final molecule last)."""
+    xyz_per_molecule: bool = False
+    """Also write one xyz file per molecule."""
+
+    def validate(self) -> None:
+        super().validate()
+        g = self.guidance
+        if any(not isinstance(s, (int, float)) or s < 0 for s in g.scales):
+            raise ValueError(f"guidance.scales must be numbers >= 0, got {g.scales}")
+        if any(s > 0 for s in g.scales) and g.forcefield == "none":
+            raise ValueError("guidance.scales > 0 need a guidance.forcefield (gfn2, ase:..., uma:..., springs)")
+        if g.iterations < 1 or not 0 < g.noise_threshold <= 1:
+            raise ValueError("guidance.iterations must be >= 1 and guidance.noise_threshold in (0, 1]")
+        if self.chains < 0 or self.chain_frames < 2 or self.num_atoms < 0:
+            raise ValueError("chains must be >= 0, chain_frames >= 2 and num_atoms >= 0")
+
+
+PRESETS = {
+    "tiny": {"task": {"model_preset": "tiny"},
+             "train": {"per_device_batch_size": 64, "epochs": 20, "ema_decay": 0.999, "grad_clip_norm": 1.0},
+             "optim": {"lr": 1e-3, "scheduler": "cosine", "warmup_steps": 20, "weight_decay": 1e-12},
+             "eval": {"every_epochs": 5, "metric": "nll", "sample_every": 4, "num_samples": 32}},
+    "paper": {"task": {"model_preset": "paper"},
+              "train": {"per_device_batch_size": 64, "epochs": 3000, "ema_decay": 0.9999, "grad_clip_norm": 1.0},
+              "optim": {"lr": 1e-4, "weight_decay": 1e-12},
+              "eval": {"every_epochs": 20, "metric": "nll", "sample_every": 5, "num_samples": 500}},
+}
+"""Named config layers (`task.preset=NAME`)."""
+
+SPEC = register_spec(TaskSpec(
+    name="molecules_edm",
+    task="trainer.families.molecules_edm.task:MoleculesEDMTask",
+    config_cls=MoleculesEDMConfig,
+    presets=PRESETS,
+    unit="molecules",
+    metrics=("nll", "loss"),
+    sample_config_cls=MoleculeSampleConfig,
+    requires=("rdkit",),
+    extra="molecules_edm",
+))
