@@ -1,8 +1,17 @@
-"""`trainer plot RUN_DIR`: PNG curves of training loss, learning rate and eval metrics."""
+"""`trainer plot RUN_DIR`: PNG curves of training loss, learning rate and eval metrics.
+
+Each eval metric gets one panel, and its trivial baseline (the number the model has to beat) is drawn in
+the same axes: a horizontal line when it is constant, else a dashed curve. A metric's baseline is either
+declared by the task (`Task.baselines`, metric -> baseline metric) or found by name (`baseline_X` is the
+baseline of `X`). Metrics whose curves are identical (e.g. a task that reports its loss under two names)
+share one panel titled with every name. Panels without data are left out, and so is a figure with none.
+"""
 
 from __future__ import annotations
 
-from collections import defaultdict
+import logging
+import math
+from collections.abc import Mapping
 from pathlib import Path
 
 import matplotlib
@@ -12,44 +21,143 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from trainer.rundir import RunDir  # noqa: E402
 
+logger = logging.getLogger(__name__)
 
-def _series(records: list[dict], keys: list[str]) -> dict[str, tuple[list, list]]:
-    out: dict[str, tuple[list, list]] = defaultdict(lambda: ([], []))
+TRAIN_KEYS = ("loss", "lr", "grad_norm", "samples_per_s")
+EVAL_PREFIX = "eval/"
+BASELINE_PREFIX = "baseline_"
+
+Series = tuple[list, list]
+
+
+def _series(records: list[dict], keys: list[str]) -> dict[str, Series]:
+    """key -> (steps, values) of the records holding a finite number under key; keys without any are absent."""
+    out: dict[str, Series] = {}
     for r in records:
         for k in keys:
-            if isinstance(r.get(k), (int, float)):
-                out[k][0].append(r["step"])
-                out[k][1].append(r[k])
+            value = r.get(k)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                steps, values = out.setdefault(k, ([], []))
+                steps.append(r["step"])
+                values.append(r[k])
     return out
 
 
-def _figure(series: dict[str, tuple[list, list]], keys: list[str], path: Path, log_keys: tuple = ()) -> Path:
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        steps, values = series.get(key, ([], []))
-        ax.plot(steps, values, marker=".")
-        ax.set_title(key)
+def baseline_pairs(keys: list[str], declared: Mapping[str, str] = (), prefix: str = EVAL_PREFIX) -> dict[str, str]:
+    """metric key -> its baseline's key, among `keys` (all under `prefix`): the task's declared pairs
+    (metric names without the prefix), then every `<prefix>baseline_X` beside a `<prefix>X`."""
+    present = set(keys)
+    pairs = {}
+    for metric, baseline in dict(declared).items():
+        if prefix + metric in present and prefix + baseline in present:
+            pairs[prefix + metric] = prefix + baseline
+    for key in keys:
+        name = key[len(prefix):]
+        if name.startswith(BASELINE_PREFIX) and prefix + name[len(BASELINE_PREFIX):] in present:
+            pairs.setdefault(prefix + name[len(BASELINE_PREFIX):], key)
+    return pairs
+
+
+def distinct_groups(series: Mapping[str, Series], keys: list[str]) -> list[list[str]]:
+    """The keys (in order) grouped by identical curves (same steps and values): one panel per group."""
+    groups: list[list[str]] = []
+    for key in keys:
+        same = next((g for g in groups if series[g[0]] == series[key]), None)
+        if same is None:
+            groups.append([key])
+        else:
+            same.append(key)
+    return groups
+
+
+def _label(keys: list[str], prefix: str = "") -> str:
+    return " = ".join(k[len(prefix):] if prefix and k.startswith(prefix) else k for k in keys)
+
+
+def _figure(series: Mapping[str, Series], groups: list[list[str]], baselines: Mapping[str, str] = (),
+            log_keys: tuple = (), prefix: str = "") -> plt.Figure:
+    """One panel per group of identical curves; a group member's baseline is drawn in the same axes."""
+    baselines = dict(baselines)
+    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.2), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        steps, values = series[group[0]]
+        ax.plot(steps, values, marker=".", label=_label(group, prefix))
+        for key in group:
+            if key not in baselines:
+                continue
+            b_steps, b_values = series[baselines[key]]
+            name = _label([baselines[key]], prefix)
+            if len(set(b_values)) == 1:
+                ax.axhline(b_values[0], color="k", ls="--", lw=1, label=f"{name} {b_values[0]:.4g}")
+            else:
+                ax.plot(b_steps, b_values, color="k", ls="--", lw=1, label=name)
+        if len(ax.lines) > 1:
+            ax.legend(fontsize=7)
+        ax.set_title(_label(group, prefix), fontsize=9)
         ax.set_xlabel("step")
-        if key in log_keys and values and min(values) > 0:
+        if group[0] in log_keys and values and min(values) > 0:
             ax.set_yscale("log")
     fig.tight_layout()
+    return fig
+
+
+def train_figure(records: list[dict]) -> plt.Figure | None:
+    """Loss (log scale), lr, grad norm and throughput against the step; None without any of them."""
+    series = _series(records, list(TRAIN_KEYS))
+    keys = [k for k in TRAIN_KEYS if k in series]
+    return _figure(series, [[k] for k in keys], log_keys=("loss",)) if keys else None
+
+
+def eval_figure(records: list[dict], declared: Mapping[str, str] = ()) -> plt.Figure | None:
+    """Every eval metric (but the eval/num_* counts) with its baseline in the same panel, identical curves
+    once; `declared` is the task's metric -> baseline map. None without eval records."""
+    keys = sorted({k for r in records for k in r if k.startswith(EVAL_PREFIX) and not k.startswith("eval/num_")})
+    series = _series(records, keys)
+    keys = [k for k in keys if k in series]
+    pairs = baseline_pairs(keys, declared)
+    metrics = [k for k in keys if k not in set(pairs.values())]
+    if not metrics:
+        return None
+    return _figure(series, distinct_groups(series, metrics), baselines=pairs, prefix=EVAL_PREFIX)
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write train.png (loss, lr, grad norm, throughput) and eval.png (every eval/* metric)."""
+def task_baselines(run: RunDir) -> dict[str, str]:
+    """`Task.baselines` of the run's task (read from its config.yaml); {} when the task cannot be loaded
+    (then only the `baseline_X` naming rule pairs metrics with baselines)."""
+    import yaml
+
+    from trainer.errors import ConfigError
+
+    try:
+        name = yaml.safe_load(run.config.read_text())["task"]["name"]
+        from trainer.registry import get_task
+
+        return dict(get_task(name).baselines)
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ConfigError, ImportError) as err:
+        logger.info("%s: no task baselines for the plots (%s)", run.root, err)
+        return {}
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None,
+             baselines: Mapping[str, str] | None = None) -> list[Path]:
+    """Write train.png (loss, lr, grad norm, throughput) and eval.png (every eval/* metric, each with its
+    baseline); `baselines` (metric -> baseline metric) defaults to the run's `Task.baselines`."""
     run = RunDir(run_dir)
     out_dir = Path(out_dir) if out_dir else run.plots
     out_dir.mkdir(parents=True, exist_ok=True)
     records = run.read_metrics()
     written = []
-    train_keys = ["loss", "lr", "grad_norm", "samples_per_s"]
-    series = _series(records, train_keys)
-    if series:
-        written.append(_figure(series, train_keys, out_dir / "train.png", log_keys=("loss",)))
-    eval_keys = sorted({k for r in records for k in r if k.startswith("eval/") and not k.startswith("eval/num_")})
-    if eval_keys:
-        written.append(_figure(_series(records, eval_keys), eval_keys, out_dir / "eval.png"))
+    fig = train_figure(records)
+    if fig is not None:
+        written.append(_save(fig, out_dir / "train.png"))
+    if any(k.startswith(EVAL_PREFIX) for r in records for k in r):
+        fig = eval_figure(records, task_baselines(run) if baselines is None else baselines)
+        if fig is not None:
+            written.append(_save(fig, out_dir / "eval.png"))
     return written

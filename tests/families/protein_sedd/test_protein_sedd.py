@@ -20,8 +20,9 @@ CONFIG = str(ROOT / "configs" / "protein_sedd" / "sedd_tiny.yaml")
 
 
 def make(tmp_path, *overrides):
+    """The main job's config with 2 eval draws per sequence (its 8 cost 4x the eval time; the mechanics are the same)."""
     cfg = load_config(CONFIG, [f"run.output_dir={tmp_path}", "log.progress_bar=false", "log.tensorboard=false",
-                               f"task.cache_dir={tmp_path / 'cache'}", *overrides])
+                               f"task.cache_dir={tmp_path / 'cache'}", "task.eval_draws=2", *overrides])
     return Trainer(cfg)
 
 
@@ -33,7 +34,7 @@ def test_tiny_training_lowers_validation_nelbo(tmp_path):
     after = trainer.last_eval
     assert after["nelbo_per_token"] < before["nelbo_per_token"] - 0.3
     assert after["num_sequences"] == after["num_unique"] == len(trainer.eval_loader.dataset)
-    # The unigram baseline is reported next to the bound (entropy of the residue frequencies).
+    # The unigram baseline is reported next to the bound (training frequencies scored on the eval residues).
     assert 15 < after["unigram_perplexity"] < 21
 
 
@@ -218,3 +219,55 @@ def test_packing_joins_every_training_sequence_once_with_separators(tmp_path):
     assert all(seq[:len(tail)] == tail for seq in missing)
     assert trainer.fit() == "completed"
     assert all(np.isfinite(r["loss"]) for r in read_jsonl(tmp_path) if "loss" in r)
+
+
+def test_training_windows_start_at_the_first_residue_with_the_asked_share():
+    from trainer.families.protein_sedd.task import crop_start
+
+    def starts(share, n=400, length=300, max_length=64):
+        return [crop_start(np.random.default_rng(i), length, max_length, share) for i in range(n)]
+
+    # share 0 draws exactly the uniform window of earlier versions (a resumed old run crops the same)
+    assert starts(0.0) == [int(np.random.default_rng(i).integers(0, 300 - 64 + 1)) for i in range(400)]
+    assert set(starts(1.0)) == {0}
+    at_start = sum(s == 0 for s in starts(0.5)) / 400
+    assert 0.4 < at_start < 0.6
+    assert crop_start(np.random.default_rng(0), 50, 64, 0.0) == 0  # shorter than a window: whole
+
+
+def test_eval_times_are_stratified_per_sequence_and_the_unigram_is_scored_on_the_same_residues(tmp_path, monkeypatch):
+    """Each eval sequence gets eval_draws diffusion times, one per stratum of (eps, 1), all from its own
+    generator; unigram_perplexity is the training frequencies' cross-entropy on the eval residues."""
+    import math
+
+    import trainer.families.protein_sedd.task as task_module
+    from trainer.registry import get_task
+
+    cfg = load_config(CONFIG, [f"task.cache_dir={tmp_path / 'cache'}", "task.eval_draws=4", "task.max_length=32"])
+    task = get_task("protein_sedd")(cfg.task, seed=0)
+    data = task.build_data()
+    task.attach_stats(data.stats)
+    model = task.build_model(data.stats).eval()
+    times = []
+
+    def recording(*args, t=None, **kwargs):
+        times.append(t.clone())
+        return task_module.score_entropy_loss.__wrapped__(*args, t=t, **kwargs)
+
+    recording.__wrapped__ = task_module.score_entropy_loss
+    monkeypatch.setattr(task_module, "score_entropy_loss", recording)
+    batch = collate_crops([data.eval[i] for i in range(6)])
+    with torch.no_grad():
+        values = task.eval_step(model, batch)
+    eps = cfg.task.sampling_eps
+    strata = torch.floor((torch.stack(times) - eps) / (1 - eps) * 4)  # [draw, sequence]
+    assert torch.equal(strata, torch.arange(4.0)[:, None].expand(4, 6))
+    with torch.no_grad():
+        again = task.eval_step(model, collate_crops([data.eval[i] for i in (5, 4, 3)]))  # other batch, same rows
+    assert torch.allclose(again["nelbo_sum"], values["nelbo_sum"][[5, 4, 3]])
+    log_q = np.asarray(data.stats["unigram_log_probs"])
+    residues = np.concatenate([data.eval[i]["states"] for i in range(6)])
+    metrics = task.reduce_metrics(values)
+    assert metrics["unigram_perplexity"] == pytest.approx(math.exp(-log_q[residues].mean()), rel=1e-6)
+    assert metrics["num_sequences"] == 6
+    assert task.baselines == {"perplexity_bound": "unigram_perplexity"}

@@ -6,7 +6,8 @@ Layout under OUT:
   chains/<set>/sample_<k>.xyz and .png                            the first samples' trajectories (multi-frame
                                                                   xyz, and a strip of frames)
   metrics.json, metrics.csv                                       one row per set
-  summary.png                                                     each metric against the guidance scale
+  summary.png                                                     each metric against the guidance scale (with
+                                                                  guided sets only)
 """
 
 from __future__ import annotations
@@ -91,35 +92,47 @@ def write_metrics_tables(rows: list[dict[str, Any]], out: Path) -> None:
     atomic_write_text(out / "metrics.csv", buf.getvalue())
 
 
-def plot_summary(rows: list[dict[str, Any]], path: Path) -> None:
-    """Each metric against the guidance scale (log axis), the baseline as a dashed line."""
+def summary_figure(rows: list[dict[str, Any]]):
+    """Each metric against the guidance scale (log axis when every scale is > 0), the baseline as a dashed line
+    in the same panel. A metric gets a panel only if a guided set has a finite value of it; None when no metric
+    does (no guided set, or only NaN: there is nothing to draw against the scale; metrics.csv has the numbers)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [m for m in SUMMARY_METRICS if any(_finite(r.get(m)) for r in rows)]
+    base = next((r for r in rows if r.get("set") == "baseline"), None)
+    guided = sorted((r for r in rows if r.get("set") != "baseline" and _finite(r.get("scale"))), key=lambda r: r["scale"])
+    names = [m for m in SUMMARY_METRICS if any(_finite(r.get(m)) for r in guided)]
     if not names:
-        return
-    base = next((r for r in rows if r["set"] == "baseline"), None)
-    guided = sorted((r for r in rows if r["set"] != "baseline"), key=lambda r: r["scale"])
+        return None
     fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.0), squeeze=False)
     for ax, name in zip(axes[0], names):
         xs = [r["scale"] for r in guided if _finite(r.get(name))]
         ys = [r[name] for r in guided if _finite(r.get(name))]
-        if xs:
-            ax.plot(xs, ys, "o-", label="guided")
-            if all(x > 0 for x in xs):
-                ax.set_xscale("log")
+        ax.plot(xs, ys, "o-", label="guided")
+        if all(x > 0 for x in xs):
+            ax.set_xscale("log")
         if base is not None and _finite(base.get(name)):
             ax.axhline(base[name], color="k", ls="--", lw=1, label="baseline")
         ax.set_xlabel("guidance scale (Å per eV/Å)")
         ax.set_title(name, fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+def plot_summary(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Write `summary_figure(rows)` to `path`; None (no file) when it has nothing to draw."""
+    fig = summary_figure(rows)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
 
 
 def _finite(value: Any) -> bool:

@@ -25,6 +25,9 @@ class ProteinSEDDConfig(TaskConfig):
     """Non-standard residues B Z J U O X: keep (J becomes X), map (to X) or drop (the record); counted."""
     max_length: int = 128
     """Residues per training crop (random window) and eval crop (first residues)."""
+    start_crop_share: float = 0.0
+    """Share of the training crops of longer sequences that are their first `max_length` residues (the window eval
+    scores: it starts with the initiator Met); the others are uniform random windows."""
     model_preset: str = "tiny"
     """DDiT size: tiny, small (paper's 12 x 768) or medium (24 x 1024)."""
     dropout: float = 0.1
@@ -37,6 +40,9 @@ class ProteinSEDDConfig(TaskConfig):
     """Smallest diffusion time drawn for the loss."""
     eval_seed: int = 1234
     """Seed of the per-sample eval generators (diffusion times and corruption)."""
+    eval_draws: int = 8
+    """Diffusion times per eval sequence, evenly spaced from one random offset (stratified); the eval NELBO is
+    their mean (1: the single draw of the training loss, a noisy estimate)."""
     packing: bool = False
     """SEDD-style packing: training sequences (in a seeded order) joined by a separator state and cut into
     blocks of max_length, so no position is padding; eval stays one crop per sequence."""
@@ -45,6 +51,10 @@ class ProteinSEDDConfig(TaskConfig):
 
     def validate(self) -> None:
         super().validate()
+        if not 0.0 <= self.start_crop_share <= 1.0:
+            raise ValueError(f"task.start_crop_share must be in [0, 1], got {self.start_crop_share}")
+        if self.eval_draws < 1:
+            raise ValueError(f"task.eval_draws must be >= 1, got {self.eval_draws}")
         if self.packing and self.streaming:
             raise ValueError("task.packing works on the cached (non-streaming) training split; drop one of the two")
 

@@ -5,7 +5,10 @@ padding state (never counted in the loss, never attended to), and for the absorb
 state last. Training crops a random window of `max_length` residues, drawn from (seed, epoch,
 sample index) so that a resumed run crops exactly as the original; eval uses the first
 `max_length` residues and draws its diffusion times from a generator per sample, so the eval
-NELBO is the same whatever the world size or batch size. Every such seed is
+NELBO is the same whatever the world size or batch size. Each eval sequence averages `eval_draws`
+diffusion times spread evenly over (sampling_eps, 1) from one random offset (stratified Monte Carlo:
+the same expectation as one draw, a much smaller spread), and the unigram baseline is the
+cross-entropy of the training residue frequencies on those same held-out residues. Every such seed is
 `trainer.seeding.derive_seed` of its keys. Without validation sequences (`val_fraction=0`, or too
 few records) there is no eval set: the run trains, checkpoints and says so in the log.
 """
@@ -54,11 +57,21 @@ def residue_states(token_ids: np.ndarray) -> np.ndarray:
     return token_ids.astype(np.int64) - FIRST_RESIDUE_ID
 
 
+def crop_start(rng: np.random.Generator, length: int, max_length: int, start_share: float) -> int:
+    """First residue of a training window: 0 with probability `start_share` (the N-terminal window that
+    eval scores), else uniform over every window of `max_length` residues."""
+    if length <= max_length:
+        return 0
+    start = int(rng.integers(0, length - max_length + 1))  # drawn first: start_share=0 crops as before
+    return 0 if start_share > 0 and rng.random() < start_share else start
+
+
 class ProteinStream(IterableDataset):
     """Training crops from a FASTA stream; the window is drawn from (seed, epoch, sequence id)."""
 
-    def __init__(self, stream, max_length: int, seed: int):
+    def __init__(self, stream, max_length: int, seed: int, start_share: float = 0.0):
         self.stream, self.max_length, self.seed, self.epoch = stream, max_length, seed, 0
+        self.start_share = start_share
 
     def set_shard(self, rank: int, world_size: int) -> None:
         self.stream.rank, self.stream.world_size = rank, world_size
@@ -72,18 +85,19 @@ class ProteinStream(IterableDataset):
             start = 0
             if len(seq) > self.max_length:
                 rng = derive_rng("protein_sedd/stream-crop", self.seed, self.epoch, record["id"])
-                start = int(rng.integers(0, len(seq) - self.max_length + 1))
+                start = crop_start(rng, len(seq), self.max_length, self.start_share)
             yield {"states": residue_states(seq[start:start + self.max_length]), "index": -1}
 
 
 class ProteinCrops(Dataset):
     """Tokenized sequences as fixed-size crops; `get_item(i, epoch)` draws the training window."""
 
-    def __init__(self, tokenized, max_length: int, seed: int, random_crop: bool):
+    def __init__(self, tokenized, max_length: int, seed: int, random_crop: bool, start_share: float = 0.0):
         self.ids = tokenized.with_format("numpy", columns=["input_ids"])
         self.max_length = max_length
         self.seed = seed
         self.random_crop = random_crop
+        self.start_share = start_share
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -93,7 +107,7 @@ class ProteinCrops(Dataset):
         start = 0
         if self.random_crop and len(seq) > self.max_length:
             rng = derive_rng("protein_sedd/crop", self.seed, epoch, index)
-            start = int(rng.integers(0, len(seq) - self.max_length + 1))
+            start = crop_start(rng, len(seq), self.max_length, self.start_share)
         return {"states": residue_states(seq[start:start + self.max_length]), "index": index}
 
     def __getitem__(self, index: int) -> dict[str, Any]:
@@ -141,6 +155,7 @@ def collate_crops(samples: list[dict[str, Any]]) -> dict[str, Any]:
 @register_task(SPEC)  # options, presets, unit, metrics and sampling options: spec.py
 class ProteinSEDDTask(Task):
     cfg: ProteinSEDDConfig
+    baselines = {"perplexity_bound": "unigram_perplexity"}  # trainer plot: the no-context baseline in the same panel
 
     def __init__(self, cfg: ProteinSEDDConfig, seed: int = 0):
         super().__init__(cfg, seed)  # checks the options (ProteinSEDDConfig.validate)
@@ -180,11 +195,12 @@ class ProteinSEDDTask(Task):
             reference = val if len(val) else records.select(range(min(len(records), REFERENCE_ROWS)))
             train_set = ProteinStream(stream_fasta(path, split="train", columns=["id", "input_ids"],
                                                    with_input_ids=True, **common_stream(common)),
-                                      c.max_length, self.seed)
+                                      c.max_length, self.seed, c.start_crop_share)
         else:
             reference = train = tokenize_dataset(select_split(records, "train"))
             train_set = (PackedBlocks(train, c.max_length, self.seed) if c.packing
-                         else ProteinCrops(train, c.max_length, self.seed, random_crop=True))
+                         else ProteinCrops(train, c.max_length, self.seed, random_crop=True,
+                                       start_share=c.start_crop_share))
             if isinstance(train_set, PackedBlocks):
                 logger.info("packing: %d training blocks of %d states; the last %d states (shorter than a block) "
                             "are left out", len(train_set), c.max_length, train_set.dropped_tokens)
@@ -193,7 +209,10 @@ class ProteinSEDDTask(Task):
                                            return_counts=True)
         # What eval and the sampler need, saved as the run artifact task_stats.json: sampling never
         # re-reads the training data.
+        # unigram_log_probs (add-half smoothing: a residue absent from training has a finite cost) score the
+        # held-out residues at eval: the baseline on the same tokens as the model's bound.
         stats = {"unigram_perplexity": perplexity_of(counts),
+                 "unigram_log_probs": np.log((counts + 0.5) / (counts.sum() + 0.5 * len(counts))).tolist(),
                  "train_composition": (counts / counts.sum()).tolist(),
                  "length_histogram": {str(int(n)): int(k) for n, k in zip(lengths, length_counts)}}
         return TaskData(train=train_set, eval=eval_set, stats=stats)
@@ -220,19 +239,34 @@ class ProteinSEDDTask(Task):
         return LossOutput(loss=per_seq.sum() / tokens.sum())
 
     def eval_step(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        generators = [torch.Generator(batch["states"].device).manual_seed(derive_seed("protein_sedd/eval",
-                                                                                    self.cfg.eval_seed, i))
+        """Per sequence: the NELBO (summed over its residues) averaged over `eval_draws` stratified diffusion
+        times, all drawn from the sequence's own generator, and the unigram baseline's cost of the same residues."""
+        states, mask = batch["states"], batch["mask"]
+        generators = [torch.Generator(states.device).manual_seed(derive_seed("protein_sedd/eval", self.cfg.eval_seed, i))
                       for i in batch["index"].tolist()]
-        per_seq, tokens = score_entropy_loss(model, self.graph, self.noise, batch["states"],
-                                             loss_mask=batch["mask"], attention_mask=batch["mask"],
-                                             sampling_eps=self.cfg.sampling_eps, generator=generators)
-        return {"nelbo_sum": per_seq.float(), "tokens": tokens.float(), "index": batch["index"]}
+        draws, eps = self.cfg.eval_draws, self.cfg.sampling_eps
+        offset = torch.stack([torch.rand((), generator=g, device=g.device) for g in generators]).to(states.device)
+        nelbo = torch.zeros(states.shape[0], device=states.device)
+        for k in range(draws):
+            t = eps + (1 - eps) * (k + offset) / draws
+            per_seq, tokens = score_entropy_loss(model, self.graph, self.noise, states, t=t, loss_mask=mask,
+                                                 attention_mask=mask, sampling_eps=eps, generator=generators)
+            nelbo += per_seq.float()
+        values = {"nelbo_sum": nelbo / draws, "tokens": tokens.float(), "index": batch["index"]}
+        if "unigram_log_probs" in self.stats:
+            log_q = torch.tensor(self.stats["unigram_log_probs"], device=states.device)
+            residues = torch.where(mask, states, torch.zeros_like(states)).clamp(max=NUM_RESIDUES - 1)
+            values["unigram_sum"] = -(log_q[residues] * mask).sum(-1)
+        return values
 
     def reduce_metrics(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
-        nelbo = float(values["nelbo_sum"].double().sum() / values["tokens"].double().sum())
+        tokens = values["tokens"].double().sum()
+        nelbo = float(values["nelbo_sum"].double().sum() / tokens)
         metrics = {"loss": nelbo, "nelbo_per_token": nelbo, "perplexity_bound": math.exp(min(nelbo, 50.0)),
                    "num_sequences": float(len(values["index"])), "num_unique": float(values["index"].unique().numel())}
-        if "unigram_perplexity" in self.stats:
+        if "unigram_sum" in values:  # the training frequencies' cross-entropy on the same held-out residues
+            metrics["unigram_perplexity"] = math.exp(float(values["unigram_sum"].double().sum() / tokens))
+        elif "unigram_perplexity" in self.stats:  # a run saved before unigram_log_probs: the training entropy
             metrics["unigram_perplexity"] = self.stats["unigram_perplexity"]
         return metrics
 

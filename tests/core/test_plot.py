@@ -1,0 +1,96 @@
+"""`trainer plot`: each eval metric with its baseline in the same axes, identical curves once, no empty axes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import matplotlib.pyplot as plt
+import pytest
+
+from trainer.core.plot import baseline_pairs, eval_figure, plot_run, task_baselines, train_figure
+from trainer.rundir import RunDir
+
+UNIGRAM = 18.26
+
+
+def records() -> list[dict]:
+    """A SEDD-like run: loss under two names, a declared baseline (unigram), a `baseline_X` pair, counts."""
+    out = [{"step": 0, "event": "start", "world_size": 2}]
+    for step in (20, 40, 60):
+        out.append({"step": step, "loss": 3.0 - step / 100, "lr": 1e-3, "grad_norm": 0.5, "samples_per_s": 200.0,
+                    "tokens_per_s": 1.2e4})
+    for k, step in enumerate((20, 40, 60)):
+        nelbo = 2.95 - 0.05 * k
+        out.append({"step": step, "eval/loss": nelbo, "eval/nelbo_per_token": nelbo,
+                    "eval/perplexity_bound": math.exp(nelbo), "eval/unigram_perplexity": UNIGRAM,
+                    "eval/mae": 0.5 - 0.1 * k, "eval/baseline_mae": 0.6 + 0.01 * k, "eval/num_sequences": 163.0,
+                    "eval/broken": float("nan")})
+    return out
+
+
+def panels(fig) -> dict[str, list]:
+    """Axes title -> its lines, after checking that no axes of the figure is empty."""
+    out = {}
+    for ax in fig.axes:
+        assert ax.lines and all(len(line.get_xdata()) for line in ax.lines), f"empty axes {ax.get_title()!r}"
+        out[ax.get_title()] = ax.lines
+    plt.close(fig)
+    return out
+
+
+def test_eval_metric_and_its_baseline_share_an_axes_and_duplicates_are_one_panel():
+    lines = panels(eval_figure(records(), {"perplexity_bound": "unigram_perplexity"}))
+    # eval/loss and eval/nelbo_per_token are one curve: one panel named by both; no panel for the counts,
+    # the all-NaN metric or the baselines themselves.
+    assert sorted(lines) == ["loss = nelbo_per_token", "mae", "perplexity_bound"]
+    model, baseline = lines["perplexity_bound"]
+    assert list(model.get_ydata()) == pytest.approx([math.exp(2.95 - 0.05 * k) for k in range(3)])
+    assert set(baseline.get_ydata()) == {UNIGRAM} and "unigram_perplexity" in baseline.get_label()
+    assert baseline.get_linestyle() == "--"
+    model, baseline = lines["mae"]  # found by name (baseline_mae), not constant: a dashed curve over the steps
+    assert list(baseline.get_xdata()) == [20, 40, 60] and list(baseline.get_ydata()) == pytest.approx([0.6, 0.61, 0.62])
+    assert baseline.get_label() == "baseline_mae"
+    assert len(lines["loss = nelbo_per_token"]) == 1
+
+
+def test_without_a_declared_baseline_it_has_its_own_panel():
+    lines = panels(eval_figure(records()))
+    assert sorted(lines) == ["loss = nelbo_per_token", "mae", "perplexity_bound", "unigram_perplexity"]
+    assert len(lines["perplexity_bound"]) == 1 and len(lines["mae"]) == 2
+
+
+def test_baseline_pairs_need_both_keys():
+    keys = ["eval/a", "eval/b", "eval/baseline_c", "eval/d", "eval/baseline_d"]
+    assert baseline_pairs(keys, {"a": "b", "x": "b", "d": "a"}) == {"eval/a": "eval/b", "eval/d": "eval/a"}
+    assert baseline_pairs(keys) == {"eval/d": "eval/baseline_d"}  # baseline_c has no eval/c
+
+
+def test_train_figure_has_a_panel_per_logged_key_only():
+    lines = panels(train_figure(records()))
+    assert list(lines) == ["loss", "lr", "grad_norm", "samples_per_s"]
+    assert list(panels(train_figure([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]))) == ["loss"]
+    assert train_figure([{"step": 0, "event": "start"}]) is None
+    assert eval_figure([{"step": 1, "eval/num_sequences": 3.0, "eval/x": float("nan")}]) is None
+
+
+def write_run(root, records_, task_name="protein_sedd"):
+    root.mkdir(parents=True)
+    (root / "config.yaml").write_text(f"task:\n  name: {task_name}\n")
+    (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records_))
+    return root
+
+
+def test_plot_run_writes_both_figures_with_the_task_baselines(tmp_path):
+    run = write_run(tmp_path / "run", records())
+    assert task_baselines(RunDir(run)) == {"perplexity_bound": "unigram_perplexity"}  # Task.baselines of the run
+    written = plot_run(run)
+    assert [p.name for p in written] == ["train.png", "eval.png"] and all(p.stat().st_size > 0 for p in written)
+    only_train = write_run(tmp_path / "only_train", [r for r in records() if not any(k.startswith("eval/") for k in r)])
+    assert [p.name for p in plot_run(only_train)] == ["train.png"]
+
+
+def test_unknown_task_means_naming_rule_only(tmp_path):
+    run = write_run(tmp_path / "run", records(), task_name="no_such_task")
+    assert task_baselines(RunDir(run)) == {}
+    assert [p.name for p in plot_run(run, out_dir=tmp_path / "plots")] == ["train.png", "eval.png"]
