@@ -11,6 +11,11 @@ from pathlib import Path
 
 import pytest
 
+# One OpenMP thread in the test process too (subprocesses get it from child_env): the tests' models are tiny,
+# and on a loaded 2-core machine a second thread spin-waits for a busy core (an eval batch measured 10x slower).
+# Set before any test module imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TRAIN = str(ROOT / "scripts" / "train.py")
