@@ -73,7 +73,7 @@ def test_resume_recovers_from_a_kill_during_finalisation(tmp_path):
 
 def test_map_style_data_smaller_than_one_global_batch(tmp_path):
     with pytest.raises(DataError, match=r"task 'regression', split train: 6 samples, fewer than one global "
-                                        r"batch of 8 \(8 per device x 1 processes\)"):
+                                        r"batch of 8 \(8 per device x 1 accumulation x 1 processes\)"):
         make(tmp_path, "task.num_train=6")
 
 
