@@ -23,7 +23,7 @@ from trainer import cli
 from trainer.atomic_io import disk_bytes, format_bytes, no_space_reason
 from trainer.config import load_config
 from trainer.core import checkpoint as ckpt
-from trainer.core import export, resume
+from trainer.core import checkpointer, export
 from trainer.core.trainer import Trainer
 from trainer.errors import CheckpointError
 
@@ -147,7 +147,7 @@ def safetensors_full(monkeypatch) -> None:
     def save_file(tensors, filename, metadata=None):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(resume, "save_file", save_file)
+    monkeypatch.setattr(checkpointer, "save_file", save_file)
 
 
 def python_full(monkeypatch) -> None:
@@ -169,7 +169,7 @@ def test_checkpoint_save_on_a_full_disk_says_so(run, monkeypatch):
         with monkeypatch.context() as patch:
             fill(patch)
             with pytest.raises(CheckpointError) as raised:
-                resume.save_checkpoint(trainer)
+                trainer.checkpointer.save()
         message = str(raised.value)
         assert re.fullmatch(
             rf"could not save checkpoint step_00000008 \(rank 0: no space left on device writing {re.escape(str(tmp))} "
@@ -179,7 +179,7 @@ def test_checkpoint_save_on_a_full_disk_says_so(run, monkeypatch):
         assert not tmp.exists()
         assert (root / "latest").read_text().strip() == "step_00000006"
         ckpt.verify_checkpoint(previous)
-    assert resume.save_checkpoint(trainer) == root / "step_00000008"  # with room again: saved
+    assert trainer.checkpointer.save() == root / "step_00000008"  # with room again: saved
 
 
 @pytest.mark.parametrize("err, reason", [

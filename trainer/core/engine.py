@@ -47,6 +47,9 @@ class Engine:
 
     may_sample_in_eval = True
     """Whether every rank holds the whole model, so evaluation may draw samples from it."""
+    zero_stage = 0
+    """The DeepSpeed ZeRO stage (0: not DeepSpeed)."""
+    guard: StepGuard
 
     def __init__(self, accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config):
         self.accelerator = accelerator
@@ -72,6 +75,16 @@ class Engine:
     def logged_grad_norm(self, norm: torch.Tensor | None) -> float | None:
         """The gradient norm to log for the last step (None: not finite or not known)."""
         return float(norm) if norm is not None else None
+
+    def state_dict(self) -> dict[str, int]:
+        """The step guard's state (a checkpoint part): skipped steps in a row so far."""
+        return {"nonfinite_in_row": self.guard._run}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore the guard's run of skipped steps; once the checkpoint is loaded (counters the backend
+        restored are not new events)."""
+        self.guard._run = int(state.get("nonfinite_in_row", 0))
+        self.after_resume()
 
     def after_resume(self) -> None:
         """Called once the checkpoint is loaded (counters the backend restored are not new events)."""

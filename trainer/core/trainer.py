@@ -3,7 +3,7 @@
 Read top to bottom: `__init__` builds task, data, model and optimizer, prepares them and resumes;
 `fit` runs optimizer steps (`train_step`), evaluates (`evaluate`) and checkpoints (`save`). Its parts
 live beside it: engine.py (what differs per backend: backward scaling, clipping, the optimizer step,
-skipped steps), loaders.py (this rank's batches), resume.py (checkpoint save and resume), ema.py,
+skipped steps), loaders.py (this rank's batches), checkpointer.py (checkpoint save and resume), ema.py,
 run_logger.py (start lines, logging steps, the summary), optim.py. The loop never branches on the
 task or the backend.
 """
@@ -26,6 +26,7 @@ from trainer.atomic_io import atomic_write_text
 from trainer.config import Config, save_config
 from trainer.core import checkpoint as ckpt
 from trainer.core.batch_plan import plan_batch
+from trainer.core.checkpointer import Checkpointer, TrainState
 from trainer.core.distributed import build_accelerator, compile_model, scale_factor, unwrap_model
 from trainer.core.ema import EMA
 from trainer.core.engine import build_engine, check_backend_supports
@@ -34,10 +35,10 @@ from trainer.core.host_memory import HeapTrimmer
 from trainer.core.loaders import TrainBatches, agreed_start, build_eval_loader, resolve_epochs
 from trainer.core.optim import build_optimizer, build_scheduler
 from trainer.core.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher
-from trainer.core.resume import TrainState, load_weights, resume, save_checkpoint
 from trainer.core.run_lock import release_run_lock
 from trainer.core.run_logger import RunLogger, StepWindow
 from trainer.core.step_guard import NonFiniteLossError
+from trainer.core.universal import optimizer_param_names
 from trainer.registry import get_task
 from trainer.rundir import RunDir
 from trainer.task import GenerativeTask
@@ -78,6 +79,7 @@ class Trainer:
         self.warmup_steps = round(cfg.optim.warmup_steps * (factor if cfg.optim.scale_warmup else 1.0))
         optimizer = build_optimizer(cfg, model, self.lr)
         self.scheduler = build_scheduler(cfg, optimizer, self.warmup_steps)
+        param_names = optimizer_param_names(model, optimizer)  # names the optimizer state in any layout
 
         self.model, self.optimizer = acc.prepare(model, optimizer)
         self.engine = build_engine(acc, self.model, self.optimizer, cfg)
@@ -91,12 +93,17 @@ class Trainer:
         self.ema = EMA(unwrap_model(acc, self.model), t.ema_decay) if t.ema_decay > 0 else None
         self.state = TrainState(world_size=world, backend=str(acc.distributed_type.value),
                                 grad_accum_steps=t.grad_accum_steps, per_device_batch_size=t.per_device_batch_size,
-                                global_batch_size=self.batch_plan.global_batch, lr_world_size=self.batch_plan.lr_world_size)
+                                global_batch_size=self.batch_plan.global_batch, lr_world_size=self.batch_plan.lr_world_size,
+                                zero_stage=self.engine.zero_stage, task=cfg.task.name)
         self.last_eval: dict[str, float] = {}
         self.test_weights_step: int | None = None
         """The step whose weights the test pass used (eval.test_weights), None: the current step."""
 
-        self.resumed_from = resume(self)
+        self.checkpointer = Checkpointer(cfg, acc, self.run_dir, self.state, model=self.model, optimizer=self.optimizer,
+                                         param_names=param_names, scheduler=self.scheduler, engine=self.engine,
+                                         data=self.data, task=self.task, ema=self.ema)
+        resumed = self.checkpointer.resume()
+        self.resumed_from = resumed.path if resumed else None
         self.log = RunLogger(acc, cfg, self.run_dir, self.task.unit)
         if self.is_main:
             self.run_dir.root.mkdir(parents=True, exist_ok=True)
@@ -278,7 +285,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self, best: bool = False) -> Path:
         """Write a complete checkpoint atomically (every rank takes part) and rotate old ones."""
-        return save_checkpoint(self, best=best)
+        return self.checkpointer.save(best=best)
 
     def _finish(self, status: str, saved_at: int, watcher: PreemptionWatcher) -> None:
         """Final eval, test and checkpoint of a completed run, or the checkpoint and marker of a preempted one."""
@@ -308,7 +315,7 @@ class Trainer:
             logger.warning("eval.test_weights=best: no best checkpoint under %s; testing the final weights",
                            self.run_dir.checkpoints)
             return
-        load_weights(self, path)
+        self.checkpointer.load_weights(path)
         self.test_weights_step = self.state.best_step
         if self.is_main:
             logger.info("test with the best checkpoint's weights: %s (step %d, eval %s %.6g)", path.name,

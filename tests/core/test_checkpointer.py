@@ -1,0 +1,108 @@
+"""The Checkpointer's parts and the topology-free form, in process (no launcher): every part is Stateful,
+which layouts need a conversion, a plain checkpoint's round trip through the universal form restores weights
+and Adam state exactly, and bad input is one line naming what differs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import TINY
+from safetensors.torch import save_file
+
+from trainer.config import load_config
+from trainer.core import universal
+from trainer.core.checkpointer import Stateful, TrainState
+from trainer.errors import CheckpointError
+
+
+def model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return model, torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                    lr=0.01, fused=True)
+
+
+def plain_checkpoint(path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[list[str]]]:
+    """What accelerate writes for a plain or DDP run (model.safetensors, optimizer.bin), after 3 steps."""
+    model, opt = model_and_optimizer(0)
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / universal.WEIGHTS))
+    torch.save(opt.state_dict(), path / universal.OPTIMIZER)
+    return model, opt, universal.optimizer_param_names(model, opt)
+
+
+def test_every_part_is_stateful(tmp_path, fresh_accelerate):
+    from trainer.core.trainer import Trainer
+
+    cfg = load_config(TINY, ["train.max_steps=1", "ckpt.every_steps=0", "log.tensorboard=false",
+                             "log.progress_bar=false", f"run.output_dir={tmp_path}", "train.ema_decay=0.9"])
+    trainer = Trainer(cfg)
+    parts = trainer.checkpointer
+    for part in (parts.state, parts.ema, parts.data, parts.stats, *parts.parts.values()):
+        assert isinstance(part, Stateful), part
+    # Model and optimizer live in the backend's own files: saved and loaded (or converted) as a folder.
+    assert callable(parts.backend.save) and callable(parts.backend.load)
+    assert isinstance(TrainState(), Stateful)
+
+
+@pytest.mark.parametrize("saved, now, convert", [
+    (("MULTI_CPU", 2, 0), ("NO", 1, 0), False),           # accelerate loads DDP at any world size
+    (("DEEPSPEED", 2, 2), ("DEEPSPEED", 2, 2), False),    # DeepSpeed's own files, same layout
+    (("DEEPSPEED", 2, 2), ("DEEPSPEED", 1, 2), True),     # another number of DeepSpeed processes
+    (("DEEPSPEED", 2, 2), ("DEEPSPEED", 2, 3), True),     # another ZeRO stage
+    (("DEEPSPEED", 2, None), ("DEEPSPEED", 2, 1), False),  # an older ZeRO-1/2 checkpoint: the same files
+    (("MULTI_CPU", 2, 0), ("DEEPSPEED", 2, 2), True),
+    (("DEEPSPEED", 2, 3), ("MULTI_CPU", 2, 0), True),
+])
+def test_which_layouts_need_a_conversion(saved, now, convert):
+    record = {"backend": saved[0], "world_size": saved[1], "zero_stage": saved[2]}
+    assert universal.needs_conversion(record, *now) is convert
+
+
+def test_fsdp_checkpoints_are_refused_elsewhere_in_one_line():
+    with pytest.raises(CheckpointError, match="FSDP checkpoints resume under FSDP only"):
+        universal.needs_conversion({"backend": "FSDP", "world_size": 2}, "DEEPSPEED", 2, 2)
+
+
+def test_plain_checkpoint_round_trips_through_the_topology_free_form(tmp_path):
+    model, opt, names = plain_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "universal"
+    universal.convert(tmp_path / "ckpt", out, {"backend": "MULTI_CPU", "param_names": names}, names)
+    assert sorted(p.name for p in (out / "zero" / "0.weight").iterdir()) == \
+        ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]
+    fresh, fresh_opt = model_and_optimizer(1)
+    universal.check_same_model(tmp_path / "ckpt", {"backend": "MULTI_CPU"}, fresh)
+    universal.load_into(out, fresh, SimpleNamespace(optimizer=fresh_opt), fresh, names, "NO")
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    want, got = opt.state_dict(), fresh_opt.state_dict()
+    for index, state in want["state"].items():
+        for key, value in state.items():
+            assert torch.equal(got["state"][index][key], value), (index, key)
+    assert [g["weight_decay"] for g in got["param_groups"]] == [0.1, 0.0]
+    assert [g["lr"] for g in got["param_groups"]] == [g["lr"] for g in want["param_groups"]]
+
+
+def test_another_model_is_named_before_anything_is_converted(tmp_path):
+    plain_checkpoint(tmp_path / "ckpt")
+    other = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))
+    with pytest.raises(CheckpointError) as raised:
+        universal.check_same_model(tmp_path / "ckpt", {"backend": "MULTI_CPU"}, other)
+    message = str(raised.value)
+    assert "holds another model than this run's: parameter '0.weight' has shape (8, 4) there and (16, 4) here" in message
+    assert "\n" not in message
+
+
+def test_optimizer_state_that_cannot_be_named_is_refused(tmp_path):
+    _, _, names = plain_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="the optimizer state cannot be converted"):
+        universal.convert(tmp_path / "ckpt", tmp_path / "out", {"backend": "MULTI_CPU"}, [names[0]])

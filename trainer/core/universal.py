@@ -1,0 +1,312 @@
+"""The topology-free form of a checkpoint, produced on demand: any backend resumes under any other.
+
+A checkpoint is written in its backend's own files (fast, and exactly what the same layout reads back).
+When the resuming run has another layout (plain/DDP <-> DeepSpeed, another ZeRO stage, another number of
+DeepSpeed processes), `convert` writes DeepSpeed's universal checkpoint form (Lian et al. 2024): one
+folder per parameter name with the fp32 weights, the optimizer's moments and the step
+(`zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`, each tensor whole), and the optimizer's
+hyper-parameters per group (`zero/optimizer_state.pt`). A ZeRO checkpoint is converted by DeepSpeed's
+`ds_to_universal` (`--inject_missing_state`), a plain or DDP one (`model.safetensors`, `optimizer.bin`)
+by naming the optimizer's parameters with the names the checkpoint recorded. `load_into` fills the
+running backend from that folder: DeepSpeed's own universal loader under ZeRO-1/2/3 at any number of
+processes, `load_state_dict` of the model and the torch optimizer under one process or DDP.
+
+Every file is read weights-only (safe_load.py). A checkpoint of another model is refused before anything
+is converted (`check_same_model`), and a part that cannot be converted is named in a CheckpointError.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from trainer.core.safe_load import weights_only_loading
+from trainer.errors import CheckpointError
+
+DEEPSPEED = "DEEPSPEED"
+FSDP = "FSDP"
+DS_FOLDER = "pytorch_model"
+"""Where accelerate has DeepSpeed write its files inside a checkpoint."""
+WEIGHTS, OPTIMIZER = "model.safetensors", "optimizer.bin"
+"""accelerate's files of a plain or DDP checkpoint (one model, one optimizer)."""
+OPTIMIZER_STATE = "optimizer_state.pt"
+
+
+def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The parameter names of each optimizer group, in the optimizer's order (before `prepare`)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def saved_zero_stage(path: Path, saved: dict[str, Any]) -> int | None:
+    """The ZeRO stage of a DeepSpeed checkpoint: recorded, or for older checkpoints 3 when its files say so
+    (ZeRO-3 writes model states per rank), else None (1 or 2: the same files)."""
+    if saved.get("backend") != DEEPSPEED:
+        return 0
+    if saved.get("zero_stage") is not None:
+        return int(saved["zero_stage"])
+    return 3 if any((path / DS_FOLDER).glob("zero_pp_rank_*_model_states.pt")) else None
+
+
+def needs_conversion(saved: dict[str, Any], backend: str, world: int, zero_stage: int) -> bool:
+    """Whether the checkpoint's own files cannot be loaded by this run's backend as they are.
+
+    accelerate loads a plain or DDP checkpoint at any number of processes; DeepSpeed loads its own
+    files only at the same number of processes and ZeRO stage (`saved["zero_stage"]`: `saved_zero_stage`)."""
+    was = saved.get("backend", "")
+    if FSDP in (was, backend) and was != backend:
+        raise CheckpointError(f"a checkpoint written under {was or 'an unknown backend'} cannot be resumed under "
+                              f"{backend} yet: FSDP checkpoints resume under FSDP only")
+    if (was == DEEPSPEED) != (backend == DEEPSPEED):
+        return True
+    if backend != DEEPSPEED:
+        return False
+    stage = saved.get("zero_stage")
+    if stage is None:  # an older ZeRO-1/2 checkpoint: its files load under either
+        return saved.get("world_size") != world or zero_stage == 3
+    return saved.get("world_size") != world or stage != zero_stage
+
+
+# ------------------------------------------------------------------ the same model?
+def saved_param_shapes(path: Path, saved: dict[str, Any]) -> tuple[dict[str, tuple], bool]:
+    """(name -> shape of what the checkpoint holds, whether buffers are included), without loading tensors
+    where the format allows it (safetensors' header)."""
+    if saved.get("backend") != DEEPSPEED:
+        with safe_open(str(path / WEIGHTS), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, True
+    shapes = {}
+    for group in _deepspeed_model_states(path).get("param_shapes") or []:
+        shapes.update({k: tuple(v) for k, v in group.items()})
+    return shapes, False
+
+
+def _deepspeed_model_states(path: Path) -> dict[str, Any]:
+    """Rank 0's DeepSpeed model states (parameter shapes; the module's buffers, and weights under ZeRO-1/2)."""
+    files = sorted((path / DS_FOLDER).glob("*model_states.pt"))
+    if not files:
+        raise CheckpointError(f"checkpoint {path}: no DeepSpeed model states in {DS_FOLDER}/")
+    with weights_only_loading():
+        return torch.load(files[0], map_location="cpu")
+
+
+def check_same_model(path: Path, saved: dict[str, Any], model: torch.nn.Module) -> None:
+    """Refuse a checkpoint of another model, naming the first differences (parameter names and shapes)."""
+    if saved.get("backend") != DEEPSPEED and not (path / WEIGHTS).is_file():
+        return  # FSDP's sharded files: its own loader checks them
+    shapes, with_buffers = saved_param_shapes(path, saved)
+    now = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
+    if with_buffers:  # the persistent ones: those a state dict holds
+        persistent = set(model.state_dict())
+        now.update({n: tuple(b.shape) for n, b in model.named_buffers() if n in persistent})
+    problems = [f"parameter '{n}' has shape {tuple(shapes[n])} there and {now[n]} here"
+                for n in now if n in shapes and tuple(shapes[n]) != now[n]]
+    problems += [f"'{n}' is not in the checkpoint" for n in now if n not in shapes]
+    problems += [f"'{n}' is not in this model" for n in shapes if n not in now]
+    if problems:
+        more = f" and {len(problems) - 3} more differences" if len(problems) > 3 else ""
+        raise CheckpointError(f"checkpoint {path} holds another model than this run's: {'; '.join(problems[:3])}{more} "
+                              f"(did the task or model settings change? start over with run.resume=none or a new "
+                              f"run.output_dir)")
+
+
+# ------------------------------------------------------------------ into the topology-free form
+def convert(path: Path, out: Path, saved: dict[str, Any], param_names: list[list[str]]) -> None:
+    """Write checkpoint `path` in the universal form into `out` (one process). Raises CheckpointError naming the
+    part that cannot be converted."""
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "zero").mkdir(parents=True)
+    if saved.get("backend") == DEEPSPEED:
+        _from_deepspeed(path, out)
+    else:
+        _from_torch(path, out, saved.get("param_names") or param_names)
+
+
+def _from_deepspeed(path: Path, out: Path) -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(path / DS_FOLDER), output_folder=str(out), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    chatter = io.StringIO()
+    try:
+        with weights_only_loading(), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+            ds_to_universal.main(args)
+    except CheckpointError:
+        raise
+    except KeyError as err:  # its extractor knows Adam's moments only
+        raise CheckpointError(f"checkpoint {path}: the optimizer state cannot be converted (DeepSpeed's "
+                              f"ds_to_universal found no {err} in it: it converts Adam/AdamW moments only)") from err
+    except Exception as err:  # noqa: BLE001 - whatever DeepSpeed raises, one line naming the part
+        raise CheckpointError(f"checkpoint {path}: its DeepSpeed files cannot be converted to the universal form "
+                              f"({_first_line(err)})") from err
+    zero = out / "zero"
+    with weights_only_loading():
+        state = torch.load(zero / OPTIMIZER_STATE, map_location="cpu")
+        steps = [torch.load(f) for f in sorted(zero.glob("*/step.pt"))[:1]]
+    step = steps[0] if steps else (state.get("optimizer_state_dict") or {}).get("state", {}).get(0, {}).get("step")
+    _normalise(path, zero, step)
+    _write_common_state(zero, state.get("param_groups") or [], step, state)
+
+
+def _normalise(path: Path, zero: Path, step: Any) -> None:
+    """One form whatever the ZeRO stage: ds_to_universal writes ZeRO-3's tensors flat and bare, without a
+    step file or the module's buffers; ZeRO-1/2's loader (and ours) read `{"param": tensor of the parameter's
+    shape}` and a step per parameter."""
+    states = _deepspeed_model_states(path)
+    shapes = {}
+    for group in states.get("param_shapes") or []:
+        shapes.update({k: tuple(v) for k, v in group.items()})
+    with weights_only_loading():
+        for name, shape in shapes.items():
+            folder = zero / name
+            for file in folder.glob("*.pt"):
+                value = torch.load(file, map_location="cpu") if file.stem != "step" else None
+                if torch.is_tensor(value):
+                    torch.save({"param": value.reshape(shape), "cat_dim": 0}, file)
+            if folder.is_dir() and not (folder / "step.pt").exists() and step is not None:
+                torch.save(torch.as_tensor(step, dtype=torch.float32), folder / "step.pt")
+    for name, tensor in (states.get("module") or {}).items():  # buffers (and ZeRO-3's empty placeholders)
+        if name not in shapes and torch.is_tensor(tensor) and not (zero / name / "fp32.pt").exists():
+            (zero / name).mkdir(parents=True, exist_ok=True)
+            torch.save({"param": tensor.float(), "cat_dim": 0}, zero / name / "fp32.pt")
+
+
+def _from_torch(path: Path, out: Path, param_names: list[list[str]]) -> None:
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        weights = {k: f.get_tensor(k) for k in f.keys()}
+    with weights_only_loading():
+        optim = torch.load(path / OPTIMIZER, map_location="cpu")
+    groups, state = optim.get("param_groups", []), optim.get("state", {})
+    if len(groups) != len(param_names) or any(len(g["params"]) != len(n) for g, n in zip(groups, param_names)):
+        raise CheckpointError(f"checkpoint {path}: the optimizer state cannot be converted: it has "
+                              f"{[len(g['params']) for g in groups]} parameters per group, the recorded names "
+                              f"{[len(n) for n in param_names]}")
+    zero, step = out / "zero", None
+    for group, names in zip(groups, param_names):
+        for index, name in zip(group["params"], names):
+            folder = zero / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for key, value in state.get(index, {}).items():
+                if key == "step":
+                    value = torch.as_tensor(value, dtype=torch.float32)  # fused Adam keeps a tensor
+                    step = value if step is None else step
+                    torch.save(value, folder / "step.pt")
+                elif torch.is_tensor(value) and value.shape == weights[name].shape:
+                    torch.save({"param": value.float(), "cat_dim": 0}, folder / f"{key}.pt")
+                else:
+                    raise CheckpointError(f"checkpoint {path}: the optimizer state '{key}' of parameter '{name}' "
+                                          f"cannot be converted (not a tensor of the parameter's shape)")
+    for name, tensor in weights.items():  # parameters, and buffers, which DeepSpeed's loader leaves alone
+        (zero / name).mkdir(parents=True, exist_ok=True)
+        torch.save({"param": tensor.float(), "cat_dim": 0}, zero / name / "fp32.pt")
+    _write_common_state(zero, [{k: v for k, v in g.items() if k != "params"} for g in groups], step, {})
+
+
+def _write_common_state(zero: Path, groups: list[dict], step: Any, base: dict) -> None:
+    """`optimizer_state.pt` as both of DeepSpeed's universal loaders read it (ZeRO-1/2 and ZeRO-3)."""
+    try:
+        from deepspeed import __version__ as version
+    except ImportError:  # the target is plain/DDP: only the groups and the step are read
+        version = "0"
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    # Plain values only, so a process without DeepSpeed reads it weights-only (a loss scaler object restarts).
+    base = {k: base[k] for k in ("dynamic_loss_scale", "overflow", "clip_grad", "ds_version") if k in base}
+    torch.save({**base, "ds_version": base.get("ds_version", version), "param_groups": groups,
+                "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": groups}}, zero / OPTIMIZER_STATE)
+
+
+# ------------------------------------------------------------------ out of it, into this run
+def load_into(folder: Path, model: Any, optimizer: Any, unwrapped: torch.nn.Module, param_names: list[list[str]],
+              backend: str) -> None:
+    """Fill this run's model and optimizer from the universal form in `folder` (every rank)."""
+    zero = folder / "zero"
+    with weights_only_loading():
+        common = torch.load(zero / OPTIMIZER_STATE, map_location="cpu")
+        groups = common.get("param_groups") or []
+        if len(groups) != len(param_names):
+            raise CheckpointError(f"the optimizer of the checkpoint has {len(groups)} parameter groups, this run's "
+                                  f"{len(param_names)} (did optim.weight_decay or optim.decay_all_parameters change?)")
+        if backend == DEEPSPEED:
+            _into_deepspeed(zero, model, groups)
+        else:
+            _into_torch(zero, unwrapped, optimizer.optimizer, param_names, groups, common)
+
+
+def _into_deepspeed(zero: Path, engine: Any, groups: list[dict]) -> None:
+    zero_optimizer = engine.optimizer
+    try:
+        zero_optimizer.load_state_dict(state_dict_list=None, load_optimizer_states=True, load_from_fp32_weights=True,
+                                       checkpoint_folder=str(zero.parent))
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - DeepSpeed's loader asserts; name the part
+        raise CheckpointError(f"the universal checkpoint could not be loaded into DeepSpeed's optimizer "
+                              f"({_first_line(err)})") from err
+    if not engine.zero_optimization_partition_weights():
+        zero_optimizer.update_lp_params()  # fp32 master -> the model's weights (ZeRO-3 copies them itself)
+    for group, saved in zip(zero_optimizer.optimizer.param_groups, groups):  # ZeRO-3 applies group 0's to all
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    with torch.no_grad():
+        for name, buffer in engine.module.named_buffers():
+            file = zero / name / "fp32.pt"
+            if file.is_file():
+                buffer.copy_(torch.load(file, map_location="cpu")["param"])
+
+
+def _into_torch(zero: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, param_names: list[list[str]],
+                groups: list[dict], common: dict) -> None:
+    current = model.state_dict()
+    weights = {}
+    for name, tensor in current.items():
+        file = zero / name / "fp32.pt"
+        if not file.is_file():
+            raise CheckpointError(f"the checkpoint has no weights for '{name}'")
+        weights[name] = torch.load(file, map_location="cpu")["param"].to(tensor.dtype)
+    model.load_state_dict(weights, strict=True)
+    fallback = (common.get("optimizer_state_dict") or {}).get("state", {}).get(0, {}).get("step")
+    state, index = {}, 0
+    for names in param_names:
+        for name in names:
+            entry = {}
+            for file in (zero / name).glob("*.pt"):
+                if file.stem == "step":
+                    entry["step"] = torch.load(file)
+                elif file.stem != "fp32":
+                    entry[file.stem] = torch.load(file, map_location="cpu")["param"]
+            if entry and "step" not in entry and fallback is not None:
+                entry["step"] = fallback
+            if entry:
+                entry["step"] = torch.as_tensor(entry["step"], dtype=torch.float32)
+                state[index] = entry
+            index += 1
+    params, start = [], 0
+    for names in param_names:
+        params.append(list(range(start, start + len(names))))
+        start += len(names)
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": p} for g, p in zip(groups, params)]})
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise CheckpointError(f"the optimizer state could not be loaded into this run's optimizer "
+                              f"({_first_line(err)})") from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def describe(saved: dict[str, Any], backend: str, world: int, zero_stage: int) -> str:
+    """'ZeRO-2 x 2 -> 1 process' for the start log."""
+    def name(kind: str, n: Any, stage: Any) -> str:
+        label = f"ZeRO-{stage}" if kind == DEEPSPEED and stage is not None else (
+            "DeepSpeed" if kind == DEEPSPEED else ("1 process" if n == 1 else "DDP"))
+        return label if label == "1 process" else f"{label} x {n}"
+    return f"{name(saved.get('backend', ''), saved.get('world_size'), saved.get('zero_stage'))} -> " \
+           f"{name(backend, world, zero_stage)}"
