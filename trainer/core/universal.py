@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import io
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -210,10 +211,9 @@ def _from_torch(path: Path, out: Path, param_names: list[list[str]]) -> None:
 
 def _write_common_state(zero: Path, groups: list[dict], step: Any, base: dict) -> None:
     """`optimizer_state.pt` as both of DeepSpeed's universal loaders read it (ZeRO-1/2 and ZeRO-3)."""
-    try:
-        from deepspeed import __version__ as version
-    except ImportError:  # the target is plain/DDP: only the groups and the step are read
-        version = "0"
+    # A DeepSpeed target has imported it; a plain/DDP one reads only the groups and the step (no import: it is slow
+    # and warns on CPU-only machines).
+    version = getattr(sys.modules.get("deepspeed"), "__version__", "0")
     groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
     # Plain values only, so a process without DeepSpeed reads it weights-only (a loss scaler object restarts).
     base = {k: base[k] for k in ("dynamic_loss_scale", "overflow", "clip_grad", "ds_version") if k in base}
