@@ -142,15 +142,70 @@ def test_pool_of_two_workers_gives_the_same_numbers_as_one_and_survives_a_dead_w
         with caplog.at_level("WARNING"):
             recovered = pooled.compute(*batch)  # the lost work is redone in a restarted pool
         assert "worker process died" in caplog.text
+        guided = pooled.for_guidance()  # the guidance ladder in the pool: wavefunctions travel with the rows
+        guided_parallel = [guided.compute(*batch) for _ in range(2)]
     finally:
         pooled.close()
         pooled.close()  # idempotent
+    guided = xtb.for_guidance()
+    for result in guided_parallel:
+        expected = guided.compute(*batch)
+        assert result.rung.tolist() == expected.rung.tolist() == [0] * 5 + [-1]
+        np.testing.assert_allclose(result.energy, expected.energy, rtol=0, atol=1e-10, equal_nan=True)
     serial = xtb.compute(*batch)
     assert parallel.ok.tolist() == [True] * 5 + [False]
     for result in (parallel, recovered):
         np.testing.assert_array_equal(result.ok, serial.ok)
         np.testing.assert_allclose(result.energy, serial.energy, rtol=0, atol=1e-10, equal_nan=True)
         np.testing.assert_allclose(result.forces, serial.forces, rtol=0, atol=1e-10)
+
+
+# C, N and 3 H placed at random (min distance 0.8 A): tblite's default electronic temperature (9.5e-4 Eh)
+# oscillates past 250 SCF cycles, 0.01 Eh converges in a few (found by a seeded search).
+DISTORTED_NUMBERS = [6, 7, 1, 1, 1]
+DISTORTED = [[-0.709, -1.205, -0.375], [-0.256, 1.237, 0.451], [-0.322, -1.025, -1.35], [-0.327, -0.267, 0.994],
+             [0.716, 1.334, 0.802]]
+
+
+def test_guidance_ladder_converges_where_the_strict_single_point_fails():
+    # max_iterations=60 keeps the strict failure fast; the default (250) fails the same way, 20x slower
+    ff = XTBForceField(workers=1, max_iterations=60, guidance_probe_every=2)
+    assert XTBForceField(workers=1).max_iterations == 250 and ff.guidance_temperatures[0] == 9.5e-4
+    water = _mol("H2O", 0.05, 7)
+    batch = pad_molecules([Molecule(np.array(DISTORTED_NUMBERS), np.array(DISTORTED)), water])
+    strict = ff.compute(*batch)  # the evaluation's single point: no ladder, failures reported
+    assert strict.ok.tolist() == [False, True] and strict.rung is None
+    assert "converge" in ff.last_errors[0].lower()
+
+    guidance = ff.for_guidance()
+    assert guidance.rung_labels == ["etemp_0.00095", "etemp_0.01", "etemp_0.03"]
+    first = guidance.compute(*batch)
+    assert first.ok.tolist() == [True, True] and first.rung.tolist() == [1, 0]  # one rung up; water on the default
+    assert np.isfinite(first.forces).all() and np.abs(first.forces[0]).max() > 0.1
+    # the default rung is the strict single point (same temperature, converged within the cap)
+    assert first.energy[1] == pytest.approx(strict.energy[1], abs=1e-6)
+    np.testing.assert_allclose(first.forces[1], strict.forces[1], atol=1e-4)
+    # next steps: the distorted molecule starts on its rung (sticky), warm-started from its own wavefunction;
+    # on its second step there it probes the default again, which converges from the 0.01 Eh wavefunction
+    rungs = [guidance.compute(*batch).rung.tolist() for _ in range(3)]
+    assert rungs == [[1, 0], [0, 0], [0, 0]]
+    cold = XTBForceField(workers=1, guidance_probe_every=2, guidance_warm_start=False).for_guidance()
+    assert [cold.compute(*batch).rung.tolist() for _ in range(3)] == [[1, 0]] * 3  # cold probes fail
+    hot = XTBForceField(workers=1, guidance_temperatures=[0.01, 0.03]).for_guidance().compute(*batch)
+    assert hot.rung.tolist() == [0, 0] and hot.energy[0] == pytest.approx(first.energy[0], abs=1e-5)
+    for bad in ([], [0.03, 0.01], [0.0], "0.01"):
+        with pytest.raises(ConfigError, match="guidance_temperatures"):
+            XTBForceField(workers=1, guidance_temperatures=bad)
+
+
+def test_guidance_ladder_fails_fast_and_only_that_molecule():
+    broken = _mol("H2O")
+    broken.positions[1] = broken.positions[0]  # coincident atoms: no temperature helps
+    ff = XTBForceField(workers=1)
+    guidance = ff.for_guidance()
+    result = guidance.compute(*pad_molecules([broken, _mol("CH4")]))
+    assert result.ok.tolist() == [False, True] and result.rung.tolist() == [-1, 0]
+    assert set(guidance.last_errors) == {0} and np.all(result.forces[0] == 0)
 
 
 def test_default_workers_is_this_ranks_share_of_cores(monkeypatch):

@@ -1,8 +1,9 @@
 """Force-field guidance (trainer/families/molecules_edm/guidance.py) and the spring test force field
 (forcefields/springs.py): springs' energy and forces (finite differences), the guidance rule against a hand
 computation (threshold, (1 - sigma_t) scaling, iterations, force and displacement clips, re-centring), a
-failing molecule left unguided and counted, scale 0.0 equal to the baseline bit for bit, and guided sampling
-lowering the spring energy of the final samples against the paired baseline."""
+failing molecule left unguided and counted, scale 0.0 equal to the baseline bit for bit, guided sampling
+lowering the spring energy of the final samples against the paired baseline, and GFN2-xTB guidance counting the
+rung of its temperature ladder each force came from (and the failures) as a set's summary reports them."""
 
 from __future__ import annotations
 
@@ -219,3 +220,35 @@ def test_guidance_lowers_spring_energy_against_paired_baseline() -> None:
     assert torch.equal(base.type_index, guided.type_index)  # positions-only guidance; paired h streams
     assert hook.failures == 0 and hook.steps_guided == int((model.sigma_at(torch.arange(1, T + 1)) <= 0.8).sum())
     assert math.isfinite(hook.forcefield_seconds)
+
+
+def test_guidance_counts_each_rung_and_the_failures():
+    pytest.importorskip("tblite")
+    from ase.build import molecule
+    from test_forcefields import DISTORTED, DISTORTED_NUMBERS
+
+    from trainer.families.molecules_edm.forcefields import pad_molecules
+    from trainer.families.molecules_edm.forcefields.xtb import XTBForceField
+    from trainer.families.molecules_edm.molecule import Molecule
+    from trainer.families.molecules_edm.sampling_report import guidance_summary
+
+    broken, methane = molecule("H2O"), molecule("CH4")
+    broken.positions[1] = broken.positions[0]  # coincident atoms: every rung fails
+    numbers, positions, mask = pad_molecules([Molecule(np.array(DISTORTED_NUMBERS), np.array(DISTORTED)),
+                                              Molecule(methane.numbers, methane.positions),
+                                              Molecule(broken.numbers, broken.positions)])
+    types = torch.as_tensor(np.searchsorted([1, 6, 7, 8, 9], numbers) * mask)  # QM9's type order H C N O F
+    hook = ForceGuidance(XTBForceField(workers=1), GuidanceConfig(scale=0.001), (1, 6, 7, 8, 9))
+    x = torch.as_tensor(positions)
+    for step in range(2):
+        x = hook(x, types, torch.as_tensor(mask), 0.5, step)
+    counters = hook.counters()
+    assert counters["force_evaluations"] == 6 and counters["failures"] == 2
+    assert (counters["evaluations_etemp_0.00095"], counters["evaluations_etemp_0.01"],
+            counters["evaluations_etemp_0.03"]) == (2, 2, 0)
+    assert torch.equal(x[2], torch.as_tensor(positions[2]))  # the failed molecule is left unguided
+    row = {"set": "guided_scale_0.001", "guidance_force_evaluations": 6, "guidance_failures": 2,
+           "guidance_evaluations_per_second": 40.0, "guidance_forcefield_share": 0.9,
+           **{f"guidance_{k}": v for k, v in counters.items() if k.startswith("evaluations_")}}
+    line = guidance_summary(row)
+    assert "etemp_0.00095 2, etemp_0.01 2, etemp_0.03 0" in line and "failed 2 (33.33 %" in line

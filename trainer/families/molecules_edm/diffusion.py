@@ -491,10 +491,12 @@ class EDMDiffusion(nn.Module):
 
     @torch.no_grad()
     def sample(self, num_atoms: Sequence[int], generators: Sequence[torch.Generator],
-               guidance: GuidanceHook | None = None, chain_frames: int = 0, chain_for: int = 0) -> SampleOutput:
+               guidance: GuidanceHook | None = None, chain_frames: int = 0, chain_for: int = 0,
+               on_step: Callable[[int], None] | None = None) -> SampleOutput:
         """Draw len(num_atoms) molecules; molecule k has num_atoms[k] atoms and all its noise from generators[k].
 
-        `guidance` runs after every ancestral step (see `GuidanceHook`). `chain_frames` frames (evenly spaced
+        `guidance` runs after every ancestral step (see `GuidanceHook`); `on_step(steps_done)` after each
+        step (guidance included), e.g. for a progress bar. `chain_frames` frames (evenly spaced
         over steps 0..T, the last being the final sample) are kept for the first `chain_for` molecules.
         The final positions are always re-centred (EDM re-projects only when the drift exceeds 0.05; the
         drift is rounding error, so this changes nothing but the last bits).
@@ -547,6 +549,8 @@ class EDMDiffusion(nn.Module):
                     z = torch.cat([guided.to(z) * mask_f / self.norm_values[0], z[..., self.n_dims:]], dim=-1)
             if step_index + 1 < self.T:
                 record(step_index + 1, z[..., :self.n_dims] * self.norm_values[0], self._decode_types(z, mask))
+            if on_step is not None:
+                on_step(step_index + 1)
 
         # p(x, h | z_0): x ~ N(x0_hat, sigma_0 / alpha_0); h read from z_0 itself
         gamma_0 = self.gamma[0]

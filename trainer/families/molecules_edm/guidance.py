@@ -11,6 +11,10 @@ Deliberately different from the reference (its bugs): a molecule whose force eva
 (`ok = False`) is left unguided on that step and counted, instead of getting a constant fake force;
 scale 0.0 returns the positions tensor itself, so the sampler's output equals the baseline bit for bit;
 nothing here draws random numbers; statistics are counters, not per-step INFO logs.
+
+A force field with `for_guidance()` (GFN-xTB) is evaluated through that evaluator: an electronic-temperature
+ladder with a per-rung SCF cap and warm starts (forcefields/xtb.py), whose rung per result is counted
+(`evaluations_<rung label>`), so a set reports how many of its forces came from each rung.
 """
 
 from __future__ import annotations
@@ -70,14 +74,19 @@ class ForceGuidance:
 
     `atomic_numbers_of_types[i]` is the atomic number of type index i (the diffusion's
     `atomic_numbers_of_types`). Counters: `steps_guided` (sampler steps where it acted),
-    `force_evaluations` (molecules evaluated), `failures` (evaluations with ok False),
-    `forcefield_seconds` (time inside `forcefield.compute`).
+    `force_evaluations` (molecules evaluated), `failures` (evaluations with ok False: that molecule is
+    left unguided on that step), `forcefield_seconds` (time inside the force field), and with a ladder
+    `rung_counts[i]` (successful evaluations on rung i, named by `rung_labels[i]`).
     """
 
     def __init__(self, forcefield: ForceField, config: GuidanceConfig, atomic_numbers_of_types: Sequence[int]) -> None:
         self.forcefield = forcefield
         self.config = config
         self.atomic_numbers_of_types = np.asarray(atomic_numbers_of_types, dtype=np.int64)
+        for_guidance = getattr(forcefield, "for_guidance", None)
+        self.evaluator = for_guidance() if callable(for_guidance) else forcefield
+        self.rung_labels: list[str] = [str(label) for label in getattr(self.evaluator, "rung_labels", ())]
+        self.rung_counts = [0] * len(self.rung_labels)
         self.steps_guided = 0
         self.force_evaluations = 0
         self.failures = 0
@@ -86,7 +95,8 @@ class ForceGuidance:
     def counters(self) -> dict[str, float]:
         """The counters as a dict (for logs and metric files)."""
         return {"steps_guided": self.steps_guided, "force_evaluations": self.force_evaluations,
-                "failures": self.failures, "forcefield_seconds": self.forcefield_seconds}
+                "failures": self.failures, "forcefield_seconds": self.forcefield_seconds,
+                **{f"evaluations_{label}": count for label, count in zip(self.rung_labels, self.rung_counts)}}
 
     def active(self, sigma_t: float) -> bool:
         """Whether a step at noise level sigma_t is guided."""
@@ -109,10 +119,14 @@ class ForceGuidance:
         self.steps_guided += 1
         for _ in range(cfg.iterations):
             started = time.perf_counter()
-            result = self.forcefield.compute(numbers, x.detach().cpu().double().numpy(), mask_np)
+            result = self.evaluator.compute(numbers, x.detach().cpu().double().numpy(), mask_np)
             self.forcefield_seconds += time.perf_counter() - started
             ok = np.asarray(result.ok, dtype=bool) & real
             self.force_evaluations += int(real.sum())
+            if result.rung is not None and self.rung_counts:
+                used = np.asarray(result.rung)[ok]
+                for rung in used[(used >= 0) & (used < len(self.rung_counts))].tolist():
+                    self.rung_counts[rung] += 1
             failed = int((real & ~ok).sum())
             if failed:
                 self.failures += failed

@@ -135,5 +135,18 @@ def plot_summary(rows: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def guidance_summary(row: dict[str, Any]) -> str:
+    """One line on a guided set's force evaluations: rate, rungs of the ladder, failures."""
+    rungs = ", ".join(f"{key.removeprefix('guidance_evaluations_')} {value:,}" for key, value in row.items()
+                      if key.startswith("guidance_evaluations_") and key != "guidance_evaluations_per_second")
+    evaluations = row.get("guidance_force_evaluations", 0)
+    failures = row.get("guidance_failures", 0)
+    return (f"{row['set']}: {evaluations:,} guidance force evaluations, {row['guidance_evaluations_per_second']:.1f}/s "
+            f"in the force field ({100 * row['guidance_forcefield_share']:.0f} % of the sampling time)"
+            + (f"; converged per rung: {rungs}" if rungs else "")
+            + f"; failed {failures:,} ({100 * failures / max(evaluations, 1):.2f} %, left unguided on that step)")
+
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)

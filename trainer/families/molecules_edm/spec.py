@@ -65,7 +65,8 @@ class GuidanceOptions:
     forcefield_kwargs: dict = field(default_factory=dict)
     """Keyword arguments of the force field (e.g. {model: 7net-0} for an ASE calculator)."""
     iterations: int = 1
-    """Force evaluations per guided step; each moves the atoms by scale/iterations x (1 - sigma_t) x F."""
+    """Force evaluations per guided step; each moves the atoms by scale/iterations x (1 - sigma_t) x F.
+    The cost: molecules x guided steps x iterations x scales force evaluations (printed at the start)."""
     noise_threshold: float = 0.8
     """Guide only steps whose sigma_t is at most this (0.8: the last 632 of 1000 steps)."""
     force_clip: float = 0.0
@@ -98,6 +99,9 @@ class MoleculeSampleConfig(SampleConfig):
     """Frames kept per trajectory (evenly spaced, the final molecule last)."""
     xyz_per_molecule: bool = False
     """Also write one xyz file per molecule."""
+    progress: bool = True
+    """A progress bar per set and batch on the main process: denoising steps, the guided phase, force
+    evaluations per second and failures, with an ETA."""
 
     def validate(self) -> None:
         super().validate()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -184,8 +185,14 @@ class MoleculesEDMTask(Task):
         start_states = [g.get_state() for g in generators]
         chain_for = sum(1 for k in indices if k < options.chains) if options.chains else 0
         g_opt = options.guidance
+        guided_steps = int((diffusion.sigma_at(torch.arange(1, diffusion.T + 1)) <= g_opt.noise_threshold).sum())
+        first = 0 in indices
+        if first:
+            self._log_workload(options, guided_steps)
         evaluator = (None if options.evaluation_forcefield == "none"
                      else self._forcefield(options.evaluation_forcefield, dict(options.evaluation_forcefield_kwargs)))
+        show = bool(options.progress) and _main_process()
+        label = f"{indices[0]}-{indices[-1]}" if len(indices) else ""
         results: list[dict[str, Any]] = [{} for _ in generators]
         for scale in [None, *g_opt.scales]:
             name = report.set_name(scale)
@@ -199,9 +206,15 @@ class MoleculesEDMTask(Task):
                                                      force_clip=g_opt.force_clip or None,
                                                      displacement_clip=g_opt.displacement_clip or None),
                                       self.atomic_numbers)
+            bar = _StepBar(f"{name} {label}".strip(), diffusion.T, guide, guided_steps) if show else None
             started = time.perf_counter()
-            out = diffusion.sample(num_atoms, generators, guidance=guide,
-                                   chain_frames=options.chain_frames if chain_for else 0, chain_for=chain_for)
+            try:
+                out = diffusion.sample(num_atoms, generators, guidance=guide,
+                                       chain_frames=options.chain_frames if chain_for else 0, chain_for=chain_for,
+                                       on_step=bar.step if bar is not None else None)
+            finally:
+                if bar is not None:
+                    bar.close()
             seconds = time.perf_counter() - started
             molecules = self._molecules(out)
             if evaluator is not None:
@@ -222,6 +235,22 @@ class MoleculesEDMTask(Task):
                 results[i][name] = entry
         return results
 
+    def _log_workload(self, options: MoleculeSampleConfig, guided_steps: int) -> None:
+        """At the start (main process): what the sampling will cost, in force evaluations."""
+        g = options.guidance
+        scales = [s for s in g.scales if s > 0]
+        sets = 1 + len(g.scales)
+        final = options.num_samples * sets if options.evaluation_forcefield != "none" else 0
+        if scales:
+            total = options.num_samples * guided_steps * g.iterations * len(scales)
+            logger.info("guided sampling: %d molecules x %d guided steps (sigma_t <= %g) x %d iteration(s) x %d scale(s) "
+                        "= %s %s force evaluations (the cost grows with each factor), then %d final-molecule "
+                        "evaluations (%s)", options.num_samples, guided_steps, g.noise_threshold, g.iterations,
+                        len(scales), f"{total:,}", g.forcefield, final, options.evaluation_forcefield)
+        elif final:
+            logger.info("sampling: %d molecules x %d set(s), then %d final-molecule evaluations (%s)",
+                        options.num_samples, sets, final, options.evaluation_forcefield)
+
     @property
     def atomic_numbers(self) -> list[int]:
         from ase.data import atomic_numbers
@@ -239,7 +268,8 @@ class MoleculesEDMTask(Task):
 
     def eval_sample_config(self, num_samples: int, seed: int) -> MoleculeSampleConfig:
         """Evaluation-time samples: EDM's stability and validity only (no force field, no chains)."""
-        return MoleculeSampleConfig(num_samples=num_samples, seed=seed, evaluation_forcefield="none", chains=0)
+        return MoleculeSampleConfig(num_samples=num_samples, seed=seed, evaluation_forcefield="none", chains=0,
+                                    progress=False)
 
     def score_samples(self, samples: list[dict[str, Any]], options: MoleculeSampleConfig) -> dict[str, float]:
         from trainer.families.molecules_edm.metrics import evaluate_molecules
@@ -277,11 +307,45 @@ class MoleculesEDMTask(Task):
             row = {"set": name, "scale": 0.0 if scale is None else float(scale), **summary,
                    **summarize_forcefield_values(molecules),
                    "sampling_seconds_per_molecule": seconds / len(entries),
-                   **{f"guidance_{k}": round(v, 6) for k, v in counters.items()}}
+                   **{f"guidance_{k}": round(v, 6) if k.endswith("seconds") else int(round(v))
+                      for k, v in counters.items()}}
+            if counters.get("force_evaluations"):
+                row["guidance_failure_rate"] = row["guidance_failures"] / row["guidance_force_evaluations"]
             if counters.get("forcefield_seconds"):
                 row["guidance_forcefield_share"] = counters["forcefield_seconds"] / max(seconds, 1e-12)
                 row["guidance_evaluations_per_second"] = counters.get("force_evaluations", 0.0) / counters["forcefield_seconds"]
+                logger.info("%s", report.guidance_summary(row))
             rows.append(row)
         report.write_metrics_tables(rows, out)
         report.plot_summary(rows, out / "summary.png")
         return {"out": str(out), "sets": {row["set"]: row for row in rows}}
+
+
+def _main_process() -> bool:
+    """Rank 0 by the launcher's environment (the family does not import the distributed machinery)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+class _StepBar:
+    """A progress bar over one set's denoising steps (one sampling call): the guided phase, force evaluations
+    per second (force-field time) and failures in its postfix; tqdm's ETA follows the current rate."""
+
+    def __init__(self, name: str, total: int, guide: ForceGuidance | None, guided_steps: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.guide, self.guided_steps = guide, guided_steps
+        self.bar = tqdm(total=total, desc=name, unit="step", leave=False, position=1, dynamic_ncols=True)
+
+    def step(self, done: int) -> None:
+        guide = self.guide
+        if guide is not None and guide.steps_guided:
+            rate = guide.force_evaluations / max(guide.forcefield_seconds, 1e-9)
+            self.bar.set_postfix_str(f"guided {guide.steps_guided}/{self.guided_steps}, {rate:.1f} evals/s, "
+                                     f"failed {guide.failures}", refresh=False)
+        elif guide is not None:
+            self.bar.set_postfix_str(f"unguided phase, guided from step {self.bar.total - self.guided_steps + 1}",
+                                     refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

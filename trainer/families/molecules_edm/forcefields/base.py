@@ -4,6 +4,10 @@ A force field takes a padded batch of molecules (atomic numbers, positions in An
 and returns per-molecule energies (eV), per-atom forces (eV/Angstrom) and an ok flag per molecule.
 A molecule whose evaluation raises or gives non-finite values is `ok = False` (energy NaN, forces
 zero): callers leave it unguided and count it; one unphysical molecule never fails a batch.
+
+A force field may also offer `for_guidance()`: an evaluator with the same `compute` for the many evaluations
+of one guided sampling call (rows are the same molecules at every step), which may trade strictness for speed
+and report the `rung` of each result (xTB: an electronic-temperature ladder); `rung_labels` names the rungs.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ class ForceResult:
     """[B, N, 3] float64 forces in eV/Angstrom (zero at padding and where not ok)."""
     ok: np.ndarray
     """[B] bool: the evaluation succeeded and every value is finite."""
+    rung: np.ndarray | None = None
+    """[B] int, for evaluations on a ladder of settings (xTB guidance): the rung each molecule converged on,
+    -1 where it failed; None for a force field without a ladder."""
 
     @classmethod
     def empty(cls, batch: int, num_atoms: int) -> ForceResult:

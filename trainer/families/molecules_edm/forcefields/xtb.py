@@ -16,6 +16,20 @@ with `spawn` (the parent may hold torch's threads, which `fork` would copy in a 
 OMP_NUM_THREADS=1 before tblite is imported there; they import this package (and so the family's
 `__init__`) once. With `workers=1` the calculation runs in the calling process, with OpenMP limited
 to one thread during the call (threadpoolctl, when installed).
+
+Two kinds of evaluation share one pool:
+- `compute` is the strict single point (tblite's default electronic temperature, `max_iterations`
+  SCF cycles): what the evaluation of final molecules uses. A molecule that does not converge fails.
+- `for_guidance()` returns an `XTBGuidance`, the evaluation of guided sampling, which must converge or
+  fail fast on the distorted geometries of a denoising trajectory: an electronic-temperature ladder
+  (`guidance_temperatures`, default 9.5e-4 -> 0.01 -> 0.03 Hartree, i.e. 300 K -> 3,160 K -> 9,470 K;
+  Fermi smearing of the occupations makes the SCF of small-gap geometries converge), each rung capped
+  at `guidance_max_iterations` cycles; a warm start from the molecule's wavefunction of the previous
+  guided step; and a sticky rung (a molecule starts at the rung that last converged for it and tries
+  one rung lower every `guidance_probe_every` steps). A molecule that fails every rung gets no force
+  (its step is left unguided by the caller and counted); the worst case costs rungs x cap cycles, and
+  the next step starts on the top rung. Every result records its rung, so a set reports how many
+  forces came from each temperature.
 """
 
 from __future__ import annotations
@@ -25,11 +39,15 @@ import logging
 import math
 import multiprocessing
 import os
+import tempfile
 import threading
 import weakref
+import zipfile
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,8 +66,24 @@ _THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS
 _CHUNKS_PER_WORKER = 4  # several chunks per worker balance molecules of unequal cost
 _START_TIMEOUT = 300.0  # seconds for a worker process to start (imports included) on a loaded machine
 
+DEFAULT_TEMPERATURE = 9.5e-4
+"""tblite's default electronic temperature in Hartree (300 K): the strict evaluation's and the ladder's first rung."""
+GUIDANCE_TEMPERATURES: tuple[float, ...] = (DEFAULT_TEMPERATURE, 0.01, 0.03)
+"""The guidance ladder's electronic temperatures in Hartree (300 K, 3,158 K, 9,474 K)."""
+GUIDANCE_MAX_ITERATIONS = 40
+"""SCF cycles per rung of the guidance ladder (a converging warm start needs 5-20)."""
+GUIDANCE_PROBE_EVERY = 10
+"""A molecule on a raised rung tries one rung lower every this many guided steps."""
+
 # One molecule's result: (energy eV, forces [n, 3] eV/Angstrom, error message or None).
 MoleculeResult = tuple[float, np.ndarray, "str | None"]
+# A guided molecule's result: (energy, forces, error or None, rung index or -1, restart data or None).
+GuidedResult = tuple[float, np.ndarray, "str | None", int, "Restart | None"]
+Restart = dict[str, "bytes | tuple[bytes, int]"]
+"""A molecule's wavefunction as tblite saves it (npz members), the two orbital-sized matrices (density and
+coefficients, which the SCF restart does not read: it restarts from the charges and multipoles) kept as
+(header, size) and written back as zeros: about 5 KB instead of 110 KB for a QM9 molecule."""
+_DROPPED_MEMBERS = ("tblite0_density.npy", "tblite0_coeff.npy")
 
 
 def default_workers() -> int:
@@ -104,28 +138,41 @@ def _worker_ready() -> int:
     return os.getpid()
 
 
+def _input_error(numbers: np.ndarray, positions: np.ndarray) -> str | None:
+    if len(numbers) == 0:
+        return "no atoms"
+    if not np.all(np.isfinite(positions)):
+        return "non-finite positions"
+    if numbers.min() < 1 or numbers.max() > 86:  # tblite silently accepts 0 (a ghost atom)
+        return f"atomic numbers must be 1-86 for GFN-xTB, got {sorted(set(numbers.tolist()))}"
+    return None
+
+
+def _calculator(method: str, numbers: np.ndarray, positions: np.ndarray, accuracy: float, max_iterations: int) -> Any:
+    from tblite.interface import Calculator
+
+    calc = Calculator(method, numbers, positions / Bohr, charge=0.0, uhf=int(numbers.sum()) % 2, logger=_silent)
+    calc.set("verbosity", 0)
+    calc.set("accuracy", float(accuracy))
+    calc.set("max-iter", int(max_iterations))
+    return calc
+
+
+def _energy_forces(result: Any) -> tuple[float, np.ndarray]:
+    return float(result.get("energy")) * Hartree, -np.asarray(result.get("gradient"), dtype=np.float64) * (Hartree / Bohr)
+
+
 def xtb_molecule(method: str, numbers: np.ndarray, positions: np.ndarray, accuracy: float,
                  max_iterations: int) -> MoleculeResult:
     """One single point: (energy eV, forces eV/Angstrom, None), or (NaN, zeros, reason) if it failed."""
     numbers = np.asarray(numbers, dtype=np.int64)
     positions = np.asarray(positions, dtype=np.float64)
     zeros = np.zeros_like(positions)
-    if len(numbers) == 0:
-        return math.nan, zeros, "no atoms"
-    if not np.all(np.isfinite(positions)):
-        return math.nan, zeros, "non-finite positions"
-    if numbers.min() < 1 or numbers.max() > 86:  # tblite silently accepts 0 (a ghost atom)
-        return math.nan, zeros, f"atomic numbers must be 1-86 for GFN-xTB, got {sorted(set(numbers.tolist()))}"
+    error = _input_error(numbers, positions)
+    if error is not None:
+        return math.nan, zeros, error
     try:
-        from tblite.interface import Calculator
-
-        calc = Calculator(method, numbers, positions / Bohr, charge=0.0, uhf=int(numbers.sum()) % 2, logger=_silent)
-        calc.set("verbosity", 0)
-        calc.set("accuracy", float(accuracy))
-        calc.set("max-iter", int(max_iterations))
-        result = calc.singlepoint()
-        energy = float(result.get("energy")) * Hartree
-        forces = -np.asarray(result.get("gradient"), dtype=np.float64) * (Hartree / Bohr)
+        energy, forces = _energy_forces(_calculator(method, numbers, positions, accuracy, max_iterations).singlepoint())
     except Exception as error:  # tblite raises on coincident atoms, unknown elements, SCF failure
         return math.nan, zeros, f"{type(error).__name__}: {error}"
     if not (math.isfinite(energy) and np.all(np.isfinite(forces))):
@@ -133,10 +180,98 @@ def xtb_molecule(method: str, numbers: np.ndarray, positions: np.ndarray, accura
     return energy, forces, None
 
 
+_scratch: list[tempfile.TemporaryDirectory] = []
+
+
+def _scratch_file() -> str:
+    """This process's file for tblite's wavefunction save/load (tblite reads and writes files only)."""
+    if not _scratch:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        _scratch.append(tempfile.TemporaryDirectory(prefix="trainer-xtb-", dir=shm))
+    return os.path.join(_scratch[0].name, "wavefunction.npz")
+
+
+def _save_restart(result: Any) -> Restart | None:
+    try:
+        path = _scratch_file()
+        result.save(path)
+        out: Restart = {}
+        with zipfile.ZipFile(path) as archive:
+            for name in archive.namelist():
+                data = archive.read(name)
+                if name in _DROPPED_MEMBERS:
+                    header = data.index(b"\n") + 1  # the .npy header ends with a newline
+                    out[name] = (data[:header], len(data) - header)
+                else:
+                    out[name] = data
+        return out
+    except Exception:  # a warm start is an optimisation: without it the next step starts cold
+        return None
+
+
+def _load_restart(restart: Restart) -> Any:
+    from tblite.interface import Result
+
+    try:
+        path = _scratch_file()
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:  # tblite reads stored members only
+            for name, data in restart.items():
+                archive.writestr(name, data if isinstance(data, bytes) else data[0] + bytes(data[1]))
+        result = Result()
+        result.load(path)
+        return result
+    except Exception:
+        return None
+
+
+def xtb_guided_molecule(method: str, numbers: np.ndarray, positions: np.ndarray, accuracy: float,
+                        max_iterations: int, temperatures: Sequence[float], start: int,
+                        restart: Restart | None, keep_restart: bool) -> GuidedResult:
+    """A guidance single point on the temperature ladder, from rung `start` up, each rung capped at
+    `max_iterations` SCF cycles and warm-started from `restart` (the molecule's previous wavefunction).
+
+    Returns (energy eV, forces eV/Angstrom, None, rung, this wavefunction if `keep_restart`), or
+    (NaN, zeros, the last reason, -1, None) when no rung converged."""
+    numbers = np.asarray(numbers, dtype=np.int64)
+    positions = np.asarray(positions, dtype=np.float64)
+    zeros = np.zeros_like(positions)
+    error = _input_error(numbers, positions)
+    if error is not None:
+        return math.nan, zeros, error, -1, None
+    try:
+        calc = _calculator(method, numbers, positions, accuracy, max_iterations)
+    except Exception as error:  # coincident atoms: no temperature helps
+        return math.nan, zeros, f"{type(error).__name__}: {error}", -1, None
+    guess = _load_restart(restart) if restart is not None else None
+    error = "no rung tried"
+    for rung in range(start, len(temperatures)):
+        try:
+            calc.set("temperature", float(temperatures[rung]))
+            # copy=True: a failed rung leaves the guess intact for the next one
+            result = calc.singlepoint(guess, copy=True) if guess is not None else calc.singlepoint()
+            energy, forces = _energy_forces(result)
+        except Exception as exc:  # SCF not converged within the cap
+            error = f"{type(exc).__name__}: {exc}"
+            continue
+        if not (math.isfinite(energy) and np.all(np.isfinite(forces))):
+            error = "non-finite energy or forces"
+            continue
+        return energy, forces, None, rung, _save_restart(result) if keep_restart else None
+    return math.nan, zeros, error, -1, None
+
+
 def xtb_chunk(method: str, accuracy: float, max_iterations: int,
               molecules: list[tuple[np.ndarray, np.ndarray]]) -> list[MoleculeResult]:
     """`xtb_molecule` over a list of (numbers, positions): the unit of work sent to a pool worker."""
     return [xtb_molecule(method, numbers, positions, accuracy, max_iterations) for numbers, positions in molecules]
+
+
+def xtb_guided_chunk(method: str, accuracy: float, max_iterations: int, temperatures: Sequence[float],
+                     keep_restart: bool, items: list[tuple[np.ndarray, np.ndarray, int, Restart | None]]
+                     ) -> list[GuidedResult]:
+    """`xtb_guided_molecule` over (numbers, positions, start rung, restart) items: a pool worker's unit."""
+    return [xtb_guided_molecule(method, numbers, positions, accuracy, max_iterations, temperatures, start, restart,
+                                keep_restart) for numbers, positions, start, restart in items]
 
 
 def _shutdown(pool: ProcessPoolExecutor) -> None:
@@ -151,14 +286,21 @@ class XTBForceField:
         workers: worker processes, one thread each; default `default_workers()` (this rank's share of
             the cores). 1 computes in this process, without a pool.
         accuracy: tblite's numerical accuracy (SCC thresholds scale with it; smaller is tighter).
-        max_iterations: SCC iteration cap; a molecule that does not converge is `ok = False`.
+        max_iterations: SCC iteration cap of `compute` (the strict evaluation); a molecule that does not
+            converge is `ok = False`.
+        guidance_temperatures: electronic temperatures (Hartree) of the guidance ladder, lowest first.
+        guidance_max_iterations: SCC cycles per rung of the guidance ladder.
+        guidance_warm_start: start each guided evaluation from the molecule's previous wavefunction.
+        guidance_probe_every: a molecule on a raised rung tries one rung lower every this many steps.
 
     The pool is started on the first batch and reused until `close()` (also called at interpreter exit).
     After each `compute`, `last_errors` maps the batch index of every failed molecule to the reason.
     """
 
     def __init__(self, method: str = "gfn2", workers: int | None = None, accuracy: float = 1.0,
-                 max_iterations: int = 250) -> None:
+                 max_iterations: int = 250, guidance_temperatures: Sequence[float] = GUIDANCE_TEMPERATURES,
+                 guidance_max_iterations: int = GUIDANCE_MAX_ITERATIONS, guidance_warm_start: bool = True,
+                 guidance_probe_every: int = GUIDANCE_PROBE_EVERY) -> None:
         key = method.strip().lower().removesuffix("-xtb")
         if key not in XTB_METHODS:
             raise ConfigError(f"unknown xTB method {method!r}; choices: {', '.join(XTB_METHODS)}")
@@ -166,8 +308,17 @@ class XTBForceField:
             raise ConfigError(f"xTB workers must be a positive integer (or unset: this rank's share of cores), got {workers!r}")
         if not (isinstance(accuracy, int | float) and accuracy > 0):
             raise ConfigError(f"xTB accuracy must be a positive number, got {accuracy!r}")
-        if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or max_iterations < 1:
-            raise ConfigError(f"xTB max_iterations must be a positive integer, got {max_iterations!r}")
+        for name, value in (("max_iterations", max_iterations), ("guidance_max_iterations", guidance_max_iterations),
+                            ("guidance_probe_every", guidance_probe_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"xTB {name} must be a positive integer, got {value!r}")
+        temperatures = list(guidance_temperatures) if isinstance(guidance_temperatures, Sequence) else []
+        if (not temperatures or any(isinstance(t, bool) or not isinstance(t, int | float) or not t > 0 for t in temperatures)
+                or temperatures != sorted(temperatures)):
+            raise ConfigError("xTB guidance_temperatures must be a non-empty increasing list of electronic temperatures "
+                              f"in Hartree (> 0; tblite's default is {DEFAULT_TEMPERATURE}), got {guidance_temperatures!r}")
+        if not isinstance(guidance_warm_start, bool):
+            raise ConfigError(f"xTB guidance_warm_start must be true or false, got {guidance_warm_start!r}")
         if importlib.util.find_spec("tblite") is None:
             raise ConfigError("the GFN-xTB force field needs tblite: pip install tblite "
                               "(or pip install 'trainer[molecules_edm]')")
@@ -176,6 +327,10 @@ class XTBForceField:
         self.workers = default_workers() if workers is None else workers
         self.accuracy = float(accuracy)
         self.max_iterations = max_iterations
+        self.guidance_temperatures = tuple(float(t) for t in temperatures)
+        self.guidance_max_iterations = guidance_max_iterations
+        self.guidance_warm_start = guidance_warm_start
+        self.guidance_probe_every = guidance_probe_every
         self.last_errors: dict[int, str] = {}
         self._pool: ProcessPoolExecutor | None = None
         self._finalizer: Any = None
@@ -184,15 +339,13 @@ class XTBForceField:
         return f"XTBForceField(method={self.method!r}, workers={self.workers}, accuracy={self.accuracy})"
 
     def compute(self, numbers: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> ForceResult:
-        """numbers [B, N] int, positions [B, N, 3] Angstrom, mask [B, N] bool -> ForceResult (eV, eV/Angstrom)."""
+        """numbers [B, N] int, positions [B, N, 3] Angstrom, mask [B, N] bool -> ForceResult (eV, eV/Angstrom).
+
+        The strict single point: tblite's default electronic temperature, `max_iterations` cycles."""
         numbers, positions, mask = validate_batch(numbers, positions, mask, name=self.name)
         batch, width = numbers.shape
         molecules = [(numbers[b, mask[b]], positions[b, mask[b]]) for b in range(batch)]
-        if self.workers == 1 or batch <= 1:
-            with _limit_threads():
-                results = xtb_chunk(self.method, self.accuracy, self.max_iterations, molecules)
-        else:
-            results = self._compute_in_pool(molecules)
+        results = self._map(xtb_chunk, (self.method, self.accuracy, self.max_iterations), molecules)
         out = ForceResult.empty(batch, width)
         self.last_errors = {}
         for b, (energy, forces, error) in enumerate(results):
@@ -203,6 +356,11 @@ class XTBForceField:
         if self.last_errors:
             logger.debug("%s failed on %d of %d molecules: %s", self.name, len(self.last_errors), batch, self.last_errors)
         return out
+
+    def for_guidance(self) -> XTBGuidance:
+        """A fresh guidance evaluator (its own per-molecule rungs and wavefunctions) on this force field's pool:
+        one per guided sampling call, whose batch rows are the same molecules at every step."""
+        return XTBGuidance(self)
 
     def close(self) -> None:
         """Stop the worker pool (idempotent; a later `compute` starts a new one)."""
@@ -239,38 +397,107 @@ class XTBForceField:
                                    "printed above); workers=1 computes in this process") from error
         return self._pool
 
-    def _compute_in_pool(self, molecules: list[tuple[np.ndarray, np.ndarray]]) -> list[MoleculeResult]:
-        size = max(1, math.ceil(len(molecules) / (self.workers * _CHUNKS_PER_WORKER)))
-        starts = list(range(0, len(molecules), size))
-        results: list[MoleculeResult | None] = [None] * len(molecules)
+    def _map(self, chunk: Callable[..., list], args: tuple, items: list) -> list:
+        """`chunk(*args, items)` over all items, in this process (one worker or one item) or split over the pool."""
+        if self.workers == 1 or len(items) <= 1:
+            with _limit_threads():
+                return chunk(*args, items)
+        return self._compute_in_pool(chunk, args, items)
+
+    def _compute_in_pool(self, chunk: Callable[..., list], args: tuple, items: list) -> list:
+        size = max(1, math.ceil(len(items) / (self.workers * _CHUNKS_PER_WORKER)))
+        starts = list(range(0, len(items), size))
+        results: list[Any] = [None] * len(items)
         pending: list[int] = []
         pool = self._get_pool()
         try:
-            futures: list[Future] = [pool.submit(xtb_chunk, self.method, self.accuracy, self.max_iterations,
-                                                 molecules[start:start + size]) for start in starts]
+            futures: list[Future] = [pool.submit(chunk, *args, items[start:start + size]) for start in starts]
         except BrokenProcessPool:  # a worker died since the last batch
-            futures, pending = [], list(range(len(molecules)))
+            futures, pending = [], list(range(len(items)))
         for start, future in zip(starts, futures):
             try:
                 results[start:start + size] = future.result()
             except BrokenProcessPool:
-                pending.extend(range(start, min(start + size, len(molecules))))
+                pending.extend(range(start, min(start + size, len(items))))
         if pending:
-            self._recover(molecules, pending, results)
+            self._recover(chunk, args, items, pending, results)
         lost = "the worker process died"
-        return [r if r is not None else (math.nan, np.zeros_like(m[1]), lost) for r, m in zip(results, molecules)]
+        return [r if r is not None else _lost(chunk, item, lost) for r, item in zip(results, items)]
 
-    def _recover(self, molecules: list[tuple[np.ndarray, np.ndarray]], pending: list[int],
-                 results: list[MoleculeResult | None]) -> None:
+    def _recover(self, chunk: Callable[..., list], args: tuple, items: list, pending: list[int],
+                 results: list[Any]) -> None:
         """A worker died (a crash in the native library, or killed): restart the pool and retry the lost
         molecules one at a time, so that only a molecule that kills a worker again is marked failed."""
         logger.warning("%s: a worker process died; retrying %d molecules one at a time", self.name, len(pending))
         self.close()
         for index in pending:
-            numbers, positions = molecules[index]
             try:
-                results[index] = self._get_pool().submit(xtb_molecule, self.method, numbers, positions, self.accuracy,
-                                                         self.max_iterations).result()
+                results[index] = self._get_pool().submit(chunk, *args, [items[index]]).result()[0]
             except BrokenProcessPool:
-                results[index] = (math.nan, np.zeros_like(positions), "the worker process died on this molecule")
+                results[index] = _lost(chunk, items[index], "the worker process died on this molecule")
                 self.close()
+
+
+def _lost(chunk: Callable[..., list], item: tuple, reason: str) -> Any:
+    """The failed result of `chunk`'s kind for an item whose worker died."""
+    zeros = np.zeros_like(np.asarray(item[1], dtype=np.float64))
+    return (math.nan, zeros, reason, -1, None) if chunk is xtb_guided_chunk else (math.nan, zeros, reason)
+
+
+@dataclass
+class _Row:
+    """The guidance state of one batch row (one molecule of the sampling call)."""
+
+    start: int = 0
+    steps_on_rung: int = 0
+    restart: Restart | None = None
+
+
+class XTBGuidance:
+    """Guided evaluations of one sampling call (`XTBForceField.for_guidance()`): rows are the same molecules at
+    every step, so each row keeps its rung and wavefunction. `compute` returns a ForceResult whose `rung` holds
+    each molecule's ladder rung (-1: failed); `rung_labels` name the rungs (`etemp_<Hartree>`)."""
+
+    def __init__(self, forcefield: XTBForceField) -> None:
+        self.forcefield = forcefield
+        self.name = forcefield.name
+        self.temperatures = forcefield.guidance_temperatures
+        self.rung_labels = [f"etemp_{t:g}" for t in self.temperatures]
+        self.last_errors: dict[int, str] = {}
+        self._rows: dict[int, _Row] = {}
+
+    def compute(self, numbers: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> ForceResult:
+        ff = self.forcefield
+        numbers, positions, mask = validate_batch(numbers, positions, mask, name=ff.name)
+        batch, width = numbers.shape
+        top = len(self.temperatures) - 1
+        items = []
+        for b in range(batch):
+            row = self._rows.setdefault(b, _Row())
+            start = row.start
+            if start > 0 and row.steps_on_rung >= ff.guidance_probe_every:
+                start, row.steps_on_rung = start - 1, 0  # probe: maybe the molecule converges cooler now
+            # the previous step's wavefunction even when the decoded types changed: tblite starts cold
+            # where its orbital dimensions differ, and a same-shaped one is as good a guess as any
+            items.append((numbers[b, mask[b]], positions[b, mask[b]], start, row.restart))
+        results = ff._map(xtb_guided_chunk, (ff.method, ff.accuracy, ff.guidance_max_iterations, self.temperatures,
+                                             ff.guidance_warm_start), items)
+        out = ForceResult.empty(batch, width)
+        out.rung = np.full(batch, -1, dtype=np.int64)
+        self.last_errors = {}
+        for b, (energy, forces, error, rung, restart) in enumerate(results):
+            row = self._rows[b]
+            if error is not None:  # every rung failed: start on the top rung next step, cold
+                self.last_errors[b] = error
+                row.start, row.steps_on_rung, row.restart = top, 0, None
+                continue
+            if rung != row.start:
+                row.start, row.steps_on_rung = rung, 0
+            row.steps_on_rung += 1
+            row.restart = restart
+            out.record(b, mask[b], energy, forces)
+            out.rung[b] = rung
+        return out
+
+    def close(self) -> None:
+        """Nothing to release (the pool belongs to the force field)."""
