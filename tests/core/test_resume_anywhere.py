@@ -2,8 +2,9 @@
 manual step, ends at the weights (and EMA) of the uninterrupted run (max difference 1e-5), on the
 regression task with 2 CPU processes over gloo. Bad input is one line and leaves the run directory as it was.
 
-CI runs a representative subset (`PAIRS`); `TRAINER_RESUME_MATRIX=full` runs every pair (`FULL`, slow:
-each multi-process run costs 20-40 s on 2 cores, more on a loaded machine)."""
+CI runs a representative subset (`PAIRS`, about 4 minutes on 2 shared cores); `TRAINER_RESUME_MATRIX=full`
+runs every other pair (`FULL`, 18 minutes: each multi-process run costs 20-40 s on 2 cores, more on a
+loaded machine) and the refusal of a ZeRO checkpoint whose optimizer state cannot be converted."""
 
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ COMMON = ["task.preset=tiny", "task.num_train=96", "task.num_eval=50", "train.gr
 
 # name -> (accelerate config or None for plain python, processes)
 TOPOLOGIES = {"single": (None, 1), "ddp": ("ddp.yaml", 2), "zero1": ("zero1.yaml", 2), "zero2": ("zero2.yaml", 2),
-              "zero3": ("zero3.yaml", 2), "zero2x1": ("zero2.yaml", 1)}
+              "zero3": ("zero3.yaml", 2), "zero2x1": ("zero2.yaml", 1), "zero3_offload": ("zero3_offload.yaml", 2)}
 PAIRS = [("ddp", "zero2"), ("zero2", "single"), ("zero3", "ddp")]
 FULL = [(a, b) for a in ("single", "ddp", "zero1", "zero2", "zero3") for b in ("single", "ddp", "zero2", "zero3")
-        if a != b and (a, b) not in PAIRS] + [("zero2", "zero2x1"), ("zero3", "zero1")]
+        if a != b and (a, b) not in PAIRS] + [("zero2", "zero2x1"), ("zero3", "zero1"), ("ddp", "zero3_offload"),
+                                               ("zero3_offload", "single")]
 full_matrix = pytest.mark.skipif(os.environ.get("TRAINER_RESUME_MATRIX") != "full",
                                  reason="the full resume matrix runs with TRAINER_RESUME_MATRIX=full")
 
@@ -125,3 +127,19 @@ def test_checkpoint_of_another_model_or_task_is_one_line_and_changes_nothing(run
     assert len(errors) == 1 and "was trained for task 'regression', this run trains task 'protein_sedd'" in errors[0]
     assert snapshot(run) == before
     assert not (other / "checkpoints").exists()
+
+
+@full_matrix
+@pytest.mark.distributed
+def test_zero_state_that_cannot_be_converted_is_named_and_changes_nothing(tmp_path):
+    """DeepSpeed's ds_to_universal converts Adam's moments only: a ZeRO checkpoint of SGD is refused in one line."""
+    source = tmp_path / "sgd"
+    run_cmd(launch("zero2", source, "train.max_steps=4", "optim.name=sgd", "train.ema_decay=0", "run.resume=none"),
+            timeout=400)
+    before = snapshot(source)
+    out = tmp_path / "single"
+    proc = run_cmd(launch("single", out, "train.max_steps=8", "optim.name=sgd", "train.ema_decay=0",
+                          f"run.resume={source / 'checkpoints' / 'step_00000004'}"), expect=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("trainer: error:")]
+    assert len(errors) == 1 and "the optimizer state cannot be converted" in errors[0], proc.stderr[-2000:]
+    assert snapshot(source) == before and not (out / "checkpoints").exists()
