@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -70,13 +71,16 @@ def final(run_dir: Path) -> tuple[dict, dict]:
 
 
 def resume_and_compare(runs, tmp_path: Path, source: str, target: str) -> None:
-    start = runs(source) / "checkpoints" / "step_00000004"
+    """The new topology launched on (a copy of) the source's run directory with run.resume=auto, as after a
+    requeue onto another allocation."""
     out = tmp_path / f"{source}_to_{target}"
-    proc = run_cmd(launch(target, out, "train.max_steps=8", f"run.resume={start}"), timeout=400)
+    shutil.copytree(runs(source), out)
+    proc = run_cmd(launch(target, out, "train.max_steps=8", "run.resume=auto"), timeout=400)
     assert "through the topology-free form" in proc.stdout + proc.stderr or _same_layout(source, target)
+    assert not list((out / "checkpoints").glob(".universal-*"))  # the conversion's folder is gone
     ref = runs("reference")
     ref_losses, got_losses = train_losses(ref), train_losses(out)
-    assert sorted(got_losses) == [5, 6, 7, 8]
+    assert sorted(got_losses) == list(range(1, 9))  # steps 1-4 by the source, 5-8 by the target
     for step, loss in got_losses.items():
         assert abs(loss - ref_losses[step]) <= 1e-5, (step, loss, ref_losses[step])
     (ref_model, ref_ema), (got_model, got_ema) = final(ref), final(out)

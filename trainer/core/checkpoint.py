@@ -242,7 +242,7 @@ def finalize(tmp_dir: Path, final_dir: Path, root: Path, best: bool) -> None:
 
 def rotate(root: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` checkpoints and the best one; remove stale temp dirs."""
-    for pattern in (".tmp-step_*", ".old-step_*"):
+    for pattern in (".tmp-step_*", ".old-step_*", ".universal-step_*"):  # the last: a conversion a kill left
         for stale in root.glob(pattern):
             shutil.rmtree(stale, ignore_errors=True)
     keep = set(newest_first(root)[:keep_last]) if keep_last > 0 else set()
