@@ -4,18 +4,23 @@ regression task with 2 CPU processes over gloo. Bad input is one line and leaves
 
 CI runs a representative subset (`PAIRS`, about 4 minutes on 2 shared cores); `TRAINER_RESUME_MATRIX=full`
 runs every other pair (`FULL`, 18 minutes: each multi-process run costs 20-40 s on 2 cores, more on a
-loaded machine) and the refusal of a ZeRO checkpoint whose optimizer state cannot be converted."""
+loaded machine), the refusal of a ZeRO checkpoint whose optimizer state cannot be converted, and a run
+killed with SIGKILL at a random step that another topology continues."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import random
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, TINY, TRAIN, accelerate_cmd, run_cmd, train_losses
+from conftest import BIN, TINY, TRAIN, accelerate_cmd, child_env, run_cmd, train_losses
 from safetensors.torch import load_file
 
 from trainer.core.checkpoint import latest_checkpoint
@@ -147,3 +152,25 @@ def test_zero_state_that_cannot_be_converted_is_named_and_changes_nothing(tmp_pa
     errors = [line for line in proc.stderr.splitlines() if line.startswith("trainer: error:")]
     assert len(errors) == 1 and "the optimizer state cannot be converted" in errors[0], proc.stderr[-2000:]
     assert snapshot(source) == before and not (out / "checkpoints").exists()
+
+
+@full_matrix
+@pytest.mark.distributed
+def test_sigkill_at_a_random_step_then_resume_on_another_topology(runs, tmp_path):
+    """One process killed without warning somewhere after its step-4 checkpoint; ZeRO-2 x2 continues the run
+    directory (run.resume=auto) and ends at the uninterrupted run's weights."""
+    out = tmp_path / "killed"
+    cmd = launch("single", out, "train.max_steps=8", "run.resume=none", "task.delay_s=0.05")
+    proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pointer, deadline = out / "checkpoints" / "latest", time.time() + 300
+    while not (pointer.is_file() and pointer.read_text().strip() == "step_00000004"):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-4 checkpoint"
+        time.sleep(0.02)
+    time.sleep(random.uniform(0.0, 0.3))  # a random point of steps 5-8 (each takes at least 0.1 s)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    run_cmd(launch("zero2", out, "train.max_steps=8", "run.resume=auto"), timeout=400)
+    (ref_model, ref_ema), (got_model, got_ema) = final(runs("reference")), final(out)
+    for key in ref_model:
+        torch.testing.assert_close(got_model[key].float(), ref_model[key].float(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(got_ema[key], ref_ema[key], rtol=0, atol=1e-5)
