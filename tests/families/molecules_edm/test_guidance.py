@@ -192,8 +192,9 @@ def test_failing_forcefield_in_sampler_completes_and_counts() -> None:
     T = 10
     model = _model(T)
     hook = ForceGuidance(FailsOnFirst(), GuidanceConfig(scale=0.01, iterations=2), model.atomic_numbers_of_types)
-    out = model.sample([4, 5], [torch.Generator().manual_seed(s) for s in (1, 2)], guidance=hook)
-    assert torch.isfinite(out.positions).all()
+    steps: list[int] = []  # the progress bar's hook: once per denoising step, guidance included
+    out = model.sample([4, 5], [torch.Generator().manual_seed(s) for s in (1, 2)], guidance=hook, on_step=steps.append)
+    assert torch.isfinite(out.positions).all() and steps == list(range(1, T + 1))
     guided_steps = int((model.sigma_at(torch.arange(1, T + 1)) <= 0.8).sum())
     assert hook.steps_guided == guided_steps > 0
     assert hook.failures == 2 * guided_steps and hook.force_evaluations == 2 * 2 * guided_steps
