@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # Every family's extra, so the main job and the whole test suite run from one environment.
 EXTRAS     ?= test,protein_sedd,crystals,molecules_edm,perturbation_gears
 
-.PHONY: setup train test lint bench readme-config clean
+.PHONY: setup train test test-all lint bench readme-config clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +43,12 @@ train: setup
 lint: setup
 	$(VENV)/bin/ruff check trainer tests benchmarks scripts
 
+# CI's suite: everything but the `extended` repeats (about N min on 2 cores); test-all adds them.
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --durations=25 -m "not extended" $(PYTEST_ARGS) tests
+
+test-all: setup
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
 
 bench: setup
 	$(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS),bench]"

@@ -74,7 +74,12 @@ def overrides(data_folder: Path, out: Path, cache: Path) -> list[str]:
             f"task.combo_seen2_train_frac={SPLIT['combo_seen2_train_frac']}", f"task.hidden_size={RECIPE['hidden_size']}",
             f"task.eval_cells_per_forward={RECIPE['test_batch_size']}", f"train.per_device_batch_size={RECIPE['batch_size']}",
             f"optim.lr={RECIPE['lr']}", f"optim.weight_decay={RECIPE['weight_decay']}", "data.num_workers=0",
-            "log.every_steps=20"]
+            "log.every_steps=20", *SMOKE_OVERRIDES]
+
+
+SMOKE_OVERRIDES: list[str] = []
+"""Set by --smoke: no torch.compile (its one-off compile is most of a smoke run's time, and --smoke checks the
+script, not the speed-up)."""
 
 
 def reset_accelerate() -> None:
@@ -239,7 +244,7 @@ def norman_child(data_folder: Path, work: Path, steps: int) -> None:
                       "model_mb": model_bytes / 2**20, "cells_per_s": statistics.median(windows) if windows else None}))
 
 
-def run_norman(work: Path, steps: int, settings: dict[str, Any]) -> dict[str, Any]:
+def run_norman(work: Path, steps: int, settings: dict[str, Any], smoke: bool = False) -> dict[str, Any]:
     """Simulate the Norman-size set (child 1), then measure a training run's peak RSS (child 2, fresh)."""
     data_folder = work / "norman"
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
@@ -248,7 +253,8 @@ def run_norman(work: Path, steps: int, settings: dict[str, Any]) -> dict[str, An
                          capture_output=True, text=True, check=True, env=env)
     simulate_s = time.perf_counter() - t0
     child = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--norman-child", str(data_folder),
-                            "--work", str(work / "norman_work"), "--norman-steps", str(steps)],
+                            "--work", str(work / "norman_work"), "--norman-steps", str(steps),
+                            *(["--smoke"] if smoke else [])],
                            capture_output=True, text=True, env=env)
     if child.returncode != 0:
         raise RuntimeError(f"Norman-size child failed (exit {child.returncode}):\n{child.stderr[-4000:]}")
@@ -486,6 +492,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--smoke", action="store_true", help="a tiny set, 1 epoch, a tiny 'Norman' set, nothing written")
     p.add_argument("--norman-child", type=Path, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.smoke:
+        SMOKE_OVERRIDES.append("train.compile=false")
     if a.norman_child is not None:
         norman_child(a.norman_child, a.work, a.norman_steps)
         return
@@ -508,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
             if a.smoke:
                 norman_settings.update(num_genes=80, num_perturbed_genes=10, num_doubles=8, cells_per_condition=6,
                                        num_control_cells=40)
-            norman = run_norman(work, a.norman_steps, norman_settings)
+            norman = run_norman(work, a.norman_steps, norman_settings, smoke=a.smoke)
     originals = [json.loads(path.read_text()) for path in a.original_results or []]
     original = combine_original(originals, ours["eval_controls"]) if originals else None
     text = build_section(a, settings, ours, norman, original, host)

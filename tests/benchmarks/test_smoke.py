@@ -8,7 +8,11 @@ import sys
 import pytest
 from conftest import ROOT, run_cmd
 
-SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "bench_report.py")
+# Smoke runs of several minutes on 2 cores (whole pipelines: training, 1 and 2 process sampling, force-field
+# sweeps; simulated data, two child processes): in the full suite (`make test-all`), not in `make test`.
+HEAVY = {"molecules.py", "gears.py"}
+SCRIPTS = [pytest.param(name, marks=pytest.mark.extended) if name in HEAVY else name
+           for name in sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "bench_report.py")]
 
 pytestmark = pytest.mark.slow
 
