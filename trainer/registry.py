@@ -58,7 +58,7 @@ def _spec_of_class(name: str, cls: type[Task]) -> TaskSpec:
     from trainer.task import GenerativeTask
 
     return TaskSpec(name=name, task=cls, config_cls=cls.config_cls, presets=cls.presets, unit=cls.unit,
-                    metrics=tuple(cls.metrics),
+                    metrics=tuple(cls.metrics), baselines=dict(cls.baselines),
                     sample_config_cls=cls.sample_config_cls if issubclass(cls, GenerativeTask) else None)
 
 
@@ -78,6 +78,7 @@ def _bind(spec: TaskSpec, cls: type[Task]) -> None:
     cls.presets = dict(spec.presets)
     cls.unit = spec.unit
     cls.metrics = tuple(spec.metrics)
+    cls.baselines = dict(spec.baselines)
     if spec.sample_config_cls is not None:
         cls.sample_config_cls = spec.sample_config_cls
 

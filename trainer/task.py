@@ -107,6 +107,9 @@ class TaskSpec:
     """Top-level modules the task needs beyond the core install (checked without importing them)."""
     extra: str = ""
     """The pip extra that installs `requires` (`pip install 'sciml-trainer[EXTRA]'`)."""
+    baselines: Mapping[str, str] = field(default_factory=dict)
+    """Eval metric -> the metric of its trivial baseline (e.g. perplexity_bound -> unigram_perplexity):
+    `trainer plot` draws the pair in one panel, without importing the task's module."""
 
     @property
     def generates(self) -> bool:
@@ -158,7 +161,7 @@ class Task:
     """Name of the unit `batch_weight` counts (samples, tokens, atoms, graphs) for throughput logs."""
     metrics: ClassVar[tuple[str, ...]] = ("loss",)
     """Names of the metrics `reduce_metrics` returns (eval.metric must be one of them)."""
-    baselines: ClassVar[dict[str, str]] = {}
+    baselines: ClassVar[dict[str, str]] = {}  # from the TaskSpec (trainer plot pairs these metrics)
     """Metric -> the metric holding its trivial baseline on the same eval data (both among `metrics`), e.g.
     {"perplexity_bound": "unigram_perplexity"}: `trainer plot` draws the baseline in the metric's panel. A metric
     `baseline_X` is paired with `X` without being declared."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import matplotlib.pyplot as plt
 import pytest
@@ -83,7 +85,7 @@ def write_run(root, records_, task_name="protein_sedd"):
 
 def test_plot_run_writes_both_figures_with_the_task_baselines(tmp_path):
     run = write_run(tmp_path / "run", records())
-    assert task_baselines(RunDir(run)) == {"perplexity_bound": "unigram_perplexity"}  # Task.baselines of the run
+    assert task_baselines(RunDir(run)) == {"perplexity_bound": "unigram_perplexity"}  # TaskSpec.baselines of the run's task
     written = plot_run(run)
     assert [p.name for p in written] == ["train.png", "eval.png"] and all(p.stat().st_size > 0 for p in written)
     only_train = write_run(tmp_path / "only_train", [r for r in records() if not any(k.startswith("eval/") for k in r)])
@@ -94,3 +96,14 @@ def test_unknown_task_means_naming_rule_only(tmp_path):
     run = write_run(tmp_path / "run", records(), task_name="no_such_task")
     assert task_baselines(RunDir(run)) == {}
     assert [p.name for p in plot_run(run, out_dir=tmp_path / "plots")] == ["train.png", "eval.png"]
+
+
+def test_plot_command_imports_no_torch(tmp_path):
+    """`trainer plot` reads the task's baselines from its light spec: no torch (or the family) imported."""
+    run = write_run(tmp_path / "run", records())
+    code = ("import sys; from trainer.cli import main; code = main(['plot', sys.argv[1]]); "
+            "print(code, [m for m in ('torch', 'datasets', 'trainer.families.protein_sedd.task') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "0 []", proc.stdout[-2000:]
+    assert (run / "plots" / "eval.png").stat().st_size > 0

@@ -2,7 +2,7 @@
 
 Each eval metric gets one panel, and its trivial baseline (the number the model has to beat) is drawn in
 the same axes: a horizontal line when it is constant, else a dashed curve. A metric's baseline is either
-declared by the task (`Task.baselines`, metric -> baseline metric) or found by name (`baseline_X` is the
+declared by the task (`TaskSpec.baselines`, metric -> baseline metric) or found by name (`baseline_X` is the
 baseline of `X`). Metrics whose curves are identical (e.g. a task that reports its loss under two names)
 share one panel titled with every name. Panels without data are left out, and so is a figure with none.
 """
@@ -128,17 +128,17 @@ def _save(fig: plt.Figure, path: Path) -> Path:
 
 
 def task_baselines(run: RunDir) -> dict[str, str]:
-    """`Task.baselines` of the run's task (read from its config.yaml); {} when the task cannot be loaded
-    (then only the `baseline_X` naming rule pairs metrics with baselines)."""
+    """The baselines of the run's task spec (`TaskSpec.baselines`; the task named in its config.yaml; no
+    torch imported); {} when the task is unknown (then only the `baseline_X` naming rule pairs metrics)."""
     import yaml
 
     from trainer.errors import ConfigError
 
     try:
         name = yaml.safe_load(run.config.read_text())["task"]["name"]
-        from trainer.registry import get_task
+        from trainer.registry import get_spec
 
-        return dict(get_task(name).baselines)
+        return dict(get_spec(name).baselines)
     except (OSError, yaml.YAMLError, KeyError, TypeError, ConfigError, ImportError) as err:
         logger.info("%s: no task baselines for the plots (%s)", run.root, err)
         return {}
@@ -147,7 +147,7 @@ def task_baselines(run: RunDir) -> dict[str, str]:
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None,
              baselines: Mapping[str, str] | None = None) -> list[Path]:
     """Write train.png (loss, lr, grad norm, throughput) and eval.png (every eval/* metric, each with its
-    baseline); `baselines` (metric -> baseline metric) defaults to the run's `Task.baselines`."""
+    baseline); `baselines` (metric -> baseline metric) defaults to the run's `TaskSpec.baselines`."""
     run = RunDir(run_dir)
     out_dir = Path(out_dir) if out_dir else run.plots
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -100,4 +100,5 @@ SPEC = register_spec(TaskSpec(
     sample_config_cls=ProteinSampleConfig,
     requires=("isal",),
     extra="protein_sedd",
+    baselines={"perplexity_bound": "unigram_perplexity"},  # trainer plot: the no-context baseline in the same panel
 ))

@@ -155,7 +155,6 @@ def collate_crops(samples: list[dict[str, Any]]) -> dict[str, Any]:
 @register_task(SPEC)  # options, presets, unit, metrics and sampling options: spec.py
 class ProteinSEDDTask(Task):
     cfg: ProteinSEDDConfig
-    baselines = {"perplexity_bound": "unigram_perplexity"}  # trainer plot: the no-context baseline in the same panel
 
     def __init__(self, cfg: ProteinSEDDConfig, seed: int = 0):
         super().__init__(cfg, seed)  # checks the options (ProteinSEDDConfig.validate)
