@@ -279,3 +279,26 @@ def test_export_replaces_a_folder_artifact_whole(run, tmp_path):
     assert sorted(p.name for p in out.parent.iterdir()) == ["model.config.yaml", "model.safetensors",
                                                            ckpt.TASK_STATS, "vocab"]
     assert [p.name for p in (out.parent / "vocab").iterdir()] == ["new.txt"]
+
+
+def test_saving_over_a_step_folder_without_manifest_keeps_it_aside(tmp_path, caplog):
+    """A `step_N` folder this trainer did not complete (no manifest: put there by hand, or copied without one)
+    is renamed aside with a warning, never deleted, when a save of step N lands; a completed one is replaced."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    foreign = root / "step_00000004"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    for step_content in ("first", "second"):
+        tmp = root / ".tmp-step_00000004"
+        tmp.mkdir()
+        (tmp / "weights.bin").write_text(step_content)
+        (tmp / ckpt.MANIFEST).write_text("{}")
+        with caplog.at_level(logging.WARNING, logger="trainer.core.checkpoint"):
+            ckpt.finalize(tmp, root / "step_00000004", root, best=False)
+    kept = [p for p in root.iterdir() if p.name.startswith("step_00000004.replaced-")]
+    assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "mine"
+    assert (root / "step_00000004" / "weights.bin").read_text() == "second"  # our own checkpoint is replaced
+    assert sorted(p.name for p in root.iterdir()) == sorted(["latest", "step_00000004", kept[0].name])
+    assert sum("had no manifest.json" in r.getMessage() for r in caplog.records) == 1
+    assert ckpt.list_checkpoints(root) == [root / "step_00000004"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -23,6 +24,8 @@ from typing import Any
 
 from trainer.atomic_io import atomic_write_text, fsync_dir
 from trainer.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -229,6 +232,13 @@ def finalize(tmp_dir: Path, final_dir: Path, root: Path, best: bool) -> None:
     (never a moment without a complete `step_N`), `latest` is written last (its move means the whole
     save is done), and whatever a kill leaves stale is recovered on resume (`repair_pointers`)."""
     old = root / f".old-{final_dir.name}"
+    if final_dir.exists() and not (final_dir / MANIFEST).is_file():
+        # Not a checkpoint this trainer completed (those have a manifest): keep it, renamed, rather than delete
+        # what a user may have put there.
+        kept = final_dir.with_name(f"{final_dir.name}.replaced-{time.strftime('%Y%m%dT%H%M%S')}")
+        os.rename(final_dir, kept)
+        logger.warning("%s had no %s (not a completed checkpoint): moved to %s before saving this step",
+                       final_dir, MANIFEST, kept.name)
     if final_dir.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final_dir, old)
