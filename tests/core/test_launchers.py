@@ -3,6 +3,8 @@ global batch to the same weights as one process, evaluates each sample exactly o
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -45,7 +47,7 @@ LAUNCHES = {
     "deepspeed_zero3": lambda out: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                                     TRAIN, TINY, *TWO, f"run.output_dir={out}", "--deepspeed",
                                     str(ROOT / "tests" / "core" / "ds_configs_hf" / "zero3.json")],
-    # On a CPU-only machine accelerate runs FSDP as DDP (it supports FSDP on GPUs only): same numbers.
+    # FSDP2 (fully_shard) over gloo: each of the 2 ranks holds half of every parameter.
     "fsdp": lambda out: accelerate_cmd("fsdp.yaml", TINY, *TWO, f"run.output_dir={out}"),
     # Two "machines" on one host, one process each, as scripts/slurm/train.sbatch starts them.
     "multinode_ddp": "two launchers",
@@ -67,7 +69,7 @@ def multinode(out: Path) -> None:
 
 # Launches that repeat what another one covers (the same backend through another front end): in the full
 # matrix (`make test-all`), left out of `make test` to keep CI in its time budget.
-EXTENDED = {"accelerate_single", "deepspeed_zero1", "fsdp", "zero1"}
+EXTENDED = {"accelerate_single", "deepspeed_zero1", "zero1"}
 
 
 def launch_params(names):
@@ -89,7 +91,8 @@ def runs(request, tmp_path_factory):
         if name == "multinode_ddp":
             multinode(out)
         else:
-            run_cmd(build(out), timeout=400)
+            proc = run_cmd(build(out), timeout=400)
+            (out / "launch.log").write_text(proc.stdout + proc.stderr)
         done[name] = out
     return done
 
@@ -113,6 +116,22 @@ def test_same_global_batch_same_weights(runs, name):
     lrs = {r["step"]: r["lr"] for r in read_jsonl(runs[name]) if "lr" in r}
     ref_lrs = {r["step"]: r["lr"] for r in read_jsonl(runs["single"]) if "lr" in r}
     assert lrs == pytest.approx(ref_lrs)  # the schedule advances once per optimizer step
+    if name == "fsdp":
+        assert_sharded(runs[name])
+
+
+def assert_sharded(run_dir: Path) -> None:
+    """The FSDP run really sharded: backend FSDP on 2 processes, each rank holding half of the parameter values."""
+    start = next(r for r in read_jsonl(run_dir) if r.get("event") == "start")
+    assert start["world_size"] == 2
+    log = (run_dir / "launch.log").read_text()
+    assert "backend=FSDP processes=2" in log
+    found = re.search(r"FSDP shards the model's (\d+) parameter values over 2 processes: (\d+) \+ (\d+) per rank", log)
+    assert found, log[-3000:]
+    total, first, second = map(int, found.groups())
+    assert first + second == total and abs(first - second) <= 0.1 * total
+    state = json.loads((run_dir / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    assert state["backend"] == "FSDP" and state["world_size"] == 2
 
 
 @pytest.mark.parametrize("name", launch_params(LAUNCHES))

@@ -2,9 +2,10 @@
 manual step, ends at the weights (and EMA) of the uninterrupted run (max difference 1e-5), on the
 regression task with 2 CPU processes over gloo. Bad input is one line and leaves the run directory as it was.
 
-CI runs a representative subset (`PAIRS`, about 4 minutes on 2 shared cores); `make test-all`
-(the `extended` marker) runs every other pair (`FULL`, 18 minutes: each multi-process run costs 20-40 s on 2 cores, more on a
-loaded machine), the refusal of a ZeRO checkpoint whose optimizer state cannot be converted, and a run
+CI runs a representative subset (`PAIRS`, about 5 minutes on 2 shared cores; FSDP's 2 processes hold half of
+each parameter and write whole tensors, so FSDP -> one process stands for FSDP <-> plain/DDP); `make test-all`
+(the `extended` marker) runs every other pair (`FULL`, 26 pairs: each multi-process run costs 20-40 s on 2 cores,
+more on a loaded machine), the refusal of a ZeRO checkpoint whose optimizer state cannot be converted, and a run
 killed with SIGKILL at a random step that another topology continues."""
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ COMMON = ["task.preset=tiny", "task.num_train=96", "task.num_eval=50", "train.gr
 
 # name -> (accelerate config or None for plain python, processes)
 TOPOLOGIES = {"single": (None, 1), "ddp": ("ddp.yaml", 2), "zero1": ("zero1.yaml", 2), "zero2": ("zero2.yaml", 2),
-              "zero3": ("zero3.yaml", 2), "zero2x1": ("zero2.yaml", 1), "zero3_offload": ("zero3_offload.yaml", 2)}
-PAIRS = [("ddp", "zero2"), ("zero2", "single"), ("zero3", "ddp")]
-FULL = [(a, b) for a in ("single", "ddp", "zero1", "zero2", "zero3") for b in ("single", "ddp", "zero2", "zero3")
+              "zero3": ("zero3.yaml", 2), "zero2x1": ("zero2.yaml", 1), "zero3_offload": ("zero3_offload.yaml", 2),
+              "fsdp": ("fsdp.yaml", 2)}
+PAIRS = [("ddp", "zero2"), ("zero2", "single"), ("zero3", "ddp"), ("fsdp", "single")]
+FULL = [(a, b) for a in ("single", "ddp", "zero1", "zero2", "zero3", "fsdp")
+        for b in ("single", "ddp", "zero2", "zero3", "fsdp")
         if a != b and (a, b) not in PAIRS] + [("zero2", "zero2x1"), ("zero3", "zero1"), ("ddp", "zero3_offload"),
-                                               ("zero3_offload", "single")]
+                                               ("zero3_offload", "single"), ("fsdp", "fsdp")]
 full_matrix = pytest.mark.extended  # `make test-all` (or `pytest -m extended`) runs it; `make test` leaves it out
 
 
@@ -94,8 +97,9 @@ def resume_and_compare(runs, tmp_path: Path, source: str, target: str) -> None:
 
 
 def _same_layout(source: str, target: str) -> bool:
-    """Pairs the backend's own loader reads (plain <-> DDP at any number of processes)."""
-    return {source, target} <= {"single", "ddp"}
+    """Pairs the backend's own loader reads (plain <-> DDP <-> FSDP at any number of processes: an FSDP
+    checkpoint holds whole tensors in a plain run's files)."""
+    return {source, target} <= {"single", "ddp", "fsdp"}
 
 
 @pytest.mark.distributed

@@ -108,12 +108,26 @@ class BackendState:
     def __init__(self, acc: Any, model: Any, optimizer: Any, param_names: list[list[str]], state: TrainState):
         self.acc, self.model, self.optimizer, self.param_names, self.state = acc, model, optimizer, param_names, state
 
+    @property
+    def fsdp2(self) -> bool:
+        return universal.is_fsdp2(unwrap_model(self.acc, self.model))
+
     def state_dict(self) -> dict[str, Any]:
         """The layout a conversion needs: the optimizer's parameter names by group (the tensors are in files)."""
-        return {"param_names": self.param_names}
+        return {"param_names": self.param_names, **({universal.FULL_STATE: True} if self.fsdp2 else {})}
 
     def save(self, directory: Path) -> None:
-        self.acc.save_state(str(directory), safe_serialization=True)
+        if not self.fsdp2:
+            self.acc.save_state(str(directory), safe_serialization=True)
+            return
+        # FSDP2: whole tensors by name in a plain run's files (gathered onto the main process, a collective),
+        # which one process, DDP and FSDP at any world size read back, and DeepSpeed through the universal form.
+        from accelerate.checkpointing import save_accelerator_state
+
+        weights, optim_state = universal.full_state(unwrap_model(self.acc, self.model), self.optimizer.optimizer,
+                                                    self.param_names)
+        save_accelerator_state(str(directory), [weights], [_Saved(optim_state)], [], self.acc._dataloaders,
+                               self.acc.process_index, self.acc.step, self.acc.scaler, safe_serialization=True)
 
     def load(self, path: Path, saved: dict[str, Any], scratch: Path) -> str | None:
         """Load `path` (its `trainer_state.json` is `saved`); returns the conversion made ('ZeRO-2 x 2 ->
@@ -124,8 +138,12 @@ class BackendState:
             if saved.get("backend") != universal.DEEPSPEED and s.backend != universal.DEEPSPEED:
                 universal.check_same_model(path, saved, unwrapped)
             try:
-                with weights_only_loading():  # DeepSpeed unpickles its own files with weights_only=False
-                    self.acc.load_state(str(path))
+                if self.fsdp2 and (path / universal.WEIGHTS).is_file():  # whole tensors: each rank takes its shards
+                    universal.load_torch_files(path, unwrapped, self.optimizer.optimizer,
+                                               saved.get("param_names") or self.param_names)
+                else:
+                    with weights_only_loading():  # DeepSpeed unpickles its own files with weights_only=False
+                        self.acc.load_state(str(path))
             except CheckpointError:  # a pickle that weights-only loading refuses
                 raise
             except Exception as err:  # a checkpoint that passed its manifest but will not load
@@ -149,6 +167,16 @@ class BackendState:
             self.model.global_steps = int(saved.get("step", 0))
             self.model.global_samples = int(saved.get("step", 0)) * s.global_batch_size
         return f"{universal.describe(saved, s.backend, s.world_size, s.zero_stage)}, {time.perf_counter() - started:.1f} s"
+
+
+class _Saved:
+    """An optimizer state dict already made (gathered from FSDP2 shards), for accelerate's writer."""
+
+    def __init__(self, state: dict[str, Any]):
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
 
 
 class EMAState:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin, InitProcessGroupKwargs
+from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin, InitProcessGroupKwargs, PartialState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, ProjectConfiguration, is_compiled_module
 
 from trainer.config import Config, ConfigError
@@ -203,16 +203,38 @@ def build_accelerator(cfg: Config, deepspeed_config: str | None = None) -> Accel
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
             announce_deepspeed_cpu_op_build()
     else:
-        if not use_cuda and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-            logger.warning("accelerate runs FSDP only on GPUs: on this CPU-only machine the FSDP config "
-                           "trains as plain DDP over gloo (same results, no sharding)")
         # A MULTI_GPU (or FSDP) yaml on a machine without GPUs becomes MULTI_CPU over gloo this way.
         kwargs["cpu"] = not use_cuda
     accelerator = Accelerator(**kwargs)
+    if not use_cuda and accelerator.num_processes > 1 and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        enable_cpu_fsdp(accelerator)
     if not accelerator.is_main_process:
         quiet_replica()
     claim_output_dir(accelerator, cfg.run.output_dir)
     return accelerator
+
+
+def enable_cpu_fsdp(accelerator: Accelerator) -> None:
+    """FSDP2 on CPU processes over gloo, through accelerate's own FSDP2 path.
+
+    accelerate picks FSDP for GPU process groups only and makes an FSDP yaml on a CPU-only machine MULTI_CPU.
+    torch's FSDP2 (`fully_shard`) shards over a gloo mesh as well, so the Accelerator built for MULTI_CPU is
+    switched to FSDP (version 2) with the yaml's plugin: `prepare` then shards the model with `fully_shard`
+    and re-points the optimizer at the sharded parameters, `backward` and `clip_grad_norm_` take their FSDP2
+    branches (checkpoints: checkpointer.py writes whole tensors, universal.full_state). Collectives (`gather`,
+    `reduce`, barriers) take the same torch.distributed path under FSDP as under MULTI_CPU, on the CPU device
+    and the gloo group already initialised."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # from the yaml (accelerate launch exports it as FSDP_* variables)
+    if plugin.fsdp_version != 2:
+        raise ConfigError("FSDP on CPU needs fsdp_version: 2 in the accelerate config (torch's fully_shard; "
+                          "FSDP1 runs on GPUs only)")
+    if type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":
+        raise ConfigError("fsdp_offload_params: true means nothing on a CPU-only machine; set it to false")
+    accelerator.state.fsdp_plugin = plugin
+    # Both singletons: every later AcceleratorState() copies the process state's type over its own.
+    PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
 
 
 def quiet_replica() -> None:

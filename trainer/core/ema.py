@@ -1,22 +1,37 @@
 """Exponential moving average of the weights, working on whatever each rank holds.
 
 Under DDP and ZeRO-1/2 every rank holds full parameters; under ZeRO-3 a rank holds a flat
-partition (`param.ds_tensor`). The EMA keeps an fp32 copy of exactly the local tensors, so its
-update and its swap into the model are local operations under every backend; only saving a
-consolidated copy gathers.
+partition (`param.ds_tensor`), under FSDP2 a shard of each parameter (a DTensor's local tensor).
+The EMA keeps an fp32 copy of exactly the local tensors, so its update and its swap into the model
+are local operations under every backend; only saving a consolidated copy gathers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
 
 
 def local_tensor(param: torch.nn.Parameter) -> torch.Tensor:
-    """The part of `param` this rank owns: the ZeRO-3 partition if there is one, else the tensor."""
-    return param.ds_tensor if hasattr(param, "ds_tensor") else param.data
+    """The part of `param` this rank owns: the ZeRO-3 partition or the FSDP2 shard if there is one, else the tensor."""
+    if hasattr(param, "ds_tensor"):
+        return param.ds_tensor
+    if hasattr(param, "to_local"):  # a DTensor (FSDP2): its shard, a view of the parameter's storage
+        return param.data.to_local()
+    return param.data
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """FSDP2 leaves the root's parameters whole after a forward without backward (an evaluation): shard them
+    again, so that the model's parameters are the DTensors whose shards the EMA follows. Elsewhere nothing."""
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)  # imported if in use
+    if fsdp_module is not None and isinstance(model, fsdp_module):
+        for module in model.modules():
+            if isinstance(module, fsdp_module):
+                module.reshard()
 
 
 def ema_decay(decay: float, num_updates: int) -> float:
@@ -32,6 +47,7 @@ class EMA:
         self.shadow = [local_tensor(p).detach().float().clone() for _, p in self._params(model)]
 
     def _params(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+        _reshard(model)
         params = dict(model.named_parameters())
         return [(n, params[n]) for n in self.names]
 
@@ -68,6 +84,11 @@ class EMA:
         for (name, p), shadow in zip(self._params(model), self.shadow):
             if hasattr(p, "ds_tensor"):  # ZeRO-3: flat partitions in rank order, padding at the end
                 full[name] = gather(shadow.flatten())[: p.ds_numel].view(p.ds_shape).clone()
+            elif hasattr(p, "to_local"):  # FSDP2: the shard laid out as the parameter's, then gathered whole
+                from torch.distributed.tensor import DTensor
+
+                full[name] = DTensor.from_local(shadow, p.device_mesh, p.placements, shape=p.shape,
+                                                stride=p.stride()).full_tensor().clone()
             else:
                 full[name] = shadow.clone()
         return full
@@ -87,5 +108,10 @@ class EMA:
                 out = torch.zeros(size)
                 out[: part.numel()] = part
                 src = out.view_as(self.shadow[i])
+            elif hasattr(p, "to_local"):  # FSDP2: this rank's shard, as the parameter's own
+                from torch.distributed.tensor import distribute_tensor
+
+                src = distribute_tensor(src.to(self.shadow[i].device), p.device_mesh, p.placements,
+                                        src_data_rank=None).to_local()  # each rank cuts its own: no collective
             self.shadow[i].copy_(src)
         self.num_updates = num_updates

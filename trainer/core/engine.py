@@ -19,6 +19,7 @@ so backward is given the share times what those undo.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -29,6 +30,8 @@ from accelerate.utils import DistributedType
 from trainer.config import Config, ConfigError
 from trainer.core.step_guard import StepGuard, nonfinite_advice
 
+logger = logging.getLogger("trainer")
+
 _PLAIN_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
@@ -38,8 +41,6 @@ def check_backend_supports(cfg: Config, distributed_type: DistributedType) -> No
     if distributed_type == DistributedType.DEEPSPEED and t.grad_clip_value > 0:
         raise ConfigError("train.grad_clip_value > 0 is not supported under DeepSpeed (its engine clips by norm "
                           "only): use train.grad_clip_norm")
-    if distributed_type == DistributedType.FSDP and t.ema_decay > 0:
-        raise ConfigError("train.ema_decay > 0 is not supported under FSDP yet (DDP and ZeRO-1/2/3 are)")
 
 
 class Engine:
@@ -98,6 +99,8 @@ class TorchEngine(Engine):
         t = cfg.train
         self.plain = accelerator.scaler is None and accelerator.distributed_type in _PLAIN_TYPES
         self.may_sample_in_eval = accelerator.distributed_type != DistributedType.FSDP
+        if accelerator.distributed_type == DistributedType.FSDP:
+            log_shards(model, accelerator)
         self.torch_optimizer = optimizer.optimizer  # accelerate's wrapper holds the torch optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.max_norm = t.grad_clip_norm if t.grad_clip_norm > 0 else math.inf  # 0: no clipping, norm still logged
@@ -124,6 +127,8 @@ class TorchEngine(Engine):
         if self.clip_value > 0:  # the gradients are unscaled now (accelerate did it for the norm)
             torch.nn.utils.clip_grad_value_(self.params, self.clip_value, foreach=True)
         norm = norm.detach()
+        if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a (replicated) DTensor
+            norm = norm.full_tensor()
         skipped = self.guard.flag(norm)
         optimizer = self.torch_optimizer if self.plain else self.optimizer
         optimizer.step()
@@ -171,6 +176,21 @@ class DeepSpeedEngine(Engine):
 
     def after_resume(self) -> None:
         self._engine_skipped = int(getattr(self.model, "skipped_steps", 0))
+
+
+def log_shards(model: Any, accelerator: Accelerator) -> None:
+    """One line (main process) saying how FSDP split the parameters: the values each rank holds (a collective)."""
+    import torch.distributed as dist
+
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    counts = [local]
+    if accelerator.num_processes > 1:
+        counts = [None] * accelerator.num_processes
+        dist.all_gather_object(counts, local)
+    if accelerator.is_main_process:
+        logger.info("FSDP shards the model's %d parameter values over %d processes: %s per rank", total,
+                    accelerator.num_processes, " + ".join(str(c) for c in counts))
 
 
 def _peak_lr(optimizer: Any) -> float:

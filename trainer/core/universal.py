@@ -9,7 +9,10 @@ hyper-parameters per group (`zero/optimizer_state.pt`). A ZeRO checkpoint is con
 `ds_to_universal` (`--inject_missing_state`), a plain or DDP one (`model.safetensors`, `optimizer.bin`)
 by naming the optimizer's parameters with the names the checkpoint recorded. `load_into` fills the
 running backend from that folder: DeepSpeed's own universal loader under ZeRO-1/2/3 at any number of
-processes, `load_state_dict` of the model and the torch optimizer under one process or DDP.
+processes, `load_state_dict` of the model and the torch optimizer under one process or DDP, and under
+FSDP2 torch.distributed.checkpoint's `set_state_dict` with whole tensors (each rank keeps its shards).
+An FSDP2 run writes its checkpoints in a plain run's files (`full_state`), so plain, DDP and FSDP read
+each other's without a conversion.
 
 Every file is read weights-only (safe_load.py). A checkpoint of another model is refused before anything
 is converted (`check_same_model`), and a part that cannot be converted is named in a CheckpointError.
@@ -38,6 +41,8 @@ DS_FOLDER = "pytorch_model"
 WEIGHTS, OPTIMIZER = "model.safetensors", "optimizer.bin"
 """accelerate's files of a plain or DDP checkpoint (one model, one optimizer)."""
 OPTIMIZER_STATE = "optimizer_state.pt"
+FULL_STATE = "full_state"
+"""Set in trainer_state.json by an FSDP2 run: its checkpoint holds whole tensors in a plain run's files."""
 
 
 def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -59,12 +64,13 @@ def saved_zero_stage(path: Path, saved: dict[str, Any]) -> int | None:
 def needs_conversion(saved: dict[str, Any], backend: str, world: int, zero_stage: int) -> bool:
     """Whether the checkpoint's own files cannot be loaded by this run's backend as they are.
 
-    accelerate loads a plain or DDP checkpoint at any number of processes; DeepSpeed loads its own
+    accelerate loads a plain or DDP checkpoint at any number of processes, and an FSDP2 checkpoint is written in
+    the same files (`save_full_state`), so plain, DDP and FSDP read each other's; DeepSpeed loads its own
     files only at the same number of processes and ZeRO stage (`saved["zero_stage"]`: `saved_zero_stage`)."""
     was = saved.get("backend", "")
-    if FSDP in (was, backend) and was != backend:
-        raise CheckpointError(f"a checkpoint written under {was or 'an unknown backend'} cannot be resumed under "
-                              f"{backend} yet: FSDP checkpoints resume under FSDP only")
+    if was == FSDP and backend != FSDP and not saved.get(FULL_STATE):
+        raise CheckpointError(f"a checkpoint written under FSDP in sharded files (accelerate's FSDP save) cannot be "
+                              f"resumed under {backend or 'one process'}: sharded FSDP checkpoints resume under FSDP only")
     if (was == DEEPSPEED) != (backend == DEEPSPEED):
         return True
     if backend != DEEPSPEED:
@@ -261,14 +267,12 @@ def _into_deepspeed(zero: Path, engine: Any, groups: list[dict]) -> None:
 
 def _into_torch(zero: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, param_names: list[list[str]],
                 groups: list[dict], common: dict) -> None:
-    current = model.state_dict()
     weights = {}
-    for name, tensor in current.items():
+    for name, tensor in model.state_dict().items():  # under FSDP2: DTensors, whose shape is the whole tensor's
         file = zero / name / "fp32.pt"
         if not file.is_file():
             raise CheckpointError(f"the checkpoint has no weights for '{name}'")
         weights[name] = torch.load(file, map_location="cpu")["param"].to(tensor.dtype)
-    model.load_state_dict(weights, strict=True)
     fallback = (common.get("optimizer_state_dict") or {}).get("state", {}).get(0, {}).get("step")
     state, index = {}, 0
     for names in param_names:
@@ -289,12 +293,70 @@ def _into_torch(zero: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
     for names in param_names:
         params.append(list(range(start, start + len(names))))
         start += len(names)
+    load_full_state(model, optimizer, weights, {"state": state, "param_groups": [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": p} for g, p in zip(groups, params)]}, param_names)
+
+
+# ------------------------------------------------------------------ whole tensors in and out of any torch layout
+def is_fsdp2(model: torch.nn.Module) -> bool:
+    """Whether `model` is sharded by FSDP2 (`fully_shard`): its parameters are DTensors, each rank holding a shard."""
     try:
-        optimizer.load_state_dict({"state": state, "param_groups": [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": p} for g, p in zip(groups, params)]})
-    except (ValueError, KeyError, RuntimeError) as err:
-        raise CheckpointError(f"the optimizer state could not be loaded into this run's optimizer "
-                              f"({_first_line(err)})") from err
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed support
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               param_names: list[list[str]]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The whole model state dict and the optimizer's, in the files a plain or DDP run writes (`optimizer.bin`
+    indexes parameters in the optimizer's order, `param_names` names them). Under FSDP2 a collective: the
+    shards are gathered (torch.distributed.checkpoint's `get_state_dict`, full_state_dict) onto the main
+    process, on the CPU; the other ranks get empty dicts."""
+    if not is_fsdp2(model):
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    weights, named = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not named:  # not the main process
+        return {}, {}
+    index = {name: i for i, name in enumerate(n for names in param_names for n in names)}
+    return weights, {"state": {index[name]: entry for name, entry in named["state"].items()},
+                     "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                                      for group in named["param_groups"]]}
+
+
+def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+                    optim_state: dict[str, Any], param_names: list[list[str]]) -> None:
+    """Load whole tensors (`full_state`'s form, every rank holding all of it) into a plain, DDP or FSDP2 model and
+    its torch optimizer; under FSDP2 each rank keeps its shards (`set_state_dict`, full_state_dict)."""
+    try:
+        if not is_fsdp2(model):
+            model.load_state_dict(weights, strict=True)
+            optimizer.load_state_dict(optim_state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        flat = [n for names in param_names for n in names]
+        named = {"state": {flat[i]: entry for i, entry in optim_state.get("state", {}).items()},
+                 "param_groups": [{**group, "params": [flat[i] for i in group["params"]]}
+                                  for group in optim_state.get("param_groups", [])]}
+        set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=named,
+                       options=StateDictOptions(full_state_dict=True))
+    except (ValueError, KeyError, IndexError, RuntimeError) as err:
+        raise CheckpointError(f"the checkpoint's weights or optimizer state could not be loaded into this run's "
+                              f"model and optimizer ({_first_line(err)})") from err
+
+
+def load_torch_files(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     param_names: list[list[str]]) -> None:
+    """Load a plain, DDP or FSDP checkpoint's `model.safetensors` and `optimizer.bin` into an FSDP2 run."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / WEIGHTS))
+    with weights_only_loading():
+        optim_state = torch.load(path / OPTIMIZER, map_location="cpu")
+    load_full_state(model, optimizer, weights, optim_state, param_names)
 
 
 def _first_line(err: BaseException) -> str:
@@ -306,7 +368,7 @@ def describe(saved: dict[str, Any], backend: str, world: int, zero_stage: int) -
     """'ZeRO-2 x 2 -> 1 process' for the start log."""
     def name(kind: str, n: Any, stage: Any) -> str:
         label = f"ZeRO-{stage}" if kind == DEEPSPEED and stage is not None else (
-            "DeepSpeed" if kind == DEEPSPEED else ("1 process" if n == 1 else "DDP"))
+            "DeepSpeed" if kind == DEEPSPEED else "FSDP" if kind == FSDP else ("1 process" if n == 1 else "DDP"))
         return label if label == "1 process" else f"{label} x {n}"
     return f"{name(saved.get('backend', ''), saved.get('world_size'), saved.get('zero_stage'))} -> " \
            f"{name(backend, world, zero_stage)}"
