@@ -43,7 +43,7 @@ train: setup
 lint: setup
 	$(VENV)/bin/ruff check trainer tests benchmarks scripts
 
-# CI's suite: everything but the `extended` repeats (about N min on 2 cores); test-all adds them.
+# CI's suite: everything but the `extended` repeats (README, Tests: how long it takes); test-all adds them.
 test: setup
 	$(PY) -m pytest -q --durations=25 -m "not extended" $(PYTEST_ARGS) tests
 
