@@ -69,7 +69,7 @@ def multinode(out: Path) -> None:
 
 # Launches that repeat what another one covers (the same backend through another front end): in the full
 # matrix (`make test-all`), left out of `make test` to keep CI in its time budget.
-EXTENDED = {"accelerate_single", "deepspeed_zero1", "zero1"}
+EXTENDED = {"accelerate_single", "deepspeed_zero1", "deepspeed_zero2", "zero1"}
 
 
 def launch_params(names):
