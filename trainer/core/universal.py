@@ -100,7 +100,7 @@ def _deepspeed_model_states(path: Path) -> dict[str, Any]:
     if not files:
         raise CheckpointError(f"checkpoint {path}: no DeepSpeed model states in {DS_FOLDER}/")
     with weights_only_loading():
-        return torch.load(files[0], map_location="cpu")
+        return torch.load(files[0], map_location="cpu", weights_only=True)
 
 
 def check_same_model(path: Path, saved: dict[str, Any], model: torch.nn.Module) -> None:
@@ -154,8 +154,8 @@ def _from_deepspeed(path: Path, out: Path) -> None:
                               f"({_first_line(err)})") from err
     zero = out / "zero"
     with weights_only_loading():
-        state = torch.load(zero / OPTIMIZER_STATE, map_location="cpu")
-        steps = [torch.load(f) for f in sorted(zero.glob("*/step.pt"))[:1]]
+        state = torch.load(zero / OPTIMIZER_STATE, map_location="cpu", weights_only=True)
+        steps = [torch.load(f, weights_only=True) for f in sorted(zero.glob("*/step.pt"))[:1]]
     step = steps[0] if steps else (state.get("optimizer_state_dict") or {}).get("state", {}).get(0, {}).get("step")
     _normalise(path, zero, step)
     _write_common_state(zero, state.get("param_groups") or [], step, state)
@@ -173,7 +173,7 @@ def _normalise(path: Path, zero: Path, step: Any) -> None:
         for name, shape in shapes.items():
             folder = zero / name
             for file in folder.glob("*.pt"):
-                value = torch.load(file, map_location="cpu") if file.stem != "step" else None
+                value = torch.load(file, map_location="cpu", weights_only=True) if file.stem != "step" else None
                 if torch.is_tensor(value):
                     torch.save({"param": value.reshape(shape), "cat_dim": 0}, file)
             if folder.is_dir() and not (folder / "step.pt").exists() and step is not None:
@@ -188,7 +188,7 @@ def _from_torch(path: Path, out: Path, param_names: list[list[str]]) -> None:
     with safe_open(str(path / WEIGHTS), framework="pt") as f:
         weights = {k: f.get_tensor(k) for k in f.keys()}
     with weights_only_loading():
-        optim = torch.load(path / OPTIMIZER, map_location="cpu")
+        optim = torch.load(path / OPTIMIZER, map_location="cpu", weights_only=True)
     groups, state = optim.get("param_groups", []), optim.get("state", {})
     if len(groups) != len(param_names) or any(len(g["params"]) != len(n) for g, n in zip(groups, param_names)):
         raise CheckpointError(f"checkpoint {path}: the optimizer state cannot be converted: it has "
@@ -233,7 +233,7 @@ def load_into(folder: Path, model: Any, optimizer: Any, unwrapped: torch.nn.Modu
     """Fill this run's model and optimizer from the universal form in `folder` (every rank)."""
     zero = folder / "zero"
     with weights_only_loading():
-        common = torch.load(zero / OPTIMIZER_STATE, map_location="cpu")
+        common = torch.load(zero / OPTIMIZER_STATE, map_location="cpu", weights_only=True)
         groups = common.get("param_groups") or []
         if len(groups) != len(param_names):
             raise CheckpointError(f"the optimizer of the checkpoint has {len(groups)} parameter groups, this run's "
@@ -262,7 +262,7 @@ def _into_deepspeed(zero: Path, engine: Any, groups: list[dict]) -> None:
         for name, buffer in engine.module.named_buffers():
             file = zero / name / "fp32.pt"
             if file.is_file():
-                buffer.copy_(torch.load(file, map_location="cpu")["param"])
+                buffer.copy_(torch.load(file, map_location="cpu", weights_only=True)["param"])
 
 
 def _into_torch(zero: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, param_names: list[list[str]],
@@ -272,7 +272,7 @@ def _into_torch(zero: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
         file = zero / name / "fp32.pt"
         if not file.is_file():
             raise CheckpointError(f"the checkpoint has no weights for '{name}'")
-        weights[name] = torch.load(file, map_location="cpu")["param"].to(tensor.dtype)
+        weights[name] = torch.load(file, map_location="cpu", weights_only=True)["param"].to(tensor.dtype)
     fallback = (common.get("optimizer_state_dict") or {}).get("state", {}).get(0, {}).get("step")
     state, index = {}, 0
     for names in param_names:
@@ -280,9 +280,9 @@ def _into_torch(zero: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
             entry = {}
             for file in (zero / name).glob("*.pt"):
                 if file.stem == "step":
-                    entry["step"] = torch.load(file)
+                    entry["step"] = torch.load(file, weights_only=True)
                 elif file.stem != "fp32":
-                    entry[file.stem] = torch.load(file, map_location="cpu")["param"]
+                    entry[file.stem] = torch.load(file, map_location="cpu", weights_only=True)["param"]
             if entry and "step" not in entry and fallback is not None:
                 entry["step"] = fallback
             if entry:
@@ -355,7 +355,7 @@ def load_torch_files(path: Path, model: torch.nn.Module, optimizer: torch.optim.
 
     weights = load_file(str(path / WEIGHTS))
     with weights_only_loading():
-        optim_state = torch.load(path / OPTIMIZER, map_location="cpu")
+        optim_state = torch.load(path / OPTIMIZER, map_location="cpu", weights_only=True)
     load_full_state(model, optimizer, weights, optim_state, param_names)
 
 
