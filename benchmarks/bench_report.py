@@ -72,3 +72,12 @@ def write_section(path: str | Path, section: str) -> None:
         parts.append(section)
     head = "\n".join(preamble).strip("\n")
     path.write_text("\n\n".join([head, *parts] if head else parts) + "\n")
+
+
+def publish_section(section: str, out: str | Path | None, smoke: bool) -> None:
+    """Print a benchmark's section, then write it into `out` (BENCHMARKS.md) unless this is a `--smoke` run."""
+    print(section)
+    if smoke:
+        print("smoke run: nothing written")
+    elif out:
+        write_section(out, section)

@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_report import command_line, cpu_model, utc_now, write_section  # noqa: E402
+from bench_report import command_line, cpu_model, publish_section, utc_now  # noqa: E402
 
 
 def folder_bytes(path: Path) -> int:
@@ -134,11 +134,7 @@ def main() -> None:
               "of another layout (backend, ZeRO stage or number of DeepSpeed processes), once, on the main process; "
               "its folder is removed after the load."]
     section = "\n".join(lines) + "\n"
-    print(section)
-    if args.smoke:
-        print("smoke run: nothing written")
-    elif args.out:
-        write_section(args.out, section)
+    publish_section(section, args.out, args.smoke)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_report import command_line, cpu_model, utc_now, write_section  # noqa: E402
+from bench_report import command_line, cpu_model, publish_section, utc_now  # noqa: E402
 from forcefields import BUNDLED, stream_molecules  # noqa: E402
 
 CONFIG = ROOT / "configs" / "molecules_edm" / "edm_tiny.yaml"
@@ -207,11 +207,7 @@ def main() -> None:
                      f"{r['single_wall']:.1f}, {r['single_cpu']:.1f} | {r['guided_wall'] / r['single_wall']:.2f}x, "
                      f"{r['guided_cpu'] / r['single_cpu']:.2f}x |")
     section = "\n".join(lines)
-    print(section)
-    if args.smoke:
-        print("smoke run: nothing written")
-    elif args.out:
-        write_section(args.out, section)
+    publish_section(section, args.out, args.smoke)
 
 
 if __name__ == "__main__":
