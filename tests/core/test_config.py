@@ -169,3 +169,20 @@ def test_step_scheduler_decays_every_epoch_like_steplr():
     assert lrs == [1.0] * 4 + [0.5] * 4 + [0.25] * 4
     with pytest.raises(ConfigError, match="decay_every_steps"):
         build_scheduler(load_config(None, ["optim.scheduler=step"]), optimizer, 0)
+
+
+@pytest.mark.parametrize("name", ["constant", "constant_with_warmup", "linear", "cosine"])
+def test_native_schedules_match_transformers(name):
+    """The common schedules are built without importing transformers (a second of every process start): same
+    factors as transformers.get_scheduler at every step, warm-up and past the end included."""
+    import torch
+    from transformers import get_scheduler
+
+    from trainer.core.optim import native_schedule
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    reference = get_scheduler(name, optimizer, num_warmup_steps=5, num_training_steps=23)
+    ours = native_schedule(name, warmup_steps=5, total_steps=23)
+    for step in range(30):
+        assert ours(step) == pytest.approx(reference.lr_lambdas[0](step), abs=1e-12), step
+    assert native_schedule("polynomial", 5, 23) is None  # the others still come from transformers

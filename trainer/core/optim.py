@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import get_scheduler
 
 from trainer.config import Config, ConfigError
 
@@ -29,10 +30,38 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.opt
     return cls(groups, lr=lr, betas=tuple(o.betas), eps=o.eps, fused=True)
 
 
+def native_schedule(name: str, warmup_steps: int, total_steps: int) -> Callable[[int], float] | None:
+    """The LR factor of a step for the common schedules, with transformers' formulas (a test checks them
+    against `transformers.get_scheduler`); None for the others. Importing transformers for these would add
+    about a second to every process start."""
+    if name not in ("constant", "constant_with_warmup", "linear", "cosine"):
+        return None
+    span = max(1, total_steps - warmup_steps)
+
+    def factor(step: int) -> float:
+        if name == "constant":  # transformers' `constant` has no warm-up
+            return 1.0
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        if name == "linear":
+            return max(0.0, (total_steps - step) / span)
+        if name == "cosine":
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * (step - warmup_steps) / span)))
+        return 1.0
+
+    return factor
+
+
 def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, warmup_steps: int) -> Any:
-    """A `transformers.get_scheduler` schedule, or `step`: linear warm-up, then StepLR's decay."""
+    """LambdaLR of linear/cosine/constant(_with_warmup), another `transformers.get_scheduler` schedule, or
+    `step`: linear warm-up, then StepLR's decay."""
     o = cfg.optim
     if o.scheduler != "step":
+        factor = native_schedule(o.scheduler, warmup_steps, cfg.train.max_steps)
+        if factor is not None:
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        from transformers import get_scheduler
+
         return get_scheduler(o.scheduler, optimizer, num_warmup_steps=warmup_steps,
                              num_training_steps=cfg.train.max_steps)
     if o.decay_every_steps < 1:
