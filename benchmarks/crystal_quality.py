@@ -55,7 +55,7 @@ def run_one(name: str, overrides: list[str], args: argparse.Namespace, work: Pat
         f"eval.every_epochs={max(1, args.epochs // 10)}", *overrides])
     start = time.perf_counter()
     trainer = Trainer(cfg)
-    sizes = trainer.task.unit_sizes(trainer.train_loader.dataset)
+    sizes = trainer.task.unit_sizes(trainer.data.dataset)
     trainer.fit()
     wall = time.perf_counter() - start
     test = json.loads((out / "test" / "metrics.json").read_text())

@@ -121,7 +121,7 @@ def run_ours(data_folder: Path, work: Path, epochs: int, seed: int = 0) -> dict[
         epochs_timed.append({"wall_s": w1 - start[0], "cpu_s": c1 - start[1], "train_wall_s": w0 - start[0],
                              "train_cpu_s": c0 - start[1], "eval_wall_s": w1 - w0, "eval_cpu_s": c1 - c0})
         start = (w1, c1)
-    train_cells = len(trainer.train_loader.dataset)
+    train_cells = len(trainer.data.dataset)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     windows = [r["cells_per_s"] for r in records if "cells_per_s" in r]
     windows = windows[1:] or windows  # the first window has the warm-up
@@ -230,8 +230,8 @@ def norman_child(data_folder: Path, work: Path, steps: int) -> None:
     trainer.fit()
     fit_s = time.perf_counter() - t1
     phase_peaks = peaks.stop()
-    train = trainer.train_loader.dataset
-    X = getattr(train, "dataset", train).pairs.data.X  # EpochIndexed(TrainingPairs(PerturbationPairs))
+    train = trainer.data.dataset
+    X = train.pairs.data.X  # TrainingPairs(PerturbationPairs)
     model = trainer.model
     x_bytes = X.data.nbytes + X.indices.nbytes + X.indptr.nbytes
     model_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])

@@ -90,7 +90,7 @@ def run(preset: str, device: str, workdir: str, threads: int) -> dict[str, float
             sync()
             clock["start" if calls == warmup + 1 else "end"] = time.perf_counter()
         if warmup < calls <= warmup + steps:
-            for b in batches:
+            for b, _rng in batches:
                 counted["tokens"] += b["num_tokens"]
                 counted["flops"] += b["num_tokens"] * count_flops_per_token(DDIT_PRESETS[preset], b["states"].shape[1],
                                                                             vocab)

@@ -42,7 +42,7 @@ class RunConfig:
     output_dir: str = "runs/default"
     """Run directory: checkpoints, metrics.jsonl, TensorBoard logs and the resolved config.yaml."""
     seed: int = 0
-    """Base seed; rank r uses seed + r for its own RNG streams, data order depends on seed only."""
+    """Base seed; data order and each sample's loss noise depend on it alone; rank r seeds its RNG (dropout) with seed + r."""
     resume: str = "auto"
     """`auto` (continue from the latest good checkpoint in output_dir if any), `none` (start over; old
     checkpoints are moved aside), or a checkpoint path."""

@@ -16,6 +16,19 @@ Order of calls the core guarantees: `build_data()` first; then `attach_stats(dat
 the run artifact `task_stats.json` and call `attach_stats` and `build_model` with them. So nothing a
 later call needs is left behind as a side effect of another call.
 
+Randomness of the loss. `loss(model, batch, rng)` gets the micro-batch's `rng`, a
+`trainer.sample_random.SampleRandom` with one seed per row that is a function of (run.seed, epoch, the
+sample's dataset index) only. Everything the loss draws (diffusion times, corruption, noise, augmentations
+drawn in the loss) comes from `rng`, row by row: `rng.rand("time")`, `rng.randn("noise", n, 3)`,
+`rng.generators("mask")`, one stream name per quantity; never from the global RNG (`torch.rand` without a
+generator). Then a sample draws the same numbers whichever rank, micro-batch or accumulation step reads
+it, and 1, 2 or N processes with the same global batch train the same weights up to float summation
+order (tested per family, `tests/core/test_sample_randomness.py`); a resumed run draws what the
+uninterrupted one drew. Randomness a dataset draws when it loads an item keys itself the same way (an
+`EpochAwareDataset` drawing from `derive_seed(seed, epoch, index)`). The exception is dropout (and any other
+draw inside the model's forward): it uses the rank's global RNG, seeded `run.seed + rank`, so it differs
+between world sizes; it is restored exactly on a resume at the same world size.
+
 Optional capabilities are `typing.Protocol`s checked with `isinstance`, never `hasattr`:
 `GenerativeTask` (has a `SampleConfig` and `generate`/`write_samples`), `EpochAwareDataset`
 (a map-style dataset whose item depends on the epoch), `ShardedStream` (an IterableDataset that
@@ -34,6 +47,8 @@ if TYPE_CHECKING:  # torch is imported where it is used: `trainer tasks` and con
     import torch
     from torch import nn
     from torch.utils.data import Dataset
+
+    from trainer.sample_random import SampleRandom
 
 
 @dataclass
@@ -209,7 +224,10 @@ class Task:
         return float(self.batch_size(batch))
 
     # ------------------------------------------------------------------ loss and metrics
-    def loss(self, model: nn.Module, batch: Any) -> LossOutput:
+    def loss(self, model: nn.Module, batch: Any, rng: SampleRandom) -> LossOutput:
+        """Mean loss of a training micro-batch. Everything it draws comes from `rng` (one seeded stream set per
+        row, keyed by the sample: see the module docstring), never from the global RNG; dropout inside the
+        model is the one exception. A loss that draws nothing ignores `rng`."""
         raise NotImplementedError
 
     def eval_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:

@@ -175,7 +175,7 @@ def test_families_import_neither_torch_distributed_nor_accelerate():
 
 
 FAMILY_MAY_IMPORT = ("trainer.task", "trainer.config", "trainer.errors", "trainer.atomic_io", "trainer.rundir",
-                     "trainer.seeding", "trainer.data", "trainer.registry", "trainer.api")
+                     "trainer.seeding", "trainer.sample_random", "trainer.data", "trainer.registry", "trainer.api")
 """The shared modules a family builds on (each also as a package prefix: `trainer.data.splits`); the core is
 reached only through the `trainer.api` facade (training, results, loading a trained model)."""
 

@@ -23,9 +23,7 @@ def make(tmp_path, *overrides):
 
 
 def batch(lo, hi, trainer):
-    ds = trainer.task.build_data().train
-    items = [ds[i] for i in range(lo, hi)]
-    return trainer.task.collate(items)
+    return trainer.data.micro_batch(list(range(lo, hi)))
 
 
 def params(trainer):
@@ -48,8 +46,8 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
     before = params(trainer)
     good_loss = trainer.task.loss
 
-    def nan_loss(model, b):
-        out = good_loss(model, b)
+    def nan_loss(model, b, rng):
+        out = good_loss(model, b, rng)
         out.loss = out.loss * float("nan")
         return out
 
@@ -70,8 +68,8 @@ def test_nonfinite_in_a_row_aborts(tmp_path):
     trainer = make(tmp_path, "train.max_nonfinite_in_row=3", "log.every_steps=1", "train.max_steps=10")
     good_loss = trainer.task.loss
 
-    def nan_loss(model, b):
-        out = good_loss(model, b)
+    def nan_loss(model, b, rng):
+        out = good_loss(model, b, rng)
         out.loss = out.loss + float("inf")
         return out
 

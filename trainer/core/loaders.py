@@ -4,6 +4,15 @@ Map-style training data is sharded over ranks by our own batch samplers (`sample
 by a prepared loader: the data position is then a pure function of the step (a resumed run starts
 mid-epoch without loading the skipped batches) and no wrapper sits in the loop. A stream shards
 itself over ranks and workers (`ShardedStream`) and its position is saved per rank.
+
+Every training micro-batch comes with its rows' random streams (`MicroBatch(batch, rng)`, `rng` a
+`trainer.sample_random.SampleRandom`), which `Task.loss` draws from. Map-style: the batch samplers
+yield (epoch, index) keys, `KeyedSamples` returns each item with its key and `KeyedCollate` turns the
+keys into row seeds, in the worker that loaded the samples: row seed = f(run.seed, epoch, dataset
+index), the same at any world size, accumulation split or batching mode. A stream's rows are keyed
+by (run.seed, rank, epoch, position in this rank's stream): exact on a resume at the same world size
+(a stream restarts its epoch on another one), not across world sizes until streams are sharded by
+a global index.
 """
 
 from __future__ import annotations
@@ -11,17 +20,38 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader, IterableDataset
 
 from trainer.config import Config, ConfigError
-from trainer.core.samplers import BalancedBatchSampler, EpochIndexed, EpochSampler, RankBatchSampler, WorkerSeeder
+from trainer.core.samplers import BalancedBatchSampler, EpochSampler, KeyedSamples, RankBatchSampler, WorkerSeeder
 from trainer.errors import DataError, TrainerError
-from trainer.seeding import derive_seed
-from trainer.task import EpochAwareDataset, EpochAwareStream, ShardedStream, Task
+from trainer.sample_random import SampleRandom
+from trainer.seeding import derive_seed, derive_seeds
+from trainer.task import EpochAwareStream, ShardedStream, Task
+
+
+class MicroBatch(NamedTuple):
+    """One training micro-batch of this rank: the task's collated `batch` and its rows' `rng`."""
+
+    batch: Any
+    rng: SampleRandom
+
+
+class KeyedCollate:
+    """collate_fn of the map-style training loader: (item, epoch, index) triples -> MicroBatch (the task's
+    collate of the items, and the rows' SampleRandom from their keys), computed where the samples were loaded."""
+
+    def __init__(self, collate: Any, seed: int):
+        self.collate, self.seed = collate, seed
+
+    def __call__(self, items: list[tuple[Any, int, int]]) -> MicroBatch:
+        samples, epochs, indices = zip(*items)
+        return MicroBatch(self.collate(list(samples)), SampleRandom.for_samples(self.seed, epochs, indices))
 
 
 def loader_options(cfg: Config, task: Task) -> dict[str, Any]:
@@ -80,6 +110,7 @@ class TrainBatches:
 
     def __init__(self, cfg: Config, task: Task, dataset: Any, rank: int, world_size: int, device: torch.device):
         self.seed, self.rank, self.device = cfg.run.seed, rank, device
+        self.dataset = dataset  # the task's training set, as built
         # Its own generator, reseeded every epoch: iterators must not draw from the global RNG (which
         # a resumed run restores) and worker seeds must be a function of (seed, rank, epoch).
         self.generator = torch.Generator()
@@ -96,10 +127,11 @@ class TrainBatches:
             self.loader = DataLoader(dataset, batch_size=cfg.train.per_device_batch_size, drop_last=True,
                                      generator=self.generator, **options)
         else:
-            epoch_aware = isinstance(dataset, EpochAwareDataset)
-            self.sampler, self.batch_sampler = build_batch_sampler(cfg, task, dataset, rank, world_size, epoch_aware)
-            self.loader = DataLoader(EpochIndexed(dataset) if epoch_aware else dataset,
-                                     batch_sampler=self.batch_sampler, generator=self.generator, **options)
+            self.sampler, self.batch_sampler = build_batch_sampler(cfg, task, dataset, rank, world_size, True)
+            options["collate_fn"] = KeyedCollate(task.collate, self.seed)
+            self.loader = DataLoader(KeyedSamples(dataset), batch_sampler=self.batch_sampler, generator=self.generator,
+                                     **options)
+        self._stream_base = derive_seed(self.seed, "stream-sample", rank)
 
     @property
     def batches_per_epoch(self) -> int | None:
@@ -110,7 +142,12 @@ class TrainBatches:
         """Epochs done after `consumed` micro-batches (for the logs)."""
         return self.position[0] if self.streaming else consumed / len(self.batch_sampler)
 
-    def micro_batches(self, consumed: int) -> Iterator[Any]:
+    def micro_batch(self, indices: list[int], epoch: int = 0) -> MicroBatch:
+        """The map-style micro-batch of training samples `indices` read in `epoch`, as the loader builds it (on
+        the CPU): for tests and benchmarks that step the Trainer by hand."""
+        return self.loader.collate_fn([self.loader.dataset[(epoch, i)] for i in indices])
+
+    def micro_batches(self, consumed: int) -> Iterator[MicroBatch]:
         """Endless micro-batches of this rank, on its device, starting after `consumed` of them."""
         epoch, skip = self.position if self.streaming else self.batch_sampler.position(consumed)
         on_cpu = self.device.type == "cpu"
@@ -126,7 +163,11 @@ class TrainBatches:
             position = skip
             for position, batch in enumerate(batches, start=skip + 1):
                 self.position = (epoch, position)
-                yield batch if on_cpu else send_to_device(batch, self.device, non_blocking=True)
+                if self.streaming:  # drop_last: every batch has batch_size rows
+                    rows = np.arange((position - 1) * self.batch_size, position * self.batch_size)
+                    batch = MicroBatch(batch, SampleRandom(derive_seeds(self._stream_base, epoch, rows)))
+                yield batch if on_cpu else MicroBatch(send_to_device(batch.batch, self.device, non_blocking=True),
+                                                      batch.rng)
             if position == 0:  # a whole epoch without a batch: looping on would spin (and peers wait) forever
                 raise self._no_batch_error(epoch)
             epoch, skip = epoch + 1, 0

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
+
+from trainer.task import EpochAwareDataset
 
 
 class EpochSampler(Sampler[int]):
@@ -70,7 +73,7 @@ class RankBatchSampler(Sampler[list[int]]):
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
-        self.with_epoch = with_epoch  # yield (epoch, index) keys for an EpochIndexed dataset
+        self.with_epoch = with_epoch  # yield (epoch, index) keys for a KeyedSamples dataset
         self.skip = 0
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
@@ -221,16 +224,20 @@ class BalancedBatchSampler(Sampler[list[int]]):
             yield [(self.epoch, i) for i in mine] if self.with_epoch else mine
 
 
-class EpochIndexed(Dataset):
-    """Passes the epoch to datasets with `get_item(index, epoch)` (per-epoch random crops that a
-    resumed run reproduces exactly, even inside persistent worker processes)."""
+class KeyedSamples(Dataset):
+    """The training set read by the (epoch, index) keys the batch samplers yield: each item comes back as
+    (item, epoch, index), so the sample's key travels with it (through DataLoader worker processes too) and
+    the collate step gives every row its seed (`loaders.KeyedCollate`). A dataset with `get_item(index,
+    epoch)` gets the epoch (per-epoch random crops that a resumed run reproduces exactly)."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
+        self.epoch_aware = isinstance(dataset, EpochAwareDataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: tuple[int, int]):
+    def __getitem__(self, key: tuple[int, int]) -> tuple[Any, int, int]:
         epoch, index = key
-        return self.dataset.get_item(index, epoch)
+        item = self.dataset.get_item(index, epoch) if self.epoch_aware else self.dataset[index]
+        return item, epoch, index

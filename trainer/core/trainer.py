@@ -32,7 +32,7 @@ from trainer.core.ema import EMA
 from trainer.core.engine import build_engine, check_backend_supports
 from trainer.core.generation import generate_distributed
 from trainer.core.host_memory import HeapTrimmer
-from trainer.core.loaders import TrainBatches, agreed_start, build_eval_loader, resolve_epochs
+from trainer.core.loaders import MicroBatch, TrainBatches, agreed_start, build_eval_loader, resolve_epochs
 from trainer.core.optim import build_optimizer, build_scheduler
 from trainer.core.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher
 from trainer.core.run_lock import release_run_lock
@@ -88,7 +88,7 @@ class Trainer:
             self.eval_loader = acc.prepare(build_eval_loader(cfg, self.task, data.eval))
         if data.test is not None:
             self.test_loader = acc.prepare(build_eval_loader(cfg, self.task, data.test))
-        set_seed(cfg.run.seed + acc.process_index)  # independent noise/dropout streams per rank
+        set_seed(cfg.run.seed + acc.process_index)  # dropout's stream per rank (loss noise: MicroBatch.rng, per sample)
 
         self.ema = EMA(unwrap_model(acc, self.model), t.ema_decay) if t.ema_decay > 0 else None
         self.state = TrainState(world_size=world, backend=str(acc.distributed_type.value),
@@ -137,7 +137,7 @@ class Trainer:
             stats = self.train_step(batches)
             self.state.step += 1
             step = self.state.step
-            window.add(stats["loss"], stats["units"], sum(self.task.batch_size(b) for b in batches))
+            window.add(stats["loss"], stats["units"], sum(self.task.batch_size(b.batch) for b in batches))
             bar.update(1)
             if step % cfg.log.every_steps == 0 or step == t.max_steps:
                 self._log_train(window, stats, bar)
@@ -163,18 +163,19 @@ class Trainer:
             release_run_lock(cfg.run.output_dir)  # now, not at exit: a notebook may start another run here
         return status
 
-    def train_step(self, batches: list[Any]) -> dict[str, Any]:
+    def train_step(self, batches: list[MicroBatch]) -> dict[str, Any]:
         """One optimizer step over `batches` (grad_accum_steps micro-batches of this rank).
 
         The step's loss is the weighted mean over all micro-batches of all ranks, each weighted by
-        its units (`task.batch_weight`), so micro-batches of different sizes count correctly.
+        its units (`task.batch_weight`), so micro-batches of different sizes count correctly. Each
+        micro-batch's loss draws from its rows' own random streams (`MicroBatch.rng`).
         """
         acc, accum = self.accelerator, len(batches)
-        fractions, local_units = self._unit_fractions(batches)
+        fractions, local_units = self._unit_fractions([b.batch for b in batches])
         shares = []
-        for batch, fraction in zip(batches, fractions):
+        for (batch, rng), fraction in zip(batches, fractions):
             with acc.accumulate(self.model) if accum > 1 else contextlib.nullcontext():
-                out = self.task.loss(self.model, batch)
+                out = self.task.loss(self.model, batch, rng)
                 share = out.loss.float()
                 if not (isinstance(fraction, float) and fraction == 1.0):  # skip a multiply by exactly 1
                     share = share * fraction

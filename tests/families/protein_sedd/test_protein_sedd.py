@@ -12,7 +12,7 @@ import torch
 from conftest import BIN, ROOT, accelerate_cmd, free_port, read_jsonl, reset_accelerate, run_cmd
 
 from trainer.config import load_config
-from trainer.core.samplers import EpochIndexed
+from trainer.core.samplers import KeyedSamples
 from trainer.core.trainer import Trainer
 from trainer.families.protein_sedd.task import NUM_RESIDUES, PAD_STATE, collate_crops
 
@@ -63,7 +63,7 @@ def test_eval_nelbo_does_not_depend_on_batch_size(tmp_path):
 def test_crops_are_reproducible_per_epoch_and_valid(tmp_path):
     trainer = make(tmp_path)
     train = trainer.train_loader.dataset
-    assert isinstance(train, EpochIndexed)
+    assert isinstance(train, KeyedSamples) and train.epoch_aware
     crops = train.dataset
     long_ones = [i for i in range(len(crops)) if len(crops.ids[i]["input_ids"]) > 3 * crops.max_length][:5]
     for i in long_ones:
@@ -197,7 +197,7 @@ def test_packing_joins_every_training_sequence_once_with_separators(tmp_path):
 
     trainer = make(tmp_path, "task.packing=true", "train.max_steps=3", "eval.every_steps=0", "log.every_steps=1",
                    "train.ema_decay=0")
-    blocks = trainer.train_loader.dataset
+    blocks = trainer.data.dataset
     assert isinstance(blocks, PackedBlocks) and trainer.task.graph.dim == NUM_RESIDUES + 3  # pad, sep, mask
     stream = np.concatenate([blocks[i]["states"] for i in range(len(blocks))])
     assert not np.any(stream == PAD_STATE)  # packing leaves no padding

@@ -18,7 +18,7 @@ import csv
 import io
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ from trainer.families.crystals.readers import bundled_crystal_path
 from trainer.families.crystals.spec import SPEC, CrystalPropertyConfig
 from trainer.registry import register_task
 from trainer.task import LossOutput, Task, TaskData
+
+if TYPE_CHECKING:
+    from trainer.sample_random import SampleRandom
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +201,8 @@ class CrystalPropertyTask(Task):
     def _to_physical(self, standardized: torch.Tensor) -> torch.Tensor:
         return standardized * self.target_std.to(standardized.device) + self.target_mean.to(standardized.device)
 
-    def loss(self, model: nn.Module, batch: dict[str, Any]) -> LossOutput:
+    def loss(self, model: nn.Module, batch: dict[str, Any], rng: SampleRandom | None = None) -> LossOutput:
+        """L1 or MSE in standardised units; draws nothing (`rng` unused: no augmentation, dropout 0 by default)."""
         device = batch["target"].device
         target = (batch["target"] - self.target_mean.to(device)) / self.target_std.to(device)
         err = model(batch) - target

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -49,6 +50,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from trainer.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from trainer.sample_random import SampleRandom as RowRandom
 from trainer.families.molecules_edm.egnn import remove_mean_with_mask
 from trainer.families.molecules_edm.molecule import QM9_ELEMENTS, Molecule
 
@@ -316,6 +320,12 @@ class EDMDiffusion(nn.Module):
         z_h = sample_gaussian_with_mask((batch, nodes, self.num_features), mask, generator)
         return torch.cat([z_x, z_h], dim=-1)
 
+    def noise_from_normals(self, normals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`combined_noise` from given standard normals [B, N, 3 + F]: zero at padding, x part zero-CoM."""
+        mask = mask if mask.dim() == 3 else mask.unsqueeze(-1)
+        normals = normals.to(torch.float32) * mask.to(torch.float32)
+        return torch.cat([remove_mean_with_mask(normals[..., :self.n_dims], mask), normals[..., self.n_dims:]], dim=-1)
+
     def phi(self, z: torch.Tensor, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The dynamics on z = [x, h] at continuous time t [B] -> eps_hat [B, N, 3 + F]."""
         eps_x, eps_h = self.dynamics(z[..., :self.n_dims], z[..., self.n_dims:], t, mask.squeeze(-1))
@@ -399,17 +409,23 @@ class EDMDiffusion(nn.Module):
 
     def training_loss(self, x: torch.Tensor, one_hot: torch.Tensor, charges: torch.Tensor, node_mask: torch.Tensor,
                       t_int: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                      eps: torch.Tensor | None = None) -> torch.Tensor:
+                      eps: torch.Tensor | None = None, rng: RowRandom | None = None) -> torch.Tensor:
         """EDM's l2 training loss per molecule [B] (see the module docstring; excludes -log p(N)).
 
         x [B, N, 3] Angstrom, one_hot [B, N, K], charges [B, N] atomic numbers, node_mask [B, N]. `t_int`
         ([B] or one integer in 0..T) and `eps` ([B, N, 3 + F], x part zero-CoM) fix the random draws;
-        otherwise t then eps are drawn from `generator` (or the global stream).
+        otherwise they come from `rng` (per row: t from its "time" stream, eps from its "noise" stream, so a
+        molecule's draws depend on it alone, not on its batch or its padding), else t then eps from
+        `generator` (or the global stream).
         """
         x, h, mask, _ = self.normalize(x, one_hot, charges, node_mask)
         batch, nodes = x.shape[:2]
+        if rng is not None and t_int is None:
+            t_int = rng.randint("time", 0, self.T + 1, device=x.device)
         t_int = self._times(batch, t_int, 0, generator, x.device)
         xh = torch.cat([x, h], dim=-1)
+        if rng is not None and eps is None:
+            eps = self.noise_from_normals(rng.randn("noise", nodes, xh.shape[-1], device=x.device), mask)
         eps = self.combined_noise(batch, nodes, mask, generator) if eps is None else self._check_eps(eps, xh)
         gamma_t = self.gamma[t_int].reshape(-1, 1, 1)
         z_t = self._alpha(gamma_t) * xh + self._sigma(gamma_t) * eps

@@ -3,7 +3,9 @@ force-field-guided sampling and EDM's own quality metrics.
 
 Data: extxyz/xyz(.gz), SDF or in-memory `ase.Atoms` (`readers.py`) in the shared Arrow cache
 (`dataset.py`); the bundled default is 3,000 QM9 molecules. Training is EDM's l2 noise-prediction
-loss; validation reports EDM's variational bound as NLL per molecule (including log p(N) of the
+loss, each molecule's t and noise drawn from the micro-batch's `SampleRandom` (keyed by the molecule: the
+same at any world size and accumulation split; the loss's 1 / N_max normalisation still follows the
+micro-batch's padded size, as EDM's); validation reports EDM's variational bound as NLL per molecule (including log p(N) of the
 node-count histogram) and, every `eval.sample_every` evaluations, the stability and validity of a
 small sample. `trainer sample RUN key=value` draws N molecules split over the ranks, optionally
 guided by a force field at several scales from the same noise (paired), and evaluates every set
@@ -18,7 +20,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -44,6 +46,9 @@ from trainer.families.molecules_edm.spec import MODEL_PRESETS, SPEC, MoleculeSam
 from trainer.registry import register_task
 from trainer.task import LossOutput, Task, TaskData
 
+if TYPE_CHECKING:
+    from trainer.sample_random import SampleRandom
+
 logger = logging.getLogger(__name__)
 
 SMILES_ARTIFACT = "training_smiles.txt.gz"
@@ -56,10 +61,10 @@ class EDMModel(nn.Module):
         super().__init__()
         self.diffusion = diffusion
 
-    def forward(self, batch: dict[str, torch.Tensor], mode: str = "loss") -> torch.Tensor:
+    def forward(self, batch: dict[str, torch.Tensor], mode: str = "loss", rng: Any = None) -> torch.Tensor:
         args = (batch["positions"], batch["one_hot"], batch["charges"], batch["node_mask"])
         if mode == "loss":
-            return self.diffusion.training_loss(*args)
+            return self.diffusion.training_loss(*args, rng=rng)
         if mode == "nll":
             return self.diffusion.nll(*args)
         raise ValueError(f"mode must be 'loss' or 'nll', got {mode!r}")
@@ -127,8 +132,9 @@ class MoleculesEDMTask(Task):
                                  noise_precision=c.noise_precision)
         return EDMModel(diffusion)
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
-        per_molecule = model(batch, mode="loss")
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], rng: SampleRandom) -> LossOutput:
+        """EDM's l2 loss; each molecule's t and noise come from its rows' "time" and "noise" streams."""
+        per_molecule = model(batch, mode="loss", rng=rng)
         return LossOutput(loss=per_molecule.mean())
 
     def eval_step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -63,6 +63,9 @@ from trainer.families.perturbation_gears.spec import CONDITION_METRICS, SPEC, Pe
 from trainer.families.perturbation_gears.splits import SplitResult, split_conditions
 from trainer.registry import register_task
 from trainer.task import LossOutput, Task, TaskData
+
+if TYPE_CHECKING:
+    from trainer.sample_random import SampleRandom
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +275,9 @@ class PerturbationGearsTask(Task):
     def build_model(self, stats: Mapping[str, Any]) -> nn.Module:
         return build_gears_model(self.cfg, stats)
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> LossOutput:
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], rng: SampleRandom | None = None) -> LossOutput:
+        """GEARS' loss; it draws nothing (`rng` unused): the one random choice, each cell's control, is drawn
+        when the item is loaded, from (seed, epoch, cell) (`PerturbationPairs`)."""
         out = model(batch["x"], batch["pert_idx"])
         pred, logvar = out if isinstance(out, tuple) else (out, None)
         ctrl = self._ctrl_mean.to(pred.device)

@@ -244,9 +244,12 @@ class UniformGraph(Graph):
     def sample_transition(self, i: torch.Tensor, sigma: torch.Tensor, generator: GeneratorLike = None) -> torch.Tensor:
         sigma = _unsqueeze_as(sigma, i)
         move_chance = 1 - (-sigma).exp()
-        move_indices = _rand(i.shape, generator, i.device) < move_chance
+        # One uniform pair per position (move?, target), drawn together: a row's draws are then prefix-stable
+        # in its length (padding does not shift them), as the absorbing graph's single uniform is.
+        u = _rand((*i.shape, 2), generator, i.device)
+        target = (u[..., 1] * self.dim).long().clamp_(max=self.dim - 1)
         # A "move" may land on i itself, which gives exactly the (1 - e^{-sigma}) / dim off-diagonal.
-        return torch.where(move_indices, _randint(self.dim, i.shape, generator, i.device), i)
+        return torch.where(u[..., 0] < move_chance, target, i)
 
     def staggered_score(self, score: torch.Tensor, dsigma: torch.Tensor) -> torch.Tensor:
         dim = score.shape[-1]

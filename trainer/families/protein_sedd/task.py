@@ -3,7 +3,9 @@
 Diffusion state space: the 25 residue letters of the tokenizer (20 canonical + X B Z U O), one
 padding state (never counted in the loss, never attended to), and for the absorbing graph the mask
 state last. Training crops a random window of `max_length` residues, drawn from (seed, epoch,
-sample index) so that a resumed run crops exactly as the original; eval uses the first
+sample index) so that a resumed run crops exactly as the original; the loss draws each sequence's
+diffusion time and corruption from the micro-batch's `SampleRandom` (keyed by the sample: the same at any
+world size, batch split or padded length); eval uses the first
 `max_length` residues and draws its diffusion times from a generator per sample, so the eval
 NELBO is the same whatever the world size or batch size. Each eval sequence averages `eval_draws`
 diffusion times spread evenly over (sampling_eps, 1) from one random offset (stratified Monte Carlo:
@@ -19,7 +21,7 @@ import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -42,6 +44,9 @@ from trainer.families.protein_sedd.tokenizer import FIRST_RESIDUE_ID, RESIDUES, 
 from trainer.registry import register_task
 from trainer.seeding import derive_rng, derive_seed
 from trainer.task import LossOutput, Task, TaskData
+
+if TYPE_CHECKING:
+    from trainer.sample_random import SampleRandom
 
 NUM_RESIDUES = len(RESIDUES)
 PAD_STATE = NUM_RESIDUES  # the state after the residues; the mask (absorbing graph) comes last
@@ -231,10 +236,14 @@ class ProteinSEDDTask(Task):
     def batch_weight(self, batch: dict[str, Any]) -> int:
         return batch["num_tokens"]
 
-    def loss(self, model: nn.Module, batch: dict[str, Any]) -> LossOutput:
-        per_seq, tokens = score_entropy_loss(model, self.graph, self.noise, batch["states"],
+    def loss(self, model: nn.Module, batch: dict[str, Any], rng: SampleRandom) -> LossOutput:
+        """The score-entropy loss at one diffusion time per sequence: t from the row's "time" stream, the
+        corruption of each position from its "corrupt" stream (prefix-stable: padding does not change it)."""
+        states, eps = batch["states"], self.cfg.sampling_eps
+        t = eps + (1 - eps) * rng.rand("time", device=states.device)
+        per_seq, tokens = score_entropy_loss(model, self.graph, self.noise, states, t=t,
                                              loss_mask=batch["mask"], attention_mask=batch["mask"],
-                                             sampling_eps=self.cfg.sampling_eps)
+                                             sampling_eps=eps, generator=rng.generators("corrupt"))
         return LossOutput(loss=per_seq.sum() / tokens.sum())
 
     def eval_step(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:

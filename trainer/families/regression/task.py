@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -12,6 +13,9 @@ from trainer.families.regression.spec import SPEC, RegressionConfig
 from trainer.registry import register_task
 from trainer.seeding import derive_seed
 from trainer.task import LossOutput, Task, TaskData
+
+if TYPE_CHECKING:
+    from trainer.sample_random import SampleRandom
 
 
 class SyntheticRegression(Dataset):
@@ -81,7 +85,8 @@ class RegressionTask(Task):
                         eval=SyntheticRegression(c, c.num_eval, 1),
                         test=SyntheticRegression(c, c.num_test, 2) if c.num_test else None)
 
-    def loss(self, model: nn.Module, batch: dict) -> LossOutput:
+    def loss(self, model: nn.Module, batch: dict, rng: SampleRandom | None = None) -> LossOutput:
+        """Mean squared error; draws nothing (`rng` unused; task.dropout draws from the rank's RNG)."""
         if self.cfg.delay_s:
             time.sleep(self.cfg.delay_s)
         x = batch["x"]
