@@ -124,8 +124,11 @@ def final_weights(result) -> dict[str, torch.Tensor]:
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Over the weights; BatchNorm's running statistics (eval only) are rank 0's under DDP, which broadcasts its
+    buffers, but follow both micro-batches under accumulation: left out."""
     assert a.keys() == b.keys()
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point())
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a
+               if a[k].is_floating_point() and not k.endswith(("running_mean", "running_var")))
 
 
 @pytest.mark.distributed
