@@ -355,14 +355,29 @@ class Checkpointer:
         root = self.run_dir.checkpoints
         created = not root.exists()
         scratch = root / f".universal-{path.name}"
+        failure: Exception | None = None
         try:
-            return self.backend.load(path, saved, scratch)
+            converted = self.backend.load(path, saved, scratch)
+        except Exception as err:  # noqa: BLE001 - raised again below, after the other ranks heard of it
+            failure = err  # e.g. a file refused on one rank only (ZeRO-3 has one per rank)
+        try:
+            # Every rank raises when one does: the others would otherwise train on and wait for it in the first
+            # step's collectives until the launcher kills them.
+            problem = None if failure is None else (
+                str(failure) if isinstance(failure, CheckpointError)
+                else f"rank {self.acc.process_index}: {first_line(failure)}")
+            try:
+                agree(self.acc, problem)
+            except CheckpointError:
+                if failure is not None:
+                    raise failure from None
+                raise
         finally:
-            self.acc.wait_for_everyone()
             if self.acc.is_main_process:
                 shutil.rmtree(scratch, ignore_errors=True)
                 if created and root.is_dir() and not any(root.iterdir()):
                     root.rmdir()
+        return converted
 
     def _load_ema(self, path: Path) -> None:
         ema_file = path / EMA_FILE
