@@ -75,3 +75,109 @@ def fresh_accelerate():
     """In-process Trainers share accelerate's global state; reset it after each test."""
     yield
     reset_accelerate()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The regression task launched once per session under each launcher and backend, for the test files that
+# inspect such runs (the launch matrix, resume anywhere, exact resume, checkpoint security): a launch costs
+# 20-40 s on 2 cores, so each one is made once and shared.
+#
+# 101 training samples, global batch 32 (3 optimizer steps an epoch, 5 samples left over, different ones each
+# epoch): 8 steps cross two epochs. 37 eval samples in eval batches of 5: 2 ranks get uneven shares.
+# Checkpoints at steps 4 and 8: resume tests continue a copy cut back to step 4 (`cut_run_back`).
+REGRESSION_RUN = ["task.preset=tiny", "task.num_train=101", "task.num_eval=37", "eval.batch_size=5",
+                  "train.max_steps=8", "train.grad_accum_steps=2", "train.ema_decay=0.9", "eval.every_steps=4",
+                  "ckpt.every_steps=4", "ckpt.keep_last=5", "log.every_steps=1", "log.progress_bar=false",
+                  "log.tensorboard=false", "optim.lr=0.01"]
+ONE_PROCESS = [*REGRESSION_RUN, "train.per_device_batch_size=16"]
+TWO_PROCESSES = [*REGRESSION_RUN, "train.per_device_batch_size=8"]
+
+
+def _deepspeed_cmd(ds_config: Path):
+    return lambda out, *extra: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), TRAIN,
+                                TINY, *TWO_PROCESSES, f"run.output_dir={out}", *extra, "--deepspeed", str(ds_config)]
+
+
+def _accelerate(config: str, nproc: int | None = None, base: list[str] = TWO_PROCESSES):
+    return lambda out, *extra: accelerate_cmd(config, TINY, *base, f"run.output_dir={out}", *extra, nproc=nproc)
+
+
+# topology -> command (output folder, extra overrides); "multinode_ddp" is two launchers (`launch_multinode`).
+REGRESSION_LAUNCHES = {
+    "single": lambda out, *extra: [str(BIN / "python"), TRAIN, TINY, *ONE_PROCESS, f"run.output_dir={out}", *extra],
+    "cli": lambda out, *extra: [str(BIN / "trainer"), "train", TINY, *ONE_PROCESS, f"run.output_dir={out}", *extra],
+    "accelerate_single": _accelerate("single.yaml", base=ONE_PROCESS),
+    "ddp": _accelerate("ddp.yaml"),
+    "torchrun": lambda out, *extra: [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", TRAIN, TINY,
+                                     *TWO_PROCESSES, f"run.output_dir={out}", *extra],
+    "zero1": _accelerate("zero1.yaml"),
+    "zero2": _accelerate("zero2.yaml"),
+    "zero2x1": _accelerate("zero2.yaml", nproc=1),
+    "zero3": _accelerate("zero3.yaml"),
+    "zero3_offload": _accelerate("zero3_offload.yaml"),
+    # The deepspeed launcher with our json and the HF Trainer guide's ZeRO-2/3 files (optimizer/scheduler "auto").
+    "deepspeed_zero1": _deepspeed_cmd(ROOT / "ds_configs" / "zero1.json"),
+    "deepspeed_zero2": _deepspeed_cmd(ROOT / "tests" / "core" / "ds_configs_hf" / "zero2.json"),
+    "deepspeed_zero3": _deepspeed_cmd(ROOT / "tests" / "core" / "ds_configs_hf" / "zero3.json"),
+    # FSDP2 (fully_shard) over gloo: each of the 2 ranks holds half of every parameter.
+    "fsdp": _accelerate("fsdp.yaml"),
+    # Two "machines" on one host, one process each, as scripts/slurm/train.sbatch starts them.
+    "multinode_ddp": None,
+}
+
+
+def launch_multinode(out: Path, *extra: str) -> str:
+    port = free_port()
+    procs = [subprocess.Popen(
+        [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "multinode_ddp.yaml"),
+         "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+         "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), TRAIN, TINY, *TWO_PROCESSES,
+         f"run.output_dir={out}", *extra], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, text in zip(procs, outputs):
+        assert p.returncode == 0, text[-4000:]
+    return "\n".join(outputs)
+
+
+def launch_regression(topology: str, out: Path, *extra: str) -> str:
+    """Launch the shared regression run under `topology` into `out`; return its output."""
+    if topology == "multinode_ddp":
+        return launch_multinode(out, *extra)
+    proc = run_cmd(REGRESSION_LAUNCHES[topology](out, *extra), timeout=400)
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="session")
+def regression_runs(tmp_path_factory):
+    """`regression_runs(topology)`: the run directory of the uninterrupted 8-step run under that topology,
+    launched on first use (its output in launch.log). Tests must not write into it: copy it first."""
+    root = tmp_path_factory.mktemp("regression_runs")
+    made: dict[str, Path] = {}
+
+    def get(topology: str) -> Path:
+        if topology not in made:
+            out = root / topology
+            log = launch_regression(topology, out, "run.resume=none")
+            (out / "launch.log").write_text(log)
+            made[topology] = out
+        return made[topology]
+    return get
+
+
+def cut_run_back(source: Path, out: Path, step: int) -> Path:
+    """A copy of run `source` as a run stopped (or killed) after its step-`step` checkpoint would leave it:
+    later checkpoints gone, `latest` and `best` pointing at step `step` (metrics.jsonl keeps later lines, as a
+    kill leaves them; a resumed run truncates them)."""
+    import shutil
+
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("launch.log", "export*"))
+    name = f"step_{step:08d}"
+    checkpoints = out / "checkpoints"
+    assert (checkpoints / name).is_dir(), f"{source} has no checkpoint {name}"
+    for folder in checkpoints.glob("step_*"):
+        if int(folder.name.split("_")[1].split(".")[0]) > step:
+            shutil.rmtree(folder)
+    for pointer in ("latest", "best"):
+        (checkpoints / pointer).write_text(name + "\n")
+    return out

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import accelerate_cmd, run_cmd
+from conftest import REGRESSION_LAUNCHES, cut_run_back, run_cmd
 
 from trainer.core import checkpoint as ckpt
 from trainer.core.export import consolidated_weights, export_run
@@ -17,9 +17,9 @@ from trainer.errors import CheckpointError
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 # ZeRO-1 writes ZeRO-2's files and offload ZeRO-3's: those two are in the full matrix only (`make test-all`).
-STAGES = [pytest.param("zero1.yaml", marks=pytest.mark.extended), "zero2.yaml", "zero3.yaml",
-          pytest.param("zero3_offload.yaml", marks=pytest.mark.extended)]
-COMMON = ["log.progress_bar=false", "log.tensorboard=false", "train.ema_decay=0"]
+# The runs are the launch matrix's (tests/conftest.py `regression_runs`, 2 processes), cut back to step 4.
+STAGES = [pytest.param("zero1", marks=pytest.mark.extended), "zero2", "zero3",
+          pytest.param("zero3_offload", marks=pytest.mark.extended)]
 
 
 class Payload:
@@ -32,7 +32,8 @@ class Payload:
 
 def plant(step_dir, marker):
     """Add the payload to the model-states file and re-sign the manifest."""
-    target = next((step_dir / "pytorch_model").glob("*model_states.pt"))
+    # The last rank's file under ZeRO-3 (one a rank): only that rank meets the payload on resume.
+    target = sorted((step_dir / "pytorch_model").glob("*model_states.pt"))[-1]
     import deepspeed  # noqa: F401  (its data types join the allow-list once imported)
 
     with weights_only_loading():  # the file is still clean: weights-only loading reads it
@@ -44,18 +45,17 @@ def plant(step_dir, marker):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_planted_pickle_never_runs(tmp_path, stage):
-    run, marker = tmp_path / "run", tmp_path / "PWNED"
-    run_cmd(accelerate_cmd(stage, "configs/regression/tiny.yaml", f"run.output_dir={run}", "train.max_steps=2",
-                           *COMMON, nproc=1), timeout=600)
+def test_planted_pickle_never_runs(regression_runs, tmp_path, stage):
+    run, marker = cut_run_back(regression_runs(stage), tmp_path / "run", step=4), tmp_path / "PWNED"
     plant(ckpt.latest_checkpoint(run / "checkpoints"), marker)
 
     with pytest.raises(CheckpointError, match=r"refusing to load .*model_states.pt.*posix.system"):
         export_run(run)
     with pytest.raises(CheckpointError, match=r"refusing to load"):
         consolidated_weights(run)  # what `trainer sample` loads the weights with
-    resumed = run_cmd(accelerate_cmd(stage, "configs/regression/tiny.yaml", f"run.output_dir={run}",
-                                     "train.max_steps=3", *COMMON, nproc=1), timeout=600, expect=None)
+    resumed = run_cmd(REGRESSION_LAUNCHES[stage](run, "run.resume=auto"), timeout=600, expect=None)
     assert resumed.returncode != 0
     assert "refusing to load" in resumed.stdout + resumed.stderr
+    # Every rank stops at the refusal: none trains on, waiting in a collective until the launcher kills it.
+    assert "Unable to shutdown process" not in resumed.stdout + resumed.stderr
     assert not marker.exists(), "the planted pickle ran"
