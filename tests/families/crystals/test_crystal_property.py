@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import BIN, ROOT, accelerate_cmd, child_env, free_port, read_jsonl, run_cmd
+from conftest import BIN, ROOT, child_env, free_port, read_jsonl, run_cmd
 
 from trainer.config import load_config
 from trainer.core.trainer import Trainer
@@ -111,21 +111,6 @@ def test_crystal_configs_load(mlearn_mirror):
         assert cfg.task.name == "crystal_property"
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_two_process_ddp_balanced_batches_exact_once_eval(tmp_path):
-    out = tmp_path / "run"
-    run_cmd(accelerate_cmd("ddp.yaml", CONFIG, f"run.output_dir={out}", "train.epochs=2", "eval.every_epochs=1",
-                           "log.every_steps=2", "log.progress_bar=false", f"task.cache_dir={tmp_path / 'cache'}"))
-    records = read_jsonl(out)
-    assert next(r for r in records if r.get("event") == "start")["world_size"] == 2
-    evals = [r for r in records if "eval/mae" in r]
-    assert len(evals) == 2 and all(r["eval/num_structures"] == bundled_val_size() for r in evals)
-    test = [r for r in records if "test/mae" in r]
-    assert len(test) == 1 and test[0]["test/num_structures"] == 25
-    assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
-
-
 def _mlearn_atoms(element: str, split: str, n: int):
     from ase import Atoms
 
@@ -141,6 +126,8 @@ def _mlearn_atoms(element: str, split: str, n: int):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_train_from_list_launches_two_processes_from_plain_python(tmp_path):
+    """train_from_list(num_processes=2) from a plain script: 2 DDP processes with atom-balanced batches, each
+    evaluation and the test pass counting every structure once."""
     atoms, labels = _mlearn_atoms("Si", "training", 60)
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
@@ -149,7 +136,8 @@ def test_train_from_list_launches_two_processes_from_plain_python(tmp_path):
         atoms, labels = pickle.load(open({str(tmp_path / 'data.pkl')!r}, "rb"))
         res = train_from_list(atoms, labels, batch_size=8, n_epochs=2, learning_rate=2e-3, random_seed=1,
                               output_dir={str(tmp_path / 'out')!r}, num_processes=2, preset="tiny",
-                              test_fraction=0.2, distributed=True)
+                              test_fraction=0.2, distributed=True,
+                              overrides=["data.batching=balanced", "eval.every_epochs=1", "log.every_steps=1"])
         print("RESULT", json.dumps(res))
     """))
     import pickle
@@ -161,6 +149,11 @@ def test_train_from_list_launches_two_processes_from_plain_python(tmp_path):
     assert res["test"]["num_structures"] == sizes["test"] and res["eval"]["num_structures"] == sizes["validation"]
     records = read_jsonl(tmp_path / "out")
     assert next(r for r in records if r.get("event") == "start")["world_size"] == 2
+    # atom-balanced batches over 2 processes: every validation structure once at each epoch's evaluation
+    evals = [r for r in records if "eval/mae" in r]
+    assert len(evals) == 2 and all(r["eval/num_structures"] == sizes["validation"] for r in evals)
+    assert [r["test/num_structures"] for r in records if "test/mae" in r] == [sizes["test"]]
+    assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
     assert (tmp_path / "out" / "launch_config.yaml").exists()
     assert (tmp_path / "out" / "data" / "structures.extxyz").exists()
 
