@@ -133,7 +133,9 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["protein_sedd", "molecules_edm",
+# EDM's 2-process run in `make test` is test_molecules_task.py's (compared with one process accumulating): here an
+# extended repeat, as crystals.
+@pytest.mark.parametrize("family", ["protein_sedd", pytest.param("molecules_edm", marks=pytest.mark.extended),
                                     pytest.param("crystal_property", marks=pytest.mark.extended)])
 def test_two_processes_train_the_weights_of_one(family, tmp_path, plain_process, capsys):
     """The same global batch of 4 (per device 2): 2 gloo processes x 1 micro-batch against 1 process x 2
