@@ -1,10 +1,11 @@
 """Randomness of a training micro-batch keyed by its samples: `SampleRandom`, what `Task.loss` draws from.
 
 Every row of a training micro-batch carries a 63-bit seed that is a function of the run seed and of the
-sample alone: `derive_seeds(derive_seed(run.seed, "sample"), epoch, dataset index)` for map-style data, so a
-sample gets the same draws whichever rank, micro-batch, accumulation step or batching mode reads it. A task
-draws from named streams of those seeds ("time", "noise", "mask", ...): row k of `rng.rand("time")` depends on
-(row k's seed, "time", the shape) only, never on the other rows, the batch's size or order, the world size or
+sample alone: `derive_seeds(derive_seed(run.seed, "sample"), epoch, dataset index)` for map-style data (for a
+stream: its global index in the epoch's order instead of the dataset index), so a sample gets the same draws
+whichever rank, micro-batch, accumulation step or batching mode reads it. A task draws from named streams of
+those seeds ("time", "noise", "mask", ...): row k of `rng.rand("time")` depends on (row k's seed, "time", the
+shape) only, never on the other rows, the batch's size or order, the world size or
 the device. That is what makes N processes train the same weights as one for the same global batch (up to
 float summation order), and a resumed run draw what the uninterrupted one drew.
 
@@ -57,7 +58,8 @@ class SampleRandom:
     @classmethod
     def for_samples(cls, run_seed: int, epochs: Sequence[int] | np.ndarray | int,
                     indices: Sequence[int] | np.ndarray) -> SampleRandom:
-        """The rows of map-style samples: sample `indices[k]` of the training set read in epoch `epochs[k]`."""
+        """The rows of training samples: sample `indices[k]` (its dataset index, or a stream's global index) read
+        in epoch `epochs[k]`."""
         indices = np.asarray(indices, dtype=np.int64)
         return cls(derive_seeds(_sample_base(run_seed), np.broadcast_to(epochs, indices.shape), indices))
 

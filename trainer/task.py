@@ -31,14 +31,23 @@ between world sizes; it is restored exactly on a resume at the same world size.
 
 Optional capabilities are `typing.Protocol`s checked with `isinstance`, never `hasattr`:
 `GenerativeTask` (has a `SampleConfig` and `generate`/`write_samples`), `EpochAwareDataset`
-(a map-style dataset whose item depends on the epoch), `ShardedStream` (an IterableDataset that
-shards itself over ranks), `EpochAwareStream` and `CompilableModel` (a model that compiles its own
-hot regions for `train.compile`).
+(a map-style dataset whose item depends on the epoch), `GlobalStream` (a training stream in one order
+that the core shards by global sample index), `EpochAwareStream` and `CompilableModel` (a model that
+compiles its own hot regions for `train.compile`).
+
+Streams. A `GlobalStream` gives an epoch's samples in one order, the same in every process and DataLoader
+worker; it never learns about ranks or workers. The core asks for the samples one process needs with
+`iter_global(wanted)`: the stream yields one item per sample of the epoch, in order, the decoded sample
+where `wanted(global_index)` is true and None elsewhere, so a sample another process reads costs a scan, not a
+decode. Global sample g of an epoch then goes where it would go in a map-style epoch (rank (g // B) % W for
+per-device batch B and W processes), the data position is (epoch, global samples read), the same on every
+rank, and a run resumed at any world size reads exactly the samples the uninterrupted run would have read.
+The loss's randomness is keyed by (run.seed, epoch, global index).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -155,7 +164,7 @@ class TaskData:
     """What `Task.build_data` returns."""
 
     train: Dataset
-    """Training set: map-style (the core shards and shuffles it) or a `ShardedStream`."""
+    """Training set: map-style (the core shards and shuffles it) or a `GlobalStream` (the core shards it)."""
     eval: Dataset | None = None
     """Validation set (map-style), evaluated every eval.every_steps and at the end."""
     test: Dataset | None = None
@@ -283,17 +292,23 @@ class EpochAwareDataset(Protocol):
 
 
 @runtime_checkable
-class ShardedStream(Protocol):
-    """An IterableDataset that shards itself over ranks (and its dataloader workers)."""
+class GlobalStream(Protocol):
+    """A training stream whose epoch has one order, the same in every process and worker (see the module
+    docstring): the core shards it by global sample index and resumes it at any world size.
 
-    def set_shard(self, rank: int, world_size: int) -> None: ...
+    `iter_global(wanted)` yields one item per sample of the current epoch, in that order: the decoded sample
+    where `wanted(g)` is true for its index g (0, 1, 2, ... counting the samples the stream gives, after any
+    filter), None elsewhere. A sample not wanted should be skipped without its expensive decoding (reading
+    past it is fine); yielding it decoded anyway is allowed, only slower. An epoch may have any length;
+    the core drops its tail shorter than one global batch (and logs how many samples that was).
+    """
 
-    def __iter__(self) -> Iterator[Any]: ...
+    def iter_global(self, wanted: Callable[[int], bool]) -> Iterator[Any | None]: ...
 
 
 @runtime_checkable
 class EpochAwareStream(Protocol):
-    """A stream with a different order each epoch."""
+    """A stream with a different order each epoch: the core calls `set_epoch(epoch)` before `iter_global`."""
 
     def set_epoch(self, epoch: int) -> None: ...
 

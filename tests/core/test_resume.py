@@ -1,5 +1,5 @@
 """Exact resume: SIGKILL after a checkpoint (one process, bit-identical), SIGTERM checkpoint and exit code (also
-through accelerate launch), a stream over uneven shards. Resume with 2 processes on the same or another
+through accelerate launch), a stream checkpointed by 2 processes continued by one. Resume with 2 processes on the same or another
 topology (DDP, ZeRO, FSDP, one process) is tested in test_resume_anywhere.py."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, TINY, TRAIN, accelerate_cmd, child_env, run_cmd, train_losses
+from conftest import BIN, ROOT, TINY, TRAIN, accelerate_cmd, child_env, cut_run_back, run_cmd, train_losses
 from safetensors.torch import load_file
 
 from trainer.core.checkpoint import latest_checkpoint
@@ -106,19 +106,26 @@ def test_sigterm_through_accelerate_launch(tmp_path):
 
 
 @pytest.mark.distributed
-def test_streaming_uneven_shards_resume_exactly(tmp_path):
-    """A stream of 95 samples over 2 ranks: 6 batches of 8 per epoch on rank 0, 5 on rank 1. Training is
-    step-based, so nobody waits for the other's epoch end; each rank resumes from its own position."""
-    common = [*BASE, "train.per_device_batch_size=8", "train.max_steps=12", "ckpt.every_steps=4",
-              "task.streaming=true", "task.num_train=95"]
-    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
-    run_cmd(accelerate_cmd("ddp.yaml", TINY, *common, f"run.output_dir={ref}", "run.resume=none"))
-    state = json.loads((ref / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())
-    # 16 micro-batches per rank: rank 0 (6 a epoch) is at epoch 2 batch 4, rank 1 (5 a epoch) at epoch 3 batch 1
-    assert state["data_positions"] == [[2, 4], [3, 1]]
-    run_cmd(accelerate_cmd("ddp.yaml", TINY, *common, f"run.output_dir={resumed}",
-                           f"run.resume={ref / 'checkpoints' / 'step_00000004'}"))
-    ref_losses, got_losses = train_losses(ref), train_losses(resumed)
-    assert sorted(got_losses) == list(range(5, 13))
+def test_stream_checkpointed_by_two_processes_resumes_on_one_exactly(tmp_path):
+    """The resume matrix's streaming case: a stream of 101 samples (3 global batches of 32 an epoch, the last 5
+    left out) checkpointed by 2 DDP processes at step 4 (epoch 1, 32 samples in) and continued by one process
+    (accumulation 2 -> 4) reads exactly the samples the uninterrupted run read: every step's loss, the weights
+    and the EMA within 1e-5."""
+    common = [*BASE, "task.num_train=101", "task.streaming=true", "train.per_device_batch_size=8",
+              "train.max_steps=8", "ckpt.every_steps=4"]
+    ref = tmp_path / "ref"
+    log = run_cmd(accelerate_cmd("ddp.yaml", TINY, *common, f"run.output_dir={ref}", "run.resume=none"))
+    assert "epoch 0 had 101 samples: 3 global batches of 32, the last 5 samples left out" in log.stdout + log.stderr
+    state = json.loads((ref / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
+    assert state["data_position"] == [1, 32]  # (epoch, global samples read): the same on every rank
+    out = cut_run_back(ref, tmp_path / "resumed", step=4)
+    proc = run_cmd([str(BIN / "python"), TRAIN, TINY, *common, f"run.output_dir={out}", "run.resume=auto"])
+    assert "train.grad_accum_steps 2 -> 4" in proc.stdout + proc.stderr
+    ref_losses, got_losses = train_losses(ref), train_losses(out)
+    assert sorted(got_losses) == list(range(1, 9))
     for step, loss in got_losses.items():
-        assert abs(loss - ref_losses[step]) <= 1e-6, (step, loss, ref_losses[step])
+        assert abs(loss - ref_losses[step]) <= 1e-5, (step, loss, ref_losses[step])
+    (ref_model, ref_ema), (got_model, got_ema) = final_state(ref), final_state(out)
+    for key in ref_model:
+        torch.testing.assert_close(got_model[key], ref_model[key], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got_ema[key], ref_ema[key], rtol=0, atol=1e-5)

@@ -167,22 +167,23 @@ def test_stream_without_a_full_batch_fails_at_once(tmp_path):
     proc = run_cmd([str(BIN / "python"), TRAIN, TINY, f"run.output_dir={tmp_path}", *QUIET, "task.streaming=true",
                     "task.num_train=6"], timeout=LIVENESS_S, expect=2)
     assert proc.stderr.strip().splitlines()[-1] == (
-        "trainer: error: rank 0: the training stream gave 6 samples in epoch 0, fewer than one batch of 8 (task "
-        "'regression', split train); lower train.per_device_batch_size, use fewer processes or workers, or give "
-        "more data")
+        "trainer: error: task 'regression', split train: the training stream gave 6 samples in epoch 0, fewer than "
+        "one global batch of 16 (8 per device x 2 accumulation x 1 processes); lower train.per_device_batch_size or "
+        "give more data")
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_stream_without_a_full_batch_on_one_rank_stops_both(tmp_path):
-    """15 samples over 2 ranks: rank 0 has one batch of 8, rank 1 none; rank 0 must not wait for it."""
+def test_stream_without_a_full_global_batch_stops_both_ranks(tmp_path):
+    """20 samples, 10 a rank (more than a batch of 8 each), but fewer than one global batch of 32: every rank
+    reads the same epoch and stops at once, none waits for the other."""
     proc = run_cmd(accelerate_cmd("ddp.yaml", TINY, f"run.output_dir={tmp_path}", *QUIET, "task.streaming=true",
-                                  "task.num_train=15", "train.per_device_batch_size=8", nproc=2),
+                                  "task.num_train=20", "train.per_device_batch_size=8", nproc=2),
                    timeout=LIVENESS_S * 2, expect=None)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "rank 1: the training stream gave 7 samples in epoch 0, fewer than one batch of 8" in output
-    assert "the training data failed on another rank before the first step: rank 1: " in output  # rank 0's
+    assert ("the training stream gave 20 samples in epoch 0, fewer than one global batch of 32 (8 per device x 2 "
+            "accumulation x 2 processes)") in output
 
 
 @pytest.mark.slow

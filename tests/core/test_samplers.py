@@ -135,3 +135,75 @@ def test_sampling_batches_are_world_size_independent_and_exact(num_samples, batc
         assert sorted(i for b in batches for i in b) == list(range(num_samples))
         sizes = [sum(map(len, rank)) for rank in per_rank]
         assert max(sizes) - min(sizes) <= batch_size
+
+
+# --- streams: sharded by global sample index (trainer.core.loaders.StreamBatches) ----------------------------
+
+class Numbers:
+    """A GlobalStream of `n` samples (epoch, g) a epoch; counts what it decoded (in this process)."""
+
+    def __init__(self, n):
+        self.n, self.epoch, self.decoded = n, 0, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def iter_global(self, wanted):
+        for g in range(self.n):
+            if wanted(g):
+                self.decoded += 1
+                yield (self.epoch, g)
+            else:
+                yield None
+
+
+def stream_rank_batches(stream, batch, world, accum, rank, workers, epoch=0, start=0):
+    from trainer.core.loaders import StreamBatches
+
+    batches = StreamBatches(stream, batch, rank, world, accum)
+    batches.set_position(epoch, start)
+    return list(DataLoader(batches, batch_size=None, num_workers=workers, collate_fn=lambda item: item))
+
+
+@pytest.mark.parametrize("world,batch,accum,workers", [(1, 4, 1, 0), (2, 3, 2, 0), (3, 2, 2, 0), (1, 4, 3, 2),
+                                                       (2, 3, 1, 2), (3, 2, 2, 2)])
+def test_stream_global_batches_are_read_in_order_by_any_world_size(world, batch, accum, workers):
+    """Step s reads global samples [s G, (s+1) G) in order, micro-step by micro-step and rank by rank, whatever
+    the world size, accumulation or DataLoader workers; every rank has the same number of micro-batches and ends
+    the epoch with its length; the tail shorter than a global batch is read by nobody; a start mid-epoch reads
+    the same batches from there."""
+    from trainer.core.loaders import EpochEnd
+
+    whole, n = world * batch * accum, 101
+    for start_step in (0, 2):
+        start = start_step * whole
+        per_rank = [stream_rank_batches(Numbers(n), batch, world, accum, r, workers, epoch=1, start=start)
+                    for r in range(world)]
+        assert all(b[-1] == EpochEnd(n) for b in per_rank)
+        per_rank = [b[:-1] for b in per_rank]
+        steps = n // whole - start_step
+        assert {len(b) for b in per_rank} == {steps * accum}
+        for s in range(steps):
+            read = [item for a in range(accum) for r in range(world) for item in per_rank[r][s * accum + a]]
+            g0 = start + s * whole
+            assert read == [((1, g), 1, g) for g in range(g0, g0 + whole)]  # (sample, epoch, global index)
+
+
+def test_stream_decodes_only_its_own_samples_and_keys_rows_by_global_index():
+    from trainer.core.loaders import KeyedCollate
+    from trainer.sample_random import SampleRandom
+
+    streams = [Numbers(50) for _ in range(2)]
+    per_rank = [stream_rank_batches(s, 4, 2, 2, r, 0, start=16) for r, s in enumerate(streams)]
+    # 50 - 16 = 34: two global batches of 16 read (16 samples a rank), the tail 48, 49 decoded by rank 0 (the epoch's
+    # end was not known yet) but handed to nobody
+    assert [s.decoded for s in streams] == [18, 16]
+    assert sorted(g for rank in per_rank for batch in rank[:-1] for _, _, g in batch) == list(range(16, 48))
+    micro = KeyedCollate(list, seed=3)(per_rank[1][0])
+    assert micro.rng == SampleRandom.for_samples(3, 0, [20, 21, 22, 23])
+
+
+def test_a_stream_resumed_at_the_end_of_its_epoch_reads_no_batch_of_it():
+    from trainer.core.loaders import EpochEnd
+
+    assert stream_rank_batches(Numbers(30), 4, 2, 1, 1, 0, start=24) == [EpochEnd(30)]

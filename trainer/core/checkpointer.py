@@ -9,7 +9,8 @@ the manifest, the rename, then the pointers), and restores them together:
   backend's own files (accelerate's `save_state`), converted on demand for another layout (universal.py);
 - scheduler: the LR schedule's position (`trainer_state.json` "scheduler");
 - EMA (`EMAState`): fp32 EMA weights by parameter name (`ema.safetensors`);
-- data position (`DataPosition`): a stream's position on each rank (`trainer_state.json` "data_positions");
+- data position (`DataPosition`): a stream's (epoch, global samples read in it), the same on every rank
+  (`trainer_state.json` "data_position");
 - step guard (the engine): skipped steps in a row (`trainer_state.json` "step_guard");
 - task statistics (`TaskStats`): the data statistics the model was built from (`task_stats.json`);
 - train state (`TrainState`): step, best metric, skipped steps, batch layout (`trainer_state.json`).
@@ -32,7 +33,6 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from accelerate.utils import gather_object
 from safetensors.torch import load_file, save_file
 
 from trainer.config import Config
@@ -194,26 +194,30 @@ class EMAState:
 
 
 class DataPosition:
-    """A stream's position on every rank (map-style data: none, the step gives it)."""
+    """A stream's position: (epoch, global samples of it read), the same on every rank and valid at any world
+    size (map-style data: none, the step gives it)."""
 
     def __init__(self, data: Any, acc: Any):
         self.data, self.acc = data, acc
 
     def state_dict(self) -> dict[str, Any]:
-        positions = [list(self.data.position)]
-        if self.data.streaming and self.acc.num_processes > 1:
-            positions = gather_object(positions)  # collective: every rank saves
-        return {"data_positions": positions}
+        return {"data_position": list(self.data.position)} if self.data.streaming else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        positions = state.get("data_positions")
         if not self.data.streaming:
             return
-        if positions is None or len(positions) != self.acc.num_processes:
-            logger.warning("the stream's position was saved for another world size: restarting the data "
-                           "from the start of epoch 0 (weights, optimizer and schedule are restored)")
+        position, per_rank = state.get("data_position"), state.get("data_positions")
+        if position is not None:
+            self.data.position = (int(position[0]), int(position[1]))
+        elif per_rank:  # written before streams were sharded by global index: per rank, in its own shard
+            epoch = min(int(p[0]) for p in per_rank)
+            logger.warning("the checkpoint saved the stream's position per rank (data_positions, an older format): "
+                           "restarting the data at the start of epoch %d (weights, optimizer and schedule are "
+                           "restored)", epoch)
+            self.data.position = (epoch, 0)
         else:
-            self.data.position = tuple(positions[self.acc.process_index])
+            logger.warning("the checkpoint holds no stream position: restarting the data from the start of epoch 0 "
+                           "(weights, optimizer and schedule are restored)")
 
 
 class TaskStats:

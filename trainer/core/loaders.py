@@ -2,37 +2,45 @@
 
 Map-style training data is sharded over ranks by our own batch samplers (`samplers.py`) rather than
 by a prepared loader: the data position is then a pure function of the step (a resumed run starts
-mid-epoch without loading the skipped batches) and no wrapper sits in the loop. A stream shards
-itself over ranks and workers (`ShardedStream`) and its position is saved per rank.
+mid-epoch without loading the skipped batches) and no wrapper sits in the loop.
+
+A stream (`trainer.task.GlobalStream`) gives each epoch's samples in one order, the same in every process,
+and is sharded here by global sample index (`StreamBatches`), as map-style data is: with per-device batch B,
+W processes and accumulation A (global batch G = B x W x A), global sample g of the epoch belongs to rank
+(g // B) % W, and per-device batch j of a rank to DataLoader worker j % num_workers (the DataLoader takes
+batches from its workers in turn, so they arrive in order). A rank is handed the samples of a global batch
+once the whole global batch exists, so every rank has the same number of micro-batches per epoch and no
+rank ever runs into another epoch; the tail shorter than one global batch is dropped and logged. The data
+position of a stream is (epoch, global samples read in it), the same on every rank: a run resumed at any world
+size or accumulation starts at that global index (the samples before it are scanned, not decoded) and reads
+exactly what the uninterrupted run would have read.
 
 Every training micro-batch comes with its rows' random streams (`MicroBatch(batch, rng)`, `rng` a
-`trainer.sample_random.SampleRandom`), which `Task.loss` draws from. Map-style: the batch samplers
-yield (epoch, index) keys, `KeyedSamples` returns each item with its key and `KeyedCollate` turns the
-keys into row seeds, in the worker that loaded the samples: row seed = f(run.seed, epoch, dataset
-index), the same at any world size, accumulation split or batching mode. A stream's rows are keyed
-by (run.seed, rank, epoch, position in this rank's stream): exact on a resume at the same world size
-(a stream restarts its epoch on another one), not across world sizes until streams are sharded by
-a global index.
+`trainer.sample_random.SampleRandom`), which `Task.loss` draws from. The batch samplers (map-style) and
+`StreamBatches` yield (item, epoch, index) keys and `KeyedCollate` turns the keys into row seeds, in the
+worker that loaded the samples: row seed = f(run.seed, epoch, dataset index) for map-style data and
+f(run.seed, epoch, global index) for a stream, the same at any world size, accumulation split or batching mode.
 """
 
 from __future__ import annotations
 
-import itertools
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from accelerate.utils import send_to_device
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.config import Config, ConfigError
 from trainer.core.samplers import BalancedBatchSampler, EpochSampler, KeyedSamples, RankBatchSampler, WorkerSeeder
 from trainer.errors import DataError, TrainerError
 from trainer.sample_random import SampleRandom
-from trainer.seeding import derive_seed, derive_seeds
-from trainer.task import EpochAwareStream, ShardedStream, Task
+from trainer.seeding import derive_seed
+from trainer.task import EpochAwareStream, GlobalStream, Task
+
+logger = logging.getLogger("trainer")
 
 
 class MicroBatch(NamedTuple):
@@ -42,16 +50,70 @@ class MicroBatch(NamedTuple):
     rng: SampleRandom
 
 
+class EpochEnd(NamedTuple):
+    """The last item of a stream epoch's loader: the number of samples the whole epoch had."""
+
+    samples: int
+
+
 class KeyedCollate:
-    """collate_fn of the map-style training loader: (item, epoch, index) triples -> MicroBatch (the task's
-    collate of the items, and the rows' SampleRandom from their keys), computed where the samples were loaded."""
+    """collate_fn of the training loader: (item, epoch, index) triples -> MicroBatch (the task's collate of the
+    items, and the rows' SampleRandom from their keys), computed where the samples were loaded. An `EpochEnd`
+    (a stream's) passes through."""
 
     def __init__(self, collate: Any, seed: int):
         self.collate, self.seed = collate, seed
 
-    def __call__(self, items: list[tuple[Any, int, int]]) -> MicroBatch:
+    def __call__(self, items: list[tuple[Any, int, int]] | EpochEnd) -> MicroBatch | EpochEnd:
+        if isinstance(items, EpochEnd):
+            return items
         samples, epochs, indices = zip(*items)
         return MicroBatch(self.collate(list(samples)), SampleRandom.for_samples(self.seed, epochs, indices))
+
+
+class StreamBatches(IterableDataset):
+    """One rank's per-device batches of a `GlobalStream` epoch, from a global position (module docstring).
+
+    Iterated in a DataLoader (batch_size=None, `KeyedCollate`): each worker yields its own batches, lists of
+    (sample, epoch, global index), then the worker whose turn it would be next yields `EpochEnd(samples)`.
+    `set_position(epoch, start)` starts at global sample `start` of `epoch`: sample start + r goes to rank
+    (r // B) % W as its per-device batch (r // B) // W. Samples of a global batch are handed out only once
+    its last sample was read, so the tail shorter than one global batch is never handed out.
+    """
+
+    def __init__(self, stream: GlobalStream, batch_size: int, rank: int, world_size: int, grad_accum_steps: int):
+        self.stream, self.batch_size, self.rank, self.world_size = stream, batch_size, rank, world_size
+        self.accum = grad_accum_steps
+        self.global_batch = batch_size * world_size * grad_accum_steps
+        self.epoch, self.start = 0, 0
+
+    def set_position(self, epoch: int, start: int) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self) -> Iterator[list[tuple[Any, int, int]] | EpochEnd]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        epoch, start, size, world, whole = self.epoch, self.start, self.batch_size, self.world_size, self.global_batch
+
+        def wanted(g: int) -> bool:  # this rank's per-device batch (g - start) // size // world, on this worker?
+            slot = (g - start) // size
+            return g >= start and slot % world == self.rank and slot // world % workers == worker
+
+        if isinstance(self.stream, EpochAwareStream):
+            self.stream.set_epoch(epoch)
+        pending: list[tuple[Any, int, int]] = []
+        samples = 0
+        for g, sample in enumerate(self.stream.iter_global(wanted)):
+            samples = g + 1
+            if sample is not None and wanted(g):  # a stream may decode more than it was asked for
+                pending.append((sample, epoch, g))
+            if g >= start and (samples - start) % whole == 0:  # global batch complete: hand out this rank's part
+                for k in range(0, len(pending), size):
+                    yield pending[k:k + size]
+                pending = []
+        batches = max(0, samples - start) // whole * self.accum  # this rank's per-device batches since `start`
+        if batches % workers == worker:  # the next batch's worker: the loader hands this out after the last batch
+            yield EpochEnd(samples)
 
 
 def loader_options(cfg: Config, task: Task) -> dict[str, Any]:
@@ -105,33 +167,40 @@ class TrainBatches:
 
     `micro_batches(consumed)` starts after `consumed` micro-batches of this rank: for map-style data
     the (epoch, batch) position follows from that count (every rank has the same number of batches
-    per epoch); a stream resumes from its own `position`, which a checkpoint saves per rank.
+    per epoch); a stream resumes from its own `position` (epoch, global samples read in it), the same on
+    every rank, which a checkpoint saves.
     """
 
     def __init__(self, cfg: Config, task: Task, dataset: Any, rank: int, world_size: int, device: torch.device):
-        self.seed, self.rank, self.device = cfg.run.seed, rank, device
+        self.seed, self.rank, self.world_size, self.device = cfg.run.seed, rank, world_size, device
         self.dataset = dataset  # the task's training set, as built
         # Its own generator, reseeded every epoch: iterators must not draw from the global RNG (which
         # a resumed run restores) and worker seeds must be a function of (seed, rank, epoch).
         self.generator = torch.Generator()
-        self.position = (0, 0)  # (epoch, batches of it consumed) of this rank: saved for streams
-        self.task_name, self.batch_size, self.num_workers = cfg.task.name, cfg.train.per_device_batch_size, \
-            cfg.data.num_workers  # for the error of an epoch without a batch
+        self.position = (0, 0)  # a stream's (epoch, global samples of it read), the same on every rank
+        self.task_name, self.batch_size, self.accum = cfg.task.name, cfg.train.per_device_batch_size, \
+            cfg.train.grad_accum_steps  # for the error of an epoch without a batch
+        self.epoch_samples: dict[int, int] = {}  # a stream's epoch -> its samples, once read to its end
         options = loader_options(cfg, task)
-        self.streaming = isinstance(dataset, IterableDataset)
+        options["collate_fn"] = KeyedCollate(task.collate, self.seed)
+        self.streaming = isinstance(dataset, GlobalStream)
         if self.streaming:
-            if not isinstance(dataset, ShardedStream):
-                raise ConfigError(f"{type(dataset).__name__} is an IterableDataset without set_shard(rank, world_size)")
-            dataset.set_shard(rank, world_size)
+            self.stream = StreamBatches(dataset, self.batch_size, rank, world_size, self.accum)
             self.sampler = self.batch_sampler = None
-            self.loader = DataLoader(dataset, batch_size=cfg.train.per_device_batch_size, drop_last=True,
-                                     generator=self.generator, **options)
+            # A fresh copy of the stream in its workers every epoch: persistent ones would keep the last position.
+            options["persistent_workers"] = False
+            self.loader = DataLoader(self.stream, batch_size=None, generator=self.generator, **options)
+        elif isinstance(dataset, IterableDataset):
+            raise ConfigError(f"{type(dataset).__name__} is an IterableDataset without iter_global(wanted) "
+                              f"(trainer.task.GlobalStream): the core shards a stream by global sample index")
         else:
             self.sampler, self.batch_sampler = build_batch_sampler(cfg, task, dataset, rank, world_size, True)
-            options["collate_fn"] = KeyedCollate(task.collate, self.seed)
             self.loader = DataLoader(KeyedSamples(dataset), batch_sampler=self.batch_sampler, generator=self.generator,
                                      **options)
-        self._stream_base = derive_seed(self.seed, "stream-sample", rank)
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size * self.accum
 
     @property
     def batches_per_epoch(self) -> int | None:
@@ -148,40 +217,61 @@ class TrainBatches:
         return self.loader.collate_fn([self.loader.dataset[(epoch, i)] for i in indices])
 
     def micro_batches(self, consumed: int) -> Iterator[MicroBatch]:
-        """Endless micro-batches of this rank, on its device, starting after `consumed` of them."""
-        epoch, skip = self.position if self.streaming else self.batch_sampler.position(consumed)
+        """Endless micro-batches of this rank, on its device, starting after `consumed` of them (map-style) or at
+        `position` (a stream)."""
         on_cpu = self.device.type == "cpu"
+        batches = self._stream_batches() if self.streaming else self._map_batches(consumed)
+        for batch in batches:
+            yield batch if on_cpu else MicroBatch(send_to_device(batch.batch, self.device, non_blocking=True),
+                                                  batch.rng)
+
+    def _map_batches(self, consumed: int) -> Iterator[MicroBatch]:
+        epoch, skip = self.batch_sampler.position(consumed)
         while True:
             self.generator.manual_seed(derive_seed(self.seed, "train-loader", self.rank, epoch))
-            if self.streaming:
-                if isinstance(self.loader.dataset, EpochAwareStream):
-                    self.loader.dataset.set_epoch(epoch)
-                batches = itertools.islice(self.loader, skip, None)  # a stream can only skip by reading
-            else:
-                self.batch_sampler.set_epoch(epoch, skip)
-                batches = self.loader
-            position = skip
-            for position, batch in enumerate(batches, start=skip + 1):
-                self.position = (epoch, position)
-                if self.streaming:  # drop_last: every batch has batch_size rows
-                    rows = np.arange((position - 1) * self.batch_size, position * self.batch_size)
-                    batch = MicroBatch(batch, SampleRandom(derive_seeds(self._stream_base, epoch, rows)))
-                yield batch if on_cpu else MicroBatch(send_to_device(batch.batch, self.device, non_blocking=True),
-                                                      batch.rng)
-            if position == 0:  # a whole epoch without a batch: looping on would spin (and peers wait) forever
-                raise self._no_batch_error(epoch)
+            self.batch_sampler.set_epoch(epoch, skip)
+            empty = skip == 0
+            for batch in self.loader:
+                empty = False
+                yield batch
+            if empty:  # a whole epoch without a batch: looping on would spin (and peers wait) forever
+                raise DataError(f"rank {self.rank}: the training set gave no batch in epoch {epoch} "
+                                f"(task '{self.task_name}', split train)")
             epoch, skip = epoch + 1, 0
 
-    def _no_batch_error(self, epoch: int) -> DataError:
-        where = f"rank {self.rank}: the training {'stream' if self.streaming else 'set'}"
-        if not self.streaming:
-            return DataError(f"{where} gave no batch in epoch {epoch} (task '{self.task_name}', split train)")
-        count = sum(1 for _ in self.loader.dataset)  # in this process: the whole of this rank's shard, all workers'
-        per_worker = (f" (split over {self.num_workers} DataLoader workers, each batching its own share)"
-                      if self.num_workers > 0 else "")
-        return DataError(f"{where} gave {count} samples in epoch {epoch}{per_worker}, fewer than one batch of "
-                         f"{self.batch_size} (task '{self.task_name}', split train); lower "
-                         f"train.per_device_batch_size, use fewer processes or workers, or give more data")
+    def _stream_batches(self) -> Iterator[MicroBatch]:
+        epoch, start = self.position
+        per_batch = self.batch_size * self.world_size  # global samples read per micro-batch of every rank
+        while True:
+            self.generator.manual_seed(derive_seed(self.seed, "train-loader", self.rank, epoch))
+            self.stream.set_position(epoch, start)
+            end = None
+            for read, item in enumerate(self.loader, start=1):
+                if isinstance(item, EpochEnd):
+                    end = item
+                    continue
+                self.position = (epoch, start + read * per_batch)
+                yield item
+            if end is None:
+                raise DataError(f"rank {self.rank}: the training stream's loader ended epoch {epoch} without its "
+                                f"end marker (task '{self.task_name}', split train)")
+            self._epoch_end(epoch, end.samples)
+            epoch, start = epoch + 1, 0
+            self.position = (epoch, start)
+
+    def _epoch_end(self, epoch: int, samples: int) -> None:
+        """Check and log a stream epoch's length: fewer samples than one global batch would loop forever."""
+        whole = self.global_batch
+        if samples < whole:
+            raise DataError(f"task '{self.task_name}', split train: the training stream gave {samples} samples in "
+                            f"epoch {epoch}, fewer than one global batch of {whole} ({self.batch_size} per device x "
+                            f"{self.accum} accumulation x {self.world_size} processes); lower "
+                            f"train.per_device_batch_size or give more data")
+        if self.rank == 0 and samples != self.epoch_samples.get(epoch - 1):
+            logger.info("the training stream's epoch %d had %d samples: %d global batches of %d, the last %d "
+                        "samples left out (a stream's tail shorter than one global batch)", epoch, samples,
+                        samples // whole, whole, samples % whole)
+        self.epoch_samples[epoch] = samples
 
 
 def agreed_start(batches: Iterator[Any], accelerator: Any) -> Iterator[Any]:

@@ -516,6 +516,21 @@ def test_stream_split_and_input_ids():
         stream_fasta(SAMPLE, rank=2, world_size=2)
 
 
+def test_stream_global_index_counts_the_split_and_decodes_only_wanted_records(monkeypatch):
+    """The trainer's view (`iter_global`): one item per training record of the stream in file order, the record
+    where wanted (its index counts the split's kept records, not headers) and None elsewhere, unencoded."""
+    from trainer.families.protein_sedd import dataset
+
+    ids = [r["id"] for r in stream_fasta(SAMPLE, split="train", val_fraction=0.1, min_length=60, columns=["id"])]
+    encoded = []
+    monkeypatch.setattr(dataset, "encode_residues", lambda seq: encoded.append(seq) or np.zeros(len(seq)))
+    stream = stream_fasta(SAMPLE, split="train", val_fraction=0.1, min_length=60, columns=["id", "input_ids"],
+                          with_input_ids=True)
+    items = list(stream.iter_global(lambda g: g % 7 == 3))
+    assert len(items) == len(ids) < 3000 and len(encoded) == len(ids[3::7])
+    assert [None if it is None else it["id"] for it in items] == [i if g % 7 == 3 else None for g, i in enumerate(ids)]
+
+
 # --- tokenizer -----------------------------------------------------------------------------------------
 
 def test_tokenizer_vocab_and_roundtrip(tmp_path):

@@ -4,8 +4,9 @@
 Arrow cache (`trainer.data.arrow_cache`: shards written under temp names and renamed, loaded
 memory-mapped); the reader's `FastaStats` are stored as a JSON sidecar per (file, shard) so that a
 cached load reports the same counts, and the build warns about duplicate ids and nucleotide-only
-records. `stream_fasta` reads with bounded memory and gives each record to exactly one (rank,
-dataloader worker). Ranks are passed in: nothing here touches `torch.distributed`.
+records. `stream_fasta` reads with bounded memory, in one order the same in every process (the trainer
+shards it by the record's index in that order); iterated on its own it gives each record to exactly one
+(rank, dataloader worker). Ranks are passed in: nothing here touches `torch.distributed`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import ast
 import logging
 import sys
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,6 @@ from trainer.families.protein_sedd.fasta import (
     FASTA_SCHEMA,
     FastaFormatError,
     FastaStats,
-    iter_fasta,
     iter_fasta_tables,
 )
 from trainer.families.protein_sedd.tokenizer import _TABLE, encode_residues
@@ -264,13 +264,16 @@ def tokenize_dataset(ds: datasets.Dataset, num_proc: int | None = None, batch_si
 
 
 class FastaStream(IterableDataset):
-    """Records of FASTA files, read lazily and sharded over (rank, dataloader worker).
+    """Records of FASTA files, read lazily, in file order; the `split`'s records are counted 0, 1, 2, ...
+    (the global index: kept records of the split, after the length and residue policies).
 
-    Record k of a file (counting every header) goes to shard k mod (world_size x num_workers), where
-    shard = rank x num_workers + worker id: every record reaches exactly one (rank, worker). Each
-    worker still scans the whole file, but only decodes and validates its own records. `stats`
-    counts what this iterator (in this process) read, a block (~2 MiB of the file) at a time: a
-    stream stopped early has counted the whole block its last record came from.
+    `iter_global(wanted)` (`trainer.task.GlobalStream`) yields every record of the stream in order, the
+    record as a dict where `wanted(index)` and None elsewhere: each block (~2 MiB of the file) is parsed as a
+    whole with numpy (whether a record is kept, and its split, need its id and length), and only the wanted
+    records become Python objects (and are tokenized). Iterating the stream itself gives record g to shard
+    g mod (world_size x num_workers), where shard = rank x num_workers + worker id: every record reaches
+    exactly one (rank, worker). `stats` counts what this iterator (in this process) read, a block at a
+    time: a stream stopped early has counted the whole block its last record came from.
     """
 
     def __init__(self, paths: Sequence[Path], *, rank: int, world_size: int, split: str | None,
@@ -293,16 +296,31 @@ class FastaStream(IterableDataset):
         return self.rank * workers + worker, self.world_size * workers
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        shard = self.shard()
-        for path in self.paths:
-            for rec in iter_fasta(path, stats=self.stats, shard=shard, **self.reader_kwargs):
-                if self.split is not None and rec["split"] != self.split:
-                    continue
-                if self.with_input_ids:
-                    rec["input_ids"] = encode_residues(rec["sequence"])
-                if self.columns is not None:
-                    rec = {k: rec[k] for k in self.columns}
+        index, count = self.shard()
+        for rec in self.iter_global(lambda g: g % count == index):
+            if rec is not None:
                 yield rec
+
+    def iter_global(self, wanted: Callable[[int], bool]) -> Iterator[dict[str, Any] | None]:
+        """One item per record of the stream, in order: the record where `wanted(its index)`, else None."""
+        columns = self.columns if self.columns is not None else list(FASTA_COLUMNS)
+        read = [c for c in FASTA_COLUMNS if c in columns or (self.with_input_ids and c == "sequence")]
+        first = 0  # global index of the table's first record
+        for path in self.paths:
+            for table in iter_fasta_tables(path, stats=self.stats, **self.reader_kwargs):
+                if self.split is not None:
+                    table = table.filter(pc.equal(table.column("split"), self.split))
+                picks = [k for k in range(table.num_rows) if wanted(first + k)]
+                records = iter(table.select(read).take(picks).to_pylist() if picks else ())
+                picked = set(picks)
+                for k in range(table.num_rows):
+                    yield self._decode(next(records)) if k in picked else None
+                first += table.num_rows
+
+    def _decode(self, rec: dict[str, Any]) -> dict[str, Any]:
+        if self.with_input_ids:
+            rec["input_ids"] = encode_residues(rec["sequence"])
+        return rec if self.columns is None else {k: rec[k] for k in self.columns}
 
 
 def stream_fasta(paths: str | Path | Iterable[str | Path], *, rank: int = 0, world_size: int = 1,

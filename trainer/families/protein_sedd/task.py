@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset
 
 from trainer.data.arrow_cache import selected_column
 from trainer.errors import DataError
@@ -71,27 +71,28 @@ def crop_start(rng: np.random.Generator, length: int, max_length: int, start_sha
     return 0 if start_share > 0 and rng.random() < start_share else start
 
 
-class ProteinStream(IterableDataset):
-    """Training crops from a FASTA stream; the window is drawn from (seed, epoch, sequence id)."""
+class ProteinStream:
+    """Training crops from a FASTA stream (`trainer.task.GlobalStream`: the core shards it by the record's
+    index in the stream); the window is drawn from (seed, epoch, sequence id)."""
 
     def __init__(self, stream, max_length: int, seed: int, start_share: float = 0.0):
         self.stream, self.max_length, self.seed, self.epoch = stream, max_length, seed, 0
         self.start_share = start_share
 
-    def set_shard(self, rank: int, world_size: int) -> None:
-        self.stream.rank, self.stream.world_size = rank, world_size
-
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def __iter__(self):
-        for record in self.stream:
-            seq = record["input_ids"]
-            start = 0
-            if len(seq) > self.max_length:
-                rng = derive_rng("protein_sedd/stream-crop", self.seed, self.epoch, record["id"])
-                start = crop_start(rng, len(seq), self.max_length, self.start_share)
-            yield {"states": residue_states(seq[start:start + self.max_length]), "index": -1}
+    def iter_global(self, wanted: Callable[[int], bool]) -> Iterator[dict[str, Any] | None]:
+        for record in self.stream.iter_global(wanted):
+            yield None if record is None else self.crop(record)
+
+    def crop(self, record: dict[str, Any]) -> dict[str, Any]:
+        seq = record["input_ids"]
+        start = 0
+        if len(seq) > self.max_length:
+            rng = derive_rng("protein_sedd/stream-crop", self.seed, self.epoch, record["id"])
+            start = crop_start(rng, len(seq), self.max_length, self.start_share)
+        return {"states": residue_states(seq[start:start + self.max_length]), "index": -1}
 
 
 class ProteinCrops(Dataset):

@@ -40,7 +40,7 @@ class RegressionConfig(TaskConfig):
     nan_sample: int = -1
     """Training sample whose batch gets a NaN loss (tests the non-finite guard); -1 for none."""
     streaming: bool = False
-    """Serve the training set as a stream (IterableDataset) sharded over ranks and workers."""
+    """Serve the training set as a stream (a `GlobalStream`: the core shards it by global sample index)."""
 
 
 SPEC = register_spec(TaskSpec(

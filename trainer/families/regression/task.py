@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset
 
 from trainer.families.regression.spec import SPEC, RegressionConfig
 from trainer.registry import register_task
@@ -46,28 +47,20 @@ def build_mlp(in_dim: int, hidden: int, out_dim: int, depth: int, dropout: float
     return nn.Sequential(*layers)
 
 
-class StreamedRegression(IterableDataset):
-    """The training set as a stream: a fresh order each epoch, record k to shard k mod (ranks x workers).
-    Shards may differ in length by one sample, as real streams do."""
+class StreamedRegression:
+    """The training set as a stream (`trainer.task.GlobalStream`): a fresh order each epoch, a permutation
+    drawn from (seed, epoch); the core shards it by global index. Its epoch need not be whole global batches."""
 
     def __init__(self, data: SyntheticRegression, seed: int):
-        self.data, self.seed = data, seed
-        self.rank, self.world_size, self.epoch = 0, 1, 0
-
-    def set_shard(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
+        self.data, self.seed, self.epoch = data, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def __iter__(self):
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        shard, shards = self.rank * workers + worker, self.world_size * workers
+    def iter_global(self, wanted: Callable[[int], bool]) -> Iterator[dict[str, torch.Tensor] | None]:
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "stream", self.epoch))
-        order = torch.randperm(len(self.data), generator=generator)
-        for k in order[shard::shards].tolist():
-            yield self.data[k]
+        for g, k in enumerate(torch.randperm(len(self.data), generator=generator).tolist()):
+            yield self.data[k] if wanted(g) else None
 
 
 @register_task(SPEC)  # options, presets, unit and metrics: spec.py
