@@ -106,3 +106,20 @@ def test_optimizer_state_that_cannot_be_named_is_refused(tmp_path):
     _, _, names = plain_checkpoint(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="the optimizer state cannot be converted"):
         universal.convert(tmp_path / "ckpt", tmp_path / "out", {"backend": "MULTI_CPU"}, [names[0]])
+
+
+def test_stream_position_is_saved_once_and_an_older_per_rank_one_restarts_its_epoch(caplog):
+    """A stream's position is (epoch, global samples read), the same on every rank: one entry, whatever the world
+    size. An older checkpoint's per-rank `data_positions` (each rank's own shard) restart the earliest epoch."""
+    from trainer.core.checkpointer import DataPosition
+
+    data = SimpleNamespace(streaming=True, position=(2, 64))
+    part = DataPosition(data, SimpleNamespace(num_processes=2, process_index=1))
+    assert part.state_dict() == {"data_position": [2, 64]}
+    data.position = (0, 0)
+    part.load_state_dict({"data_position": [2, 64]})
+    assert data.position == (2, 64)
+    part.load_state_dict({"data_positions": [[2, 4], [3, 1]]})
+    assert data.position == (2, 0) and "older format" in caplog.text
+    map_style = SimpleNamespace(streaming=False, position=(0, 0))
+    assert DataPosition(map_style, None).state_dict() == {}
