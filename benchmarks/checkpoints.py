@@ -39,6 +39,36 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def add_size_args(parser: argparse.ArgumentParser, hidden: int, depth: int, repeats: int) -> None:
+    """The model size, the repeats, --out and --smoke (what this and benchmarks/fsdp_checkpoints.py take)."""
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--depth", type=int, default=depth)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--out", type=Path, help="write the section into this markdown file")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one repeat, nothing written")
+
+
+def smoke_sized(args: argparse.Namespace) -> argparse.Namespace:
+    if args.smoke:
+        args.hidden, args.depth, args.repeats, args.out = 16, 1, 1, None
+    return args
+
+
+def regression_trainer(hidden: int, depth: int, output_dir: Path, per_device_batch_size: int = 16):
+    """The regression MLP of the given size with AdamW and an EMA, 2 steps of 64 samples, saving only when told."""
+    import torch
+
+    from trainer.config import load_config
+    from trainer.core.trainer import Trainer
+
+    torch.set_num_threads(1)
+    overrides = [f"task.hidden={hidden}", f"task.depth={depth}", "task.num_train=64", "task.num_eval=16",
+                 "train.max_steps=2", f"train.per_device_batch_size={per_device_batch_size}", "train.ema_decay=0.99",
+                 "eval.every_steps=0", "ckpt.every_steps=0", "ckpt.keep_last=2", "log.progress_bar=false",
+                 "log.tensorboard=false", "run.resume=none", f"run.output_dir={output_dir}"]
+    return Trainer(load_config(str(ROOT / "configs" / "regression" / "tiny.yaml"), overrides))
+
+
 def timed(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -50,32 +80,17 @@ def timed(fn, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
+    add_size_args(parser, hidden=1024, depth=4, repeats=5)
     parser.add_argument("--zero", type=Path, help="a ZeRO checkpoint folder to convert as well")
     parser.add_argument("--before", type=Path, help="a checkout before the change: measure its save too")
     parser.add_argument("--save-only", action="store_true", help=argparse.SUPPRESS)  # what --before runs
-    parser.add_argument("--out", type=Path, help="write the section into this markdown file")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, one repeat, nothing written")
-    args = parser.parse_args()
-    if args.smoke:
-        args.hidden, args.depth, args.repeats, args.out = 16, 1, 1, None
+    args = smoke_sized(parser.parse_args())
 
     import torch
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    from trainer.config import load_config
-    from trainer.core.trainer import Trainer
-
-    torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
-    overrides = [f"task.hidden={args.hidden}", f"task.depth={args.depth}", "task.num_train=64", "task.num_eval=16",
-                 "train.max_steps=2", "train.per_device_batch_size=16", "train.ema_decay=0.99", "eval.every_steps=0",
-                 "ckpt.every_steps=0", "log.progress_bar=false", "log.tensorboard=false", "run.resume=none",
-                 f"run.output_dir={work / 'run'}"]
-    cfg = load_config(str(ROOT / "configs" / "regression" / "tiny.yaml"), overrides)
-    trainer = Trainer(cfg)
+    trainer = regression_trainer(args.hidden, args.depth, work / "run")
     trainer.fit()
     params = sum(p.numel() for p in trainer.model.parameters())
     path = trainer.save()

@@ -4,6 +4,7 @@ and Adam state exactly, and bad input is one line naming what differs."""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -62,15 +63,59 @@ def test_every_part_is_stateful(tmp_path, fresh_accelerate):
     (("DEEPSPEED", 2, None), ("DEEPSPEED", 2, 1), False),  # an older ZeRO-1/2 checkpoint: the same files
     (("MULTI_CPU", 2, 0), ("DEEPSPEED", 2, 2), True),
     (("DEEPSPEED", 2, 3), ("MULTI_CPU", 2, 0), True),
+    (("FSDP", 2, 0), ("FSDP", 4, 0), False),             # DCP's shards: DCP reshards them
+    (("FSDP", 2, 0), ("NO", 1, 0), True),                # converted on demand for any other backend
+    (("FSDP", 2, 0), ("MULTI_CPU", 2, 0), True),
+    (("FSDP", 2, 0), ("DEEPSPEED", 2, 2), True),
+    (("MULTI_CPU", 2, 0), ("FSDP", 2, 0), False),        # whole tensors: each FSDP rank takes its shards
 ])
 def test_which_layouts_need_a_conversion(saved, now, convert):
     record = {"backend": saved[0], "world_size": saved[1], "zero_stage": saved[2]}
     assert universal.needs_conversion(record, *now) is convert
 
 
-def test_fsdp_checkpoints_are_refused_elsewhere_in_one_line():
-    with pytest.raises(CheckpointError, match="FSDP checkpoints resume under FSDP only"):
-        universal.needs_conversion({"backend": "FSDP", "world_size": 2}, "DEEPSPEED", 2, 2)
+def test_older_whole_tensor_fsdp_checkpoints_read_as_plain_ones():
+    assert not universal.needs_conversion({"backend": "FSDP", "world_size": 2, universal.FULL_STATE: True}, "NO", 1, 0)
+
+
+class Payload:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_dcp_checkpoint_reads_whole_and_its_metadata_pickle_is_restricted(tmp_path):
+    """A sharded FSDP checkpoint's DCP folder read on one process (the on-demand conversion, export); a payload
+    planted in its pickled .metadata is refused in one line and never runs."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    model, opt, names = plain_checkpoint(tmp_path / "plain")
+    named = {"state": {n: s for n, s in zip([n for g in names for n in g], opt.state_dict()["state"].values())},
+             "param_groups": [{**g, "params": n} for g, n in zip(opt.state_dict()["param_groups"], names)]}
+    for folder, state in ((universal.FSDP_MODEL, {"model": model.state_dict()}),
+                          (universal.FSDP_OPTIMIZER, {"optimizer": named})):
+        _save_state_dict(state, storage_writer=FileSystemWriter(str(tmp_path / "ckpt" / folder)), no_dist=True)
+    weights, optim = universal.sharded_fsdp_state(tmp_path / "ckpt", names)
+    for key, value in model.state_dict().items():
+        assert torch.equal(weights[key], value), key
+    for index, state in opt.state_dict()["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(optim["state"][index][key]), torch.as_tensor(value)), (index, key)
+    assert [g["weight_decay"] for g in optim["param_groups"]] == [0.1, 0.0]
+    shapes, _ = universal.saved_param_shapes(tmp_path / "ckpt", {"backend": "FSDP"})
+    assert shapes == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+    marker = tmp_path / "PWNED"
+    (tmp_path / "ckpt" / universal.FSDP_MODEL / ".metadata").write_bytes(pickle.dumps(Payload(str(marker))))
+    with pytest.raises(CheckpointError, match=r"refusing to load a torch.distributed.checkpoint .metadata file: "
+                                              r"it holds '(posix|os).system'"):
+        universal.read_dcp(tmp_path / "ckpt" / universal.FSDP_MODEL)
+    assert not marker.exists()
 
 
 def test_plain_checkpoint_round_trips_through_the_topology_free_form(tmp_path):

@@ -4,11 +4,11 @@ topology 1e-6), on the regression task with 2 CPU processes over gloo. Bad input
 run directory as it was.
 
 CI runs a representative subset (`PAIRS`: each resumes one of the launch matrix's runs, one launch a pair;
-FSDP's 2 processes hold half of each parameter and write whole tensors, so FSDP -> one process stands for
-FSDP <-> plain/DDP); `make test-all` (the `extended` marker) runs every other pair (`FULL`, 27 pairs: each
-multi-process run costs 20-40 s on 2 cores, more on a loaded machine), the refusal of a ZeRO checkpoint whose
-optimizer state cannot be converted, and a run killed with SIGKILL at a random step that another topology
-continues."""
+FSDP's 2 processes hold half of each parameter and each writes its own shards (torch.distributed.checkpoint),
+which one process reads through the on-demand conversion: FSDP -> one process stands for FSDP -> plain/DDP);
+`make test-all` (the `extended` marker) runs every other pair (`FULL`, 27 pairs: each multi-process run costs
+20-40 s on 2 cores, more on a loaded machine), the refusal of a ZeRO checkpoint whose optimizer state cannot
+be converted, and a run killed with SIGKILL at a random step that another topology continues."""
 
 from __future__ import annotations
 
@@ -82,9 +82,11 @@ ONE_PROCESS_TOPOLOGIES = {"single", "zero2x1"}  # the others run 2
 
 
 def _same_layout(source: str, target: str) -> bool:
-    """Pairs the backend's own loader reads (plain <-> DDP <-> FSDP at any number of processes: an FSDP
-    checkpoint holds whole tensors in a plain run's files; a checkpoint on its own topology)."""
-    return source == target or {source, target} <= {"single", "ddp", "fsdp"}
+    """Pairs the backend's own loader reads (plain <-> DDP at any number of processes, plain/DDP -> FSDP: whole
+    tensors, each rank keeping its shards; a checkpoint on its own topology). FSDP's sharded checkpoint is
+    converted for any other backend."""
+    return source == target or {source, target} <= {"single", "ddp"} or (source in ("single", "ddp")
+                                                                         and target == "fsdp")
 
 
 @pytest.mark.distributed

@@ -6,7 +6,8 @@ ZeRO shards them), and the Checkpointer saves them together, atomically (checkpo
 the manifest, the rename, then the pointers), and restores them together:
 
 - model + optimizer (`BackendState`): weights, optimizer moments and step counts, every rank's RNG; the
-  backend's own files (accelerate's `save_state`), converted on demand for another layout (universal.py);
+  backend's own files (accelerate's `save_state`; under FSDP its sharded form, each rank writing its shards
+  with torch.distributed.checkpoint), converted on demand for another layout (universal.py);
 - scheduler: the LR schedule's position (`trainer_state.json` "scheduler");
 - EMA (`EMAState`): fp32 EMA weights by parameter name (`ema.safetensors`);
 - data position (`DataPosition`): a stream's (epoch, global samples read in it), the same on every rank
@@ -18,7 +19,8 @@ the manifest, the rename, then the pointers), and restores them together:
 `resume()` restores every part in place and returns what it resumed (`Resumed`); it reads and writes
 nothing else of the Trainer. Map-style data needs no position: it follows from the step (batch_plan.py).
 A checkpoint written under another backend, ZeRO stage or number of DeepSpeed processes is converted
-to the topology-free form and loaded from it, with no step for the user (universal.py).
+to the topology-free form and loaded from it, with no step for the user (universal.py); an FSDP checkpoint
+resumes under FSDP at any number of processes without one (DCP reshards it).
 """
 
 from __future__ import annotations
@@ -114,20 +116,22 @@ class BackendState:
 
     def state_dict(self) -> dict[str, Any]:
         """The layout a conversion needs: the optimizer's parameter names by group (the tensors are in files)."""
-        return {"param_names": self.param_names, **({universal.FULL_STATE: True} if self.fsdp2 else {})}
+        return {"param_names": self.param_names, **({universal.SHARDED: True} if self.fsdp2 else {})}
+
+    def _sharded_state_dicts(self) -> None:
+        """FSDP2 saves and loads accelerate's sharded form (DCP), whatever the accelerate config's
+        fsdp_state_dict_type: FULL_STATE_DICT would gather the whole state onto one process and pickle it."""
+        plugin = self.acc.state.fsdp_plugin
+        if plugin.state_dict_type is None or plugin.state_dict_type.name != "SHARDED_STATE_DICT":
+            plugin.state_dict_config = plugin.optim_state_dict_config = None  # the sharded defaults
+            plugin.set_state_dict_type("SHARDED_STATE_DICT")
 
     def save(self, directory: Path) -> None:
-        if not self.fsdp2:
-            self.acc.save_state(str(directory), safe_serialization=True)
-            return
-        # FSDP2: whole tensors by name in a plain run's files (gathered onto the main process, a collective),
-        # which one process, DDP and FSDP at any world size read back, and DeepSpeed through the universal form.
-        from accelerate.checkpointing import save_accelerator_state
-
-        weights, optim_state = universal.full_state(unwrap_model(self.acc, self.model), self.optimizer.optimizer,
-                                                    self.param_names)
-        save_accelerator_state(str(directory), [weights], [_Saved(optim_state)], [], self.acc._dataloaders,
-                               self.acc.process_index, self.acc.step, self.acc.scaler, safe_serialization=True)
+        # FSDP2: accelerate's sharded save, every rank writing its own shards with torch.distributed.checkpoint
+        # (nothing is gathered); another layout converts them on demand at resume (universal.convert).
+        if self.fsdp2:
+            self._sharded_state_dicts()
+        self.acc.save_state(str(directory), safe_serialization=True)
 
     def load(self, path: Path, saved: dict[str, Any], scratch: Path) -> str | None:
         """Load `path` (its `trainer_state.json` is `saved`); returns the conversion made ('ZeRO-2 x 2 ->
@@ -142,7 +146,10 @@ class BackendState:
                     universal.load_torch_files(path, unwrapped, self.optimizer.optimizer,
                                                saved.get("param_names") or self.param_names)
                 else:
-                    with weights_only_loading():  # DeepSpeed unpickles its own files with weights_only=False
+                    if self.fsdp2:  # DCP's shards, resharded to this world size by DCP
+                        self._sharded_state_dicts()
+                    # DeepSpeed unpickles its own files with weights_only=False, DCP its metadata with pickle
+                    with weights_only_loading():
                         self.acc.load_state(str(path))
             except CheckpointError:  # a pickle that weights-only loading refuses
                 raise
@@ -167,16 +174,6 @@ class BackendState:
             self.model.global_steps = int(saved.get("step", 0))
             self.model.global_samples = int(saved.get("step", 0)) * s.global_batch_size
         return f"{universal.describe(saved, s.backend, s.world_size, s.zero_stage)}, {time.perf_counter() - started:.1f} s"
-
-
-class _Saved:
-    """An optimizer state dict already made (gathered from FSDP2 shards), for accelerate's writer."""
-
-    def __init__(self, state: dict[str, Any]):
-        self.state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.state
 
 
 class EMAState:

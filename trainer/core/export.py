@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 from pathlib import Path
 
 import torch
@@ -34,12 +33,10 @@ def load_model_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
         with weights_only_loading():  # DeepSpeed itself would unpickle with weights_only=False
             return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag="pytorch_model")
     fsdp = sorted(ckpt_dir.glob("pytorch_model_fsdp_*"))
-    if fsdp:
-        from accelerate.utils import merge_fsdp_weights
+    if fsdp:  # FSDP's shards (torch.distributed.checkpoint), read whole on this process, weights-only
+        from trainer.core.universal import read_dcp
 
-        with tempfile.TemporaryDirectory() as tmp:
-            merge_fsdp_weights(str(fsdp[0]), tmp, safe_serialization=True)
-            return load_model_weights(Path(tmp))
+        return read_dcp(fsdp[0]).get("model", {})
     raise CheckpointError(f"checkpoint {ckpt_dir} holds no model weights this exporter knows "
                           f"(model.safetensors, pytorch_model/ or pytorch_model_fsdp_*/)")
 

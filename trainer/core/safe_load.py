@@ -8,13 +8,23 @@ forced to `weights_only=True` with an explicit allow-list of the few non-tensor 
 stores (found by loading ZeRO-1/2/3 and offload checkpoints); anything else is refused with a
 `CheckpointError` that names the file and the type.
 
+torch.distributed.checkpoint (DCP: an FSDP run's sharded checkpoint) reads its tensors weights-only, but
+unpickles its `.metadata` file with plain `pickle.load` and the non-tensor entries (the optimizer's
+hyper-parameters) with `torch.load(weights_only=False)`. Inside `weights_only_loading()` the latter is
+forced weights-only as above, and the metadata is read by `DCPMetadataUnpickler`, which constructs DCP's own
+metadata records (dataclasses of sizes, offsets and file names), torch.Size, dtypes and builtins only.
+
 What is trusted: the code of the installed packages. What is not: the bytes of a checkpoint directory
 (the manifest's hashes catch accidents, not an attacker who can rewrite the manifest too).
 """
 
 from __future__ import annotations
 
+import builtins
+import collections
 import contextlib
+import dataclasses
+import enum
 import importlib
 import pickle
 import re
@@ -80,7 +90,73 @@ def weights_only_loading() -> Iterator[None]:
 
     with _lock:
         torch.load = load
+        dcp_files = _dcp_filesystem()
+        if dcp_files is not None:
+            dcp_files.pickle = _SafeDCPPickle()
         try:
             yield
         finally:
             torch.load = original
+            if dcp_files is not None:
+                dcp_files.pickle = pickle
+
+
+# DCP's metadata: dataclasses of these modules, and torch's value types.
+DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+               "torch.distributed.checkpoint._extension")
+OTHER_GLOBALS = {("torch.serialization", "_get_layout"),  # a layout by name, as weights-only loading allows
+                 ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}  # the save's path
+BUILTINS = ("set", "frozenset", "list", "dict", "tuple", "bytes", "bytearray", "slice", "complex")
+
+
+class DCPMetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata` file constructing only DCP's metadata records and torch's value types."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = None
+        if module in DCP_MODULES and not name.startswith("__"):
+            obj = _resolve(f"{module}.{name}")
+            obj = obj if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)) \
+                else None
+        elif module == "torch":
+            obj = getattr(torch, name, None)
+            obj = obj if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) \
+                else None
+        elif (module, name) in OTHER_GLOBALS:
+            obj = _resolve(f"{module}.{name}")
+        elif module == "collections" and name == "OrderedDict":
+            obj = collections.OrderedDict
+        elif module == "builtins" and name in BUILTINS:
+            obj = getattr(builtins, name)
+        if obj is None:
+            raise CheckpointError(f"refusing to load a torch.distributed.checkpoint .metadata file: it holds "
+                                  f"'{module}.{name}', which is no checkpoint metadata, so loading it could run code")
+        return obj
+
+
+def load_dcp_metadata(file: Any) -> Any:
+    """`pickle.load` of a DCP `.metadata` file (an open binary file) through `DCPMetadataUnpickler`."""
+    try:
+        return DCPMetadataUnpickler(file).load()
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - truncated or garbled bytes
+        raise CheckpointError(f"a torch.distributed.checkpoint .metadata file is unreadable ({type(err).__name__}: "
+                              f"{err})") from None
+
+
+class _SafeDCPPickle:
+    """Stands in for the `pickle` module inside torch.distributed.checkpoint.filesystem while loading."""
+
+    load = staticmethod(load_dcp_metadata)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(pickle, name)
+
+
+def _dcp_filesystem() -> Any | None:
+    try:
+        from torch.distributed.checkpoint import filesystem
+    except ImportError:  # torch without distributed support
+        return None
+    return filesystem if getattr(filesystem, "pickle", None) is pickle else None

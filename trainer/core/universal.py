@@ -2,8 +2,8 @@
 
 A checkpoint is written in its backend's own files (fast, and exactly what the same layout reads back).
 When the resuming run has another layout (plain/DDP <-> DeepSpeed, another ZeRO stage, another number of
-DeepSpeed processes), `convert` writes DeepSpeed's universal checkpoint form (Lian et al. 2024): one
-folder per parameter name with the fp32 weights, the optimizer's moments and the step
+DeepSpeed processes, FSDP's shards -> anything but FSDP), `convert` writes DeepSpeed's universal checkpoint
+form (Lian et al. 2024): one folder per parameter name with the fp32 weights, the optimizer's moments and the step
 (`zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`, each tensor whole), and the optimizer's
 hyper-parameters per group (`zero/optimizer_state.pt`). A ZeRO checkpoint is converted by DeepSpeed's
 `ds_to_universal` (`--inject_missing_state`), a plain or DDP one (`model.safetensors`, `optimizer.bin`)
@@ -11,8 +11,11 @@ by naming the optimizer's parameters with the names the checkpoint recorded. `lo
 running backend from that folder: DeepSpeed's own universal loader under ZeRO-1/2/3 at any number of
 processes, `load_state_dict` of the model and the torch optimizer under one process or DDP, and under
 FSDP2 torch.distributed.checkpoint's `set_state_dict` with whole tensors (each rank keeps its shards).
-An FSDP2 run writes its checkpoints in a plain run's files (`full_state`), so plain, DDP and FSDP read
-each other's without a conversion.
+An FSDP2 run writes accelerate's sharded checkpoint (torch.distributed.checkpoint, DCP: every rank writes
+its own shards, `pytorch_model_fsdp_0/` and `optimizer_0/`), which FSDP reads back at any number of
+processes (DCP reshards); one process, DDP and DeepSpeed resume it through `convert`, which reads the
+shards whole on the main process (`read_dcp`) and writes the universal form from them. An older FSDP2
+checkpoint in a plain run's files (`FULL_STATE`) is read as a plain one.
 
 Every file is read weights-only (safe_load.py). A checkpoint of another model is refused before anything
 is converted (`check_same_model`), and a part that cannot be converted is named in a CheckpointError.
@@ -42,7 +45,12 @@ WEIGHTS, OPTIMIZER = "model.safetensors", "optimizer.bin"
 """accelerate's files of a plain or DDP checkpoint (one model, one optimizer)."""
 OPTIMIZER_STATE = "optimizer_state.pt"
 FULL_STATE = "full_state"
-"""Set in trainer_state.json by an FSDP2 run: its checkpoint holds whole tensors in a plain run's files."""
+"""Set in trainer_state.json by an FSDP2 run before its checkpoints were sharded: whole tensors in a plain run's
+files."""
+SHARDED = "fsdp_sharded"
+"""Set in trainer_state.json by an FSDP2 run: accelerate's sharded DCP folders (`FSDP_MODEL`, `FSDP_OPTIMIZER`)."""
+FSDP_MODEL, FSDP_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"
+"""accelerate's DCP folders of a sharded FSDP checkpoint (state dicts under "model" and "optimizer")."""
 
 
 def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -64,13 +72,13 @@ def saved_zero_stage(path: Path, saved: dict[str, Any]) -> int | None:
 def needs_conversion(saved: dict[str, Any], backend: str, world: int, zero_stage: int) -> bool:
     """Whether the checkpoint's own files cannot be loaded by this run's backend as they are.
 
-    accelerate loads a plain or DDP checkpoint at any number of processes, and an FSDP2 checkpoint is written in
-    the same files (`save_full_state`), so plain, DDP and FSDP read each other's; DeepSpeed loads its own
-    files only at the same number of processes and ZeRO stage (`saved["zero_stage"]`: `saved_zero_stage`)."""
+    accelerate loads a plain or DDP checkpoint at any number of processes (FSDP too: whole tensors, each rank
+    keeping its shards), and a sharded FSDP checkpoint under FSDP at any number of processes (DCP reshards);
+    one process, DDP and DeepSpeed read a sharded FSDP checkpoint through the conversion. DeepSpeed loads its
+    own files only at the same number of processes and ZeRO stage (`saved["zero_stage"]`: `saved_zero_stage`)."""
     was = saved.get("backend", "")
-    if was == FSDP and backend != FSDP and not saved.get(FULL_STATE):
-        raise CheckpointError(f"a checkpoint written under FSDP in sharded files (accelerate's FSDP save) cannot be "
-                              f"resumed under {backend or 'one process'}: sharded FSDP checkpoints resume under FSDP only")
+    if is_sharded_fsdp(saved):
+        return backend != FSDP
     if (was == DEEPSPEED) != (backend == DEEPSPEED):
         return True
     if backend != DEEPSPEED:
@@ -82,9 +90,18 @@ def needs_conversion(saved: dict[str, Any], backend: str, world: int, zero_stage
 
 
 # ------------------------------------------------------------------ the same model?
+def is_sharded_fsdp(saved: dict[str, Any]) -> bool:
+    """Whether a checkpoint (its trainer_state.json) holds FSDP's sharded DCP folders rather than whole tensors."""
+    return saved.get("backend") == FSDP and not saved.get(FULL_STATE)
+
+
 def saved_param_shapes(path: Path, saved: dict[str, Any]) -> tuple[dict[str, tuple], bool]:
     """(name -> shape of what the checkpoint holds, whether buffers are included), without loading tensors
-    where the format allows it (safetensors' header)."""
+    where the format allows it (safetensors' header, DCP's metadata)."""
+    if is_sharded_fsdp(saved):
+        metadata = read_dcp_metadata(path / FSDP_MODEL)
+        return {k.removeprefix("model."): tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+                if k.startswith("model.") and hasattr(v, "size")}, True
     if saved.get("backend") != DEEPSPEED:
         with safe_open(str(path / WEIGHTS), framework="pt") as f:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, True
@@ -105,8 +122,6 @@ def _deepspeed_model_states(path: Path) -> dict[str, Any]:
 
 def check_same_model(path: Path, saved: dict[str, Any], model: torch.nn.Module) -> None:
     """Refuse a checkpoint of another model, naming the first differences (parameter names and shapes)."""
-    if saved.get("backend") != DEEPSPEED and not (path / WEIGHTS).is_file():
-        return  # FSDP's sharded files: its own loader checks them
     shapes, with_buffers = saved_param_shapes(path, saved)
     now = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
     if with_buffers:  # the persistent ones: those a state dict holds
@@ -131,6 +146,9 @@ def convert(path: Path, out: Path, saved: dict[str, Any], param_names: list[list
     (out / "zero").mkdir(parents=True)
     if saved.get("backend") == DEEPSPEED:
         _from_deepspeed(path, out)
+    elif is_sharded_fsdp(saved):
+        names = saved.get("param_names") or param_names
+        _to_universal(path, out, *sharded_fsdp_state(path, names), names)
     else:
         _from_torch(path, out, saved.get("param_names") or param_names)
 
@@ -189,6 +207,12 @@ def _from_torch(path: Path, out: Path, param_names: list[list[str]]) -> None:
         weights = {k: f.get_tensor(k) for k in f.keys()}
     with weights_only_loading():
         optim = torch.load(path / OPTIMIZER, map_location="cpu", weights_only=True)
+    _to_universal(path, out, weights, optim, param_names)
+
+
+def _to_universal(path: Path, out: Path, weights: dict[str, torch.Tensor], optim: dict[str, Any],
+                  param_names: list[list[str]]) -> None:
+    """The universal form of whole tensors: the model's state dict and the optimizer's (`optimizer.bin`'s form)."""
     groups, state = optim.get("param_groups", []), optim.get("state", {})
     if len(groups) != len(param_names) or any(len(g["params"]) != len(n) for g, n in zip(groups, param_names)):
         raise CheckpointError(f"checkpoint {path}: the optimizer state cannot be converted: it has "
@@ -307,28 +331,56 @@ def is_fsdp2(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               param_names: list[list[str]]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The whole model state dict and the optimizer's, in the files a plain or DDP run writes (`optimizer.bin`
-    indexes parameters in the optimizer's order, `param_names` names them). Under FSDP2 a collective: the
-    shards are gathered (torch.distributed.checkpoint's `get_state_dict`, full_state_dict) onto the main
-    process, on the CPU; the other ranks get empty dicts."""
-    if not is_fsdp2(model):
-        return model.state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+def read_dcp_metadata(folder: Path) -> Any:
+    """The metadata of a DCP folder (tensor names and shapes), unpickled by safe_load's restricted unpickler."""
+    from trainer.core.safe_load import load_dcp_metadata
 
-    weights, named = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not named:  # not the main process
-        return {}, {}
+    file = folder / ".metadata"
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {folder.parent}: {folder.name}/.metadata is missing (not a sharded FSDP "
+                              f"checkpoint)")
+    with open(file, "rb") as f:
+        return load_dcp_metadata(f)
+
+
+def read_dcp(folder: Path) -> dict[str, Any]:
+    """A whole DCP checkpoint as one state dict of whole tensors, in this process (no process group):
+    torch.distributed.checkpoint.format_utils' `dcp_to_torch_save` without the file, read weights-only."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    read_dcp_metadata(folder)  # a missing or unsafe file is named before DCP opens it
+    state: dict[str, Any] = {}
+    try:
+        with weights_only_loading():
+            _load_state_dict(state, storage_reader=FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(),
+                             no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - DCP raises its own exception types; one line naming the folder
+        raise CheckpointError(f"checkpoint {folder.parent}: {folder.name}/ cannot be read ({_first_line(err)})") from err
+    return state
+
+
+def sharded_fsdp_state(path: Path, param_names: list[list[str]]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The whole model state dict and optimizer state (`optimizer.bin`'s form: parameters indexed in the optimizer's
+    order, `param_names` names them) of a sharded FSDP checkpoint, read on one process."""
+    weights = read_dcp(path / FSDP_MODEL).get("model", {})
+    named = read_dcp(path / FSDP_OPTIMIZER).get("optimizer", {})
     index = {name: i for i, name in enumerate(n for names in param_names for n in names)}
-    return weights, {"state": {index[name]: entry for name, entry in named["state"].items()},
-                     "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                                      for group in named["param_groups"]]}
+    try:
+        return weights, {"state": {index[name]: entry for name, entry in named.get("state", {}).items()},
+                         "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                                          for group in named.get("param_groups", [])]}
+    except KeyError as err:
+        raise CheckpointError(f"checkpoint {path}: the optimizer state names parameter {err} that the checkpoint's "
+                              f"parameter names do not hold") from None
 
 
 def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
                     optim_state: dict[str, Any], param_names: list[list[str]]) -> None:
-    """Load whole tensors (`full_state`'s form, every rank holding all of it) into a plain, DDP or FSDP2 model and
+    """Load whole tensors (a plain run's form, every rank holding all of it) into a plain, DDP or FSDP2 model and
     its torch optimizer; under FSDP2 each rank keeps its shards (`set_state_dict`, full_state_dict)."""
     try:
         if not is_fsdp2(model):
@@ -350,7 +402,8 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, we
 
 def load_torch_files(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      param_names: list[list[str]]) -> None:
-    """Load a plain, DDP or FSDP checkpoint's `model.safetensors` and `optimizer.bin` into an FSDP2 run."""
+    """Load a plain or DDP checkpoint's `model.safetensors` and `optimizer.bin` into an FSDP2 run (an older FSDP
+    checkpoint's too: whole tensors in the same files)."""
     from safetensors.torch import load_file
 
     weights = load_file(str(path / WEIGHTS))
