@@ -15,6 +15,8 @@ the main process, the on-demand conversion a resume under another backend makes:
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml benchmarks/fsdp_checkpoints.py \\
         --hidden 2048 --depth 2 --repeats 7 [--out BENCHMARKS.md]
+
+Run without a launcher (`python benchmarks/fsdp_checkpoints.py --smoke`), it launches itself that way.
 """
 
 from __future__ import annotations
@@ -159,5 +161,20 @@ def main() -> None:
     print(json.dumps({k: statistics.median(v) for k, v in times.items()}))
 
 
+def launch_self() -> int:
+    """Run this script under `accelerate launch` with the FSDP config and 2 processes, on a free port."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    accelerate = Path(sys.executable).parent / "accelerate"
+    return subprocess.call([str(accelerate), "launch", "--config_file", str(ROOT / "accelerate_configs" / "fsdp.yaml"),
+                            "--num_processes", "2", "--main_process_port", str(port), __file__, *sys.argv[1:]])
+
+
 if __name__ == "__main__":
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit(launch_self())
     main()
