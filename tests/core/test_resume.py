@@ -129,3 +129,27 @@ def test_stream_checkpointed_by_two_processes_resumes_on_one_exactly(tmp_path):
     for key in ref_model:
         torch.testing.assert_close(got_model[key], ref_model[key], rtol=0, atol=1e-5)
         torch.testing.assert_close(got_ema[key], ref_ema[key], rtol=0, atol=1e-5)
+
+
+@pytest.mark.extended
+@pytest.mark.distributed
+def test_stream_checkpointed_by_one_process_resumes_under_zero2_with_workers(tmp_path):
+    """The reverse direction, through the topology-free form and with 2 DataLoader workers a process: a stream
+    checkpointed by one process (8 per device x 4 accumulation) at step 4 and continued by ZeRO-2 x2 (8 x 2) ends
+    within 1e-5 of the uninterrupted one-process run."""
+    common = [*BASE, "task.num_train=101", "task.streaming=true", "train.per_device_batch_size=8",
+              "train.global_batch_size=32", "train.max_steps=8", "ckpt.every_steps=4", "data.num_workers=2"]
+    ref = tmp_path / "ref"
+    run_cmd([str(BIN / "python"), TRAIN, TINY, *common, f"run.output_dir={ref}", "run.resume=none"])
+    out = cut_run_back(ref, tmp_path / "resumed", step=4)
+    proc = run_cmd(accelerate_cmd("zero2.yaml", TINY, *common, f"run.output_dir={out}", "run.resume=auto"),
+                   timeout=400)
+    assert "through the topology-free form" in proc.stdout + proc.stderr
+    ref_losses, got_losses = train_losses(ref), train_losses(out)
+    assert sorted(got_losses) == list(range(1, 9))
+    for step, loss in got_losses.items():
+        assert abs(loss - ref_losses[step]) <= 1e-5, (step, loss, ref_losses[step])
+    (ref_model, ref_ema), (got_model, got_ema) = final_state(ref), final_state(out)
+    for key in ref_model:
+        torch.testing.assert_close(got_model[key].float(), ref_model[key], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got_ema[key], ref_ema[key], rtol=0, atol=1e-5)
