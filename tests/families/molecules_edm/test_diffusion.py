@@ -206,6 +206,29 @@ def test_nll_is_finite_and_sums_its_terms() -> None:
     torch.testing.assert_close(nll, sum(terms.values()))
 
 
+def test_nll_with_row_streams_depends_on_the_molecule_alone() -> None:
+    """Evaluation keys each molecule's t, eps and eps_0 by the molecule (SampleRandom rows): its NLL is the same
+    alone or in a batch, padded wider or not, and the global RNG is not touched."""
+    from trainer.sample_random import SampleRandom
+
+    torch.manual_seed(0)
+    model = build_edm_diffusion(hidden=16, layers=2, timesteps=10).eval()
+    x, one_hot, charges, mask = _molecules()
+    rng = SampleRandom([11, 22])
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        both = model.nll(x, one_hot, charges, mask, rng=rng)
+        alone = torch.cat([model.nll(x[k:k + 1], one_hot[k:k + 1], charges[k:k + 1], mask[k:k + 1], rng=rng[[k]])
+                           for k in range(2)])
+        swapped = model.nll(x.flip(0), one_hot.flip(0), charges.flip(0), mask.flip(0), rng=SampleRandom([22, 11]))
+        narrow = model.nll(x[1:, :3], one_hot[1:, :3], charges[1:, :3], mask[1:, :3], rng=rng[[1]])  # no padding
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.testing.assert_close(both, alone, rtol=0, atol=1e-4)
+    torch.testing.assert_close(both, swapped.flip(0), rtol=0, atol=1e-4)
+    torch.testing.assert_close(narrow, both[1:], rtol=0, atol=1e-4)
+    assert not torch.allclose(both, model.nll(x, one_hot, charges, mask, rng=SampleRandom([12, 23])))
+
+
 def _hand_sample(num_atoms, seeds, T, linear):
     """The sampler's formulas in float64 with eps_hat = linear * z, replaying each molecule's draws."""
     gamma = closed_gamma(T)

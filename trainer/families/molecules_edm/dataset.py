@@ -299,6 +299,11 @@ def _type_index(elements: tuple[str, ...]) -> np.ndarray:
     return table
 
 
+def molecule_key(molecule_id: Any) -> int:
+    """A stable 63-bit key of a molecule id (its evaluation draws are seeded by it)."""
+    return int.from_bytes(hashlib.blake2b(str(molecule_id).encode(), digest_size=8).digest(), "little") >> 1
+
+
 def collate_molecules(rows: Sequence[dict[str, Any]], elements: Sequence[str] = QM9_ELEMENTS,
                       max_atoms: int | None = None) -> dict[str, torch.Tensor]:
     """EDM's dense batch from rows (`MoleculeRows` items, or dicts with `numbers` and `positions`).
@@ -306,7 +311,8 @@ def collate_molecules(rows: Sequence[dict[str, Any]], elements: Sequence[str] = 
     `positions` Float [B, N, 3] (each molecule's mean over its atoms subtracted: zero centre of mass
     with unit masses, as EDM; zero at padding), `one_hot` Float [B, N, F] (F = len(elements), the
     vocabulary's order), `charges` Float [B, N] (atomic number), `node_mask` Bool [B, N], `num_atoms`
-    Long [B], and each numeric property the rows carry, Float [B]. N is the largest molecule, or
+    Long [B], `molecule_key` Long [B] when every row has an `id` (`molecule_key`), and each numeric property
+    the rows carry, Float [B]. N is the largest molecule, or
     `max_atoms` when given.
     """
     table = _type_index(tuple(str(e) for e in elements))
@@ -336,6 +342,8 @@ def collate_molecules(rows: Sequence[dict[str, Any]], elements: Sequence[str] = 
     out = {"positions": torch.from_numpy(positions), "one_hot": torch.from_numpy(one_hot),
            "charges": torch.from_numpy(charges), "node_mask": torch.from_numpy(mask),
            "num_atoms": torch.tensor(sizes, dtype=torch.long)}
+    if rows and all("id" in r for r in rows):  # what evaluation keys its draws by: the molecule, not the batch
+        out["molecule_key"] = torch.tensor([molecule_key(r["id"]) for r in rows], dtype=torch.long)
     skip = {"id", "numbers", "positions", "num_atoms"}
     if rows:
         for key, value in rows[0].items():

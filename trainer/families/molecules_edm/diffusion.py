@@ -439,16 +439,24 @@ class EDMDiffusion(nn.Module):
 
     def nll_terms(self, x: torch.Tensor, one_hot: torch.Tensor, charges: torch.Tensor, node_mask: torch.Tensor,
                   generator: torch.Generator | None = None, t_int: torch.Tensor | None = None,
-                  eps: torch.Tensor | None = None, eps_0: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                  eps: torch.Tensor | None = None, eps_0: torch.Tensor | None = None,
+                  rng: RowRandom | None = None) -> dict[str, torch.Tensor]:
         """The terms of EDM's evaluation bound per molecule [B] (nats), which `nll` sums.
 
         Keys: `kl_prior`, `diffusion` (T * 0.5 * (SNR(s)/SNR(t) - 1) * ||eps - eps_hat||^2 at t ~ U{1..T}),
         `neg_log_constants` (of p(x | z_0)), `reconstruction` (-log p(x, h | z_0) without constants, at a
         fresh z_0), `neg_log_det` (-delta_log_px of the position scaling). Draws t, eps, eps_0 in that
-        order from `generator` unless given.
+        order from `generator` unless given; with `rng`, per row from its "time", "noise" and "noise_0" streams
+        (so a molecule's terms do not depend on the batch it is evaluated in).
         """
         x, h, mask, delta_log_px = self.normalize(x, one_hot, charges, node_mask)
         batch, nodes = x.shape[:2]
+        if rng is not None:
+            width = x.shape[-1] + h.shape[-1]
+            t_int = rng.randint("time", 1, self.T + 1, device=x.device) if t_int is None else t_int
+            eps = self.noise_from_normals(rng.randn("noise", nodes, width, device=x.device), mask) if eps is None else eps
+            eps_0 = (self.noise_from_normals(rng.randn("noise_0", nodes, width, device=x.device), mask)
+                     if eps_0 is None else eps_0)
         t_int = self._times(batch, t_int, 1, generator, x.device)
         xh = torch.cat([x, h], dim=-1)
         eps = self.combined_noise(batch, nodes, mask, generator) if eps is None else self._check_eps(eps, xh)
@@ -472,9 +480,9 @@ class EDMDiffusion(nn.Module):
                 "neg_log_det": -delta_log_px}
 
     def nll(self, x: torch.Tensor, one_hot: torch.Tensor, charges: torch.Tensor, node_mask: torch.Tensor,
-            generator: torch.Generator | None = None) -> torch.Tensor:
+            generator: torch.Generator | None = None, rng: RowRandom | None = None) -> torch.Tensor:
         """EDM's variational bound -log p(x, h | N) per molecule [B] in nats (excludes -log p(N))."""
-        terms = self.nll_terms(x, one_hot, charges, node_mask, generator)
+        terms = self.nll_terms(x, one_hot, charges, node_mask, generator, rng=rng)
         return sum(terms.values())
 
     # --- sampling -----------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ Data: extxyz/xyz(.gz), SDF or in-memory `ase.Atoms` (`readers.py`) in the shared
 loss, each molecule's t and noise drawn from the micro-batch's `SampleRandom` (keyed by the molecule: the
 same at any world size and accumulation split; the loss's 1 / N_max normalisation still follows the
 micro-batch's padded size, as EDM's); validation reports EDM's variational bound as NLL per molecule (including log p(N) of the
-node-count histogram) and, every `eval.sample_every` evaluations, the stability and validity of a
+node-count histogram; its t, eps and eps_0 keyed by (run seed, molecule id), so an evaluation gives the same
+numbers at any eval batch size and world size) and, every `eval.sample_every` evaluations, the stability and validity of a
 small sample. `trainer sample RUN key=value` draws N molecules split over the ranks, optionally
 guided by a force field at several scales from the same noise (paired), and evaluates every set
 (`sampling_report.py` writes the files).
@@ -20,7 +21,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,10 +45,9 @@ from trainer.families.molecules_edm.molecule import Molecule
 from trainer.families.molecules_edm.readers import bundled_qm9_path
 from trainer.families.molecules_edm.spec import MODEL_PRESETS, SPEC, MoleculeSampleConfig, MoleculesEDMConfig
 from trainer.registry import register_task
+from trainer.sample_random import SampleRandom
+from trainer.seeding import derive_seeds
 from trainer.task import LossOutput, Task, TaskData
-
-if TYPE_CHECKING:
-    from trainer.sample_random import SampleRandom
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class EDMModel(nn.Module):
         if mode == "loss":
             return self.diffusion.training_loss(*args, rng=rng)
         if mode == "nll":
-            return self.diffusion.nll(*args)
+            return self.diffusion.nll(*args, rng=rng)
         raise ValueError(f"mode must be 'loss' or 'nll', got {mode!r}")
 
 
@@ -138,8 +138,16 @@ class MoleculesEDMTask(Task):
         return LossOutput(loss=per_molecule.mean())
 
     def eval_step(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        nll = model(batch, mode="nll") - self._log_p_num_atoms(batch["num_atoms"]).to(batch["positions"].device)
-        return {"nll": nll, "loss": model(batch, mode="loss")}
+        """Per molecule: EDM's NLL bound (minus log p(N)) and the training loss, each drawn from the molecule's own
+        streams keyed by (run seed, molecule id): the same at every evaluation, batch size and world size."""
+        nll_rng = loss_rng = None
+        if "molecule_key" in batch:
+            keys = batch["molecule_key"].cpu().numpy()
+            nll_rng = SampleRandom(derive_seeds(self.seed, "molecules_edm/eval-nll", keys))
+            loss_rng = SampleRandom(derive_seeds(self.seed, "molecules_edm/eval-loss", keys))
+        nll = model(batch, mode="nll", rng=nll_rng) - self._log_p_num_atoms(batch["num_atoms"]).to(
+            batch["positions"].device)
+        return {"nll": nll, "loss": model(batch, mode="loss", rng=loss_rng)}
 
     def _log_p_num_atoms(self, num_atoms: torch.Tensor) -> torch.Tensor:
         return torch.tensor([self.log_p_num_atoms.get(int(n), -math.inf) for n in num_atoms.tolist()],
