@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -169,8 +170,6 @@ def cut_run_back(source: Path, out: Path, step: int) -> Path:
     """A copy of run `source` as a run stopped (or killed) after its step-`step` checkpoint would leave it:
     later checkpoints gone, `latest` and `best` pointing at step `step` (metrics.jsonl keeps later lines, as a
     kill leaves them; a resumed run truncates them)."""
-    import shutil
-
     shutil.copytree(source, out, ignore=shutil.ignore_patterns("launch.log", "export*"))
     name = f"step_{step:08d}"
     checkpoints = out / "checkpoints"
@@ -181,3 +180,25 @@ def cut_run_back(source: Path, out: Path, step: int) -> Path:
     for pointer in ("latest", "best"):
         (checkpoints / pointer).write_text(name + "\n")
     return out
+
+
+def assert_run_matches(reference: Path, run: Path, tolerance: float, steps: int | None = None) -> None:
+    """`run` ended where the uninterrupted `reference` did: its latest checkpoint's weights and EMA within
+    `tolerance`, and (when `steps` is given) its metrics log holds steps 1..steps, each loss within `tolerance`."""
+    import torch
+    from safetensors.torch import load_file
+
+    from trainer.core.checkpoint import latest_checkpoint
+    from trainer.core.export import load_model_weights
+
+    if steps is not None:
+        ref_losses, got_losses = train_losses(reference), train_losses(run)
+        assert sorted(got_losses) == list(range(1, steps + 1))
+        for step, loss in got_losses.items():
+            assert abs(loss - ref_losses[step]) <= tolerance, (step, loss, ref_losses[step])
+    ref_ckpt, got_ckpt = latest_checkpoint(reference / "checkpoints"), latest_checkpoint(run / "checkpoints")
+    for load in (load_model_weights, lambda path: load_file(path / "ema.safetensors")):
+        ref, got = load(ref_ckpt), load(got_ckpt)
+        assert ref.keys() == got.keys()
+        for key in ref:
+            torch.testing.assert_close(got[key].float(), ref[key].float(), rtol=0, atol=tolerance, msg=key)

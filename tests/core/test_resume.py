@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, TINY, TRAIN, accelerate_cmd, child_env, cut_run_back, run_cmd, train_losses
+from conftest import BIN, ROOT, TINY, TRAIN, accelerate_cmd, assert_run_matches, child_env, cut_run_back, run_cmd, train_losses
 from safetensors.torch import load_file
 
 from trainer.core.checkpoint import latest_checkpoint
@@ -121,14 +121,7 @@ def test_stream_checkpointed_by_two_processes_resumes_on_one_exactly(tmp_path):
     out = cut_run_back(ref, tmp_path / "resumed", step=4)
     proc = run_cmd([str(BIN / "python"), TRAIN, TINY, *common, f"run.output_dir={out}", "run.resume=auto"])
     assert "train.grad_accum_steps 2 -> 4" in proc.stdout + proc.stderr
-    ref_losses, got_losses = train_losses(ref), train_losses(out)
-    assert sorted(got_losses) == list(range(1, 9))
-    for step, loss in got_losses.items():
-        assert abs(loss - ref_losses[step]) <= 1e-5, (step, loss, ref_losses[step])
-    (ref_model, ref_ema), (got_model, got_ema) = final_state(ref), final_state(out)
-    for key in ref_model:
-        torch.testing.assert_close(got_model[key], ref_model[key], rtol=0, atol=1e-5)
-        torch.testing.assert_close(got_ema[key], ref_ema[key], rtol=0, atol=1e-5)
+    assert_run_matches(ref, out, tolerance=1e-5, steps=8)
 
 
 @pytest.mark.extended
@@ -145,11 +138,4 @@ def test_stream_checkpointed_by_one_process_resumes_under_zero2_with_workers(tmp
     proc = run_cmd(accelerate_cmd("zero2.yaml", TINY, *common, f"run.output_dir={out}", "run.resume=auto"),
                    timeout=400)
     assert "through the topology-free form" in proc.stdout + proc.stderr
-    ref_losses, got_losses = train_losses(ref), train_losses(out)
-    assert sorted(got_losses) == list(range(1, 9))
-    for step, loss in got_losses.items():
-        assert abs(loss - ref_losses[step]) <= 1e-5, (step, loss, ref_losses[step])
-    (ref_model, ref_ema), (got_model, got_ema) = final_state(ref), final_state(out)
-    for key in ref_model:
-        torch.testing.assert_close(got_model[key].float(), ref_model[key], rtol=0, atol=1e-5)
-        torch.testing.assert_close(got_ema[key], ref_ema[key], rtol=0, atol=1e-5)
+    assert_run_matches(ref, out, tolerance=1e-5, steps=8)

@@ -10,8 +10,8 @@ stores (found by loading ZeRO-1/2/3 and offload checkpoints); anything else is r
 
 torch.distributed.checkpoint (DCP: an FSDP run's sharded checkpoint) reads its tensors weights-only, but
 unpickles its `.metadata` file with plain `pickle.load` and the non-tensor entries (the optimizer's
-hyper-parameters) with `torch.load(weights_only=False)`. Inside `weights_only_loading()` the latter is
-forced weights-only as above, and the metadata is read by `DCPMetadataUnpickler`, which constructs DCP's own
+hyper-parameters) with a full-pickle torch load. Inside `weights_only_loading()` the latter is forced
+weights-only as above, and the metadata is read by `DCPMetadataUnpickler`, which constructs DCP's own
 metadata records (dataclasses of sizes, offsets and file names), torch.Size, dtypes and builtins only.
 
 What is trusted: the code of the installed packages. What is not: the bytes of a checkpoint directory
