@@ -202,3 +202,21 @@ def assert_run_matches(reference: Path, run: Path, tolerance: float, steps: int 
         assert ref.keys() == got.keys()
         for key in ref:
             torch.testing.assert_close(got[key].float(), ref[key].float(), rtol=0, atol=tolerance, msg=key)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Each family's tiny config cut to 3 steps of global batch 4 (2 per device), dropout 0, nothing evaluated or
+# checkpointed on the way: the runs that compare layouts (1 vs 2 processes) and devices (CPU vs GPU).
+FAMILY_RUNS_COMMON = [
+    "run.resume=none", "log.progress_bar=false", "log.tensorboard=false", "log.every_steps=1", "train.max_steps=3",
+    "train.epochs=0", "eval.every_steps=0", "eval.every_epochs=0", "eval.sample_every=0", "ckpt.every_steps=0",
+    "ckpt.every_epochs=0", "train.ema_decay=0", "train.per_device_batch_size=2", "train.global_batch_size=4",
+    "data.num_workers=0"]
+FAMILY_RUNS = {
+    "protein_sedd": ("protein_sedd/sedd_tiny.yaml", ["task.max_length=32", "task.val_fraction=0", "task.dropout=0"]),
+    "molecules_edm": ("molecules_edm/edm_tiny.yaml", ["task.val_fraction=0", "task.test_fraction=0"]),
+    "perturbation_gears": ("perturbation_gears/gears_tiny.yaml", []),
+    "crystal_property": ("crystals/comformer_tiny.yaml", ["data.batching=fixed"]),
+    "regression": ("regression/tiny.yaml", []),
+}
+"""config file under configs/, its overrides (on top of FAMILY_RUNS_COMMON)."""

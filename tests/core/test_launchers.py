@@ -121,3 +121,25 @@ def test_nonfinite_step_skipped_consistently_across_ranks(tmp_path):
             torch.testing.assert_close(got[key], ref[key], rtol=0, atol=1e-5, msg=f"{name} {key}")
         counts = [r["nonfinite_skipped"] for r in read_jsonl(runs[name]) if "nonfinite_skipped" in r]
         assert counts[-1] == 2, name
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_deepspeed_bf16_trains_like_autocast(tmp_path):
+    """DeepSpeed's bf16 mode holds bf16 weights and casts no input, so the batch's floats met bf16 weights and
+    every task failed at its first layer ("mat1 and mat2 must have the same dtype"; fp16 the same, on a GPU).
+    The core autocasts the forward there: ZeRO-2 bf16 trains what one process with bf16 autocast trains."""
+    from trainer.api import train
+    from trainer.config import load_config
+
+    common = ["task.preset=tiny", "train.max_steps=4", "train.mixed_precision=bf16", "log.every_steps=1",
+              "log.progress_bar=false", "log.tensorboard=false", "eval.every_steps=4", "ckpt.every_steps=0"]
+    ds = tmp_path / "zero2_bf16"
+    log = run_cmd(accelerate_cmd("zero2.yaml", TINY, *common, f"run.output_dir={ds}", nproc=1))
+    assert "backend=DEEPSPEED processes=1 device=cpu precision=bf16" in log.stdout + log.stderr
+    plain = train(load_config(TINY, [*common, f"run.output_dir={tmp_path / 'plain'}"]))
+    losses, reference = train_losses(ds), train_losses(tmp_path / "plain")
+    assert sorted(losses) == [1, 2, 3, 4]
+    for step, loss in losses.items():  # bf16 rounding of weights (DeepSpeed) against of activations (autocast)
+        assert loss == pytest.approx(reference[step], rel=1e-2), (step, losses, reference)
+    final = [json.loads(line) for line in (ds / "metrics.jsonl").read_text().splitlines() if "eval/loss" in line]
+    assert final and final[-1]["eval/loss"] == pytest.approx(plain.eval_metrics["loss"], rel=1e-2)

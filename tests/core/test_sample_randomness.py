@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ROOT, reset_accelerate
+from conftest import FAMILY_RUNS, FAMILY_RUNS_COMMON, ROOT, reset_accelerate
 from safetensors.torch import load_file
 
 from trainer.api import train
@@ -73,30 +73,19 @@ STORED_RANDINT = [439, 87]
 
 # ---------------------------------------------------------------------------------------------------- families
 
-COMMON = ["run.resume=none", "log.progress_bar=false", "log.tensorboard=false", "log.every_steps=1", "train.max_steps=3",
-          "train.epochs=0", "eval.every_steps=0", "eval.every_epochs=0", "eval.sample_every=0", "ckpt.every_steps=0",
-          "ckpt.every_epochs=0", "train.ema_decay=0", "train.per_device_batch_size=2", "train.global_batch_size=4",
-          "data.num_workers=0"]
-FAMILIES = {
-    "protein_sedd": ("protein_sedd/sedd_tiny.yaml", ["task.max_length=32", "task.val_fraction=0", "task.dropout=0"]),
-    "molecules_edm": ("molecules_edm/edm_tiny.yaml", ["task.val_fraction=0", "task.test_fraction=0"]),
-    "perturbation_gears": ("perturbation_gears/gears_tiny.yaml", []),
-    "crystal_property": ("crystals/comformer_tiny.yaml", ["data.batching=fixed"]),
-    "regression": ("regression/tiny.yaml", []),
-}
 ALSO_ONE_PROCESS = {"protein_sedd": ["train.per_device_batch_size=4"]}
 """Further one-process layouts of the same global batch that must train the same weights: other micro-batches
 (4 rows, padded to their longest crop), which the per-sample draws do not see."""
 
 
 def family_config(family: str, out, cache, *overrides: str):
-    config, extra = FAMILIES[family]
-    return load_config(str(ROOT / "configs" / config), [*COMMON, *extra, f"run.output_dir={out}",
+    config, extra = FAMILY_RUNS[family]
+    return load_config(str(ROOT / "configs" / config), [*FAMILY_RUNS_COMMON, *extra, f"run.output_dir={out}",
                                                         *([f"task.cache_dir={cache}"] if family != "regression" else []),
                                                         *overrides])
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILY_RUNS))
 @pytest.mark.usefixtures("fresh_accelerate")
 def test_the_loss_draws_nothing_from_the_global_rng(family, tmp_path):
     """With dropout 0 a family's loss leaves the global RNG untouched and gives the same value whatever its state:

@@ -19,8 +19,10 @@ so backward is given the share times what those undo.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from types import MethodType
 from typing import Any
 
 import torch
@@ -58,6 +60,11 @@ class Engine:
         self.optimizer = optimizer
         self.world = accelerator.num_processes
         self.accum = cfg.train.grad_accum_steps
+
+    def sampling_context(self) -> contextlib.AbstractContextManager:
+        """Where evaluation draws samples from the unwrapped model (its methods, not only `forward`): as it is,
+        since the weights are fp32 outside DeepSpeed."""
+        return contextlib.nullcontext()
 
     def backward(self, share: torch.Tensor) -> None:
         """Backward of this micro-batch's share of the step's global mean loss."""
@@ -154,6 +161,23 @@ class DeepSpeedEngine(Engine):
                                may_abort=t.mixed_precision != "fp16",
                                advice=nonfinite_advice(_peak_lr(optimizer), t.grad_clip_norm))
         self._engine_skipped = 0  # the engine's cumulative counter at the last read
+        # DeepSpeed's fp16/bf16 modes hold the module's weights in that dtype and cast no input, so the batch's
+        # floats and the task's fp32 draws (SampleRandom) met half weights ("mat1 and mat2 must have the same
+        # dtype"). HF Trainer casts the batch alone; a task computes more inputs than that, so the module's
+        # forward autocasts, as accelerate's prepare does for native AMP. Inside its own forward the DeepSpeed
+        # engine turns an outer autocast off: hence the module's forward, not a context around the loss.
+        self.half = (torch.float16 if model.fp16_enabled() else torch.bfloat16 if model.bfloat16_enabled()
+                     else None)
+        if self.half is not None:
+            module = model.module
+            module.forward = MethodType(torch.autocast(accelerator.device.type, dtype=self.half)(
+                module.forward.__func__), module)
+
+    def sampling_context(self) -> contextlib.AbstractContextManager:
+        """Autocast under DeepSpeed's fp16/bf16: sampling calls the module's own methods with fp32 inputs."""
+        if self.half is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.accelerator.device.type, dtype=self.half)
 
     def backward(self, share: torch.Tensor) -> None:
         self.accelerator.backward(share * (self.world * self.accum))

@@ -235,7 +235,8 @@ class Trainer:
                 for key, value in out.items():
                     values[key].append(value.detach().float().cpu())
                 trim()
-            scores = self._sample_scores() if split == "eval" else {}
+            with self.engine.sampling_context():
+                scores = self._sample_scores() if split == "eval" else {}
         self.model.train()
         joined = {k: torch.cat(v) for k, v in values.items()}
         metrics = {**self.task.reduce_metrics(joined), **scores}
