@@ -71,6 +71,17 @@ def reset_accelerate() -> None:
     PartialState._reset_state()
 
 
+def cli_in_process(*args: str) -> None:
+    """`trainer ARGS` in this process (a subprocess costs ~5 s of imports on 2 cores): for single-process runs
+    whose launch is not what a test is about. Fails on a non-zero exit; leaves accelerate's state fresh."""
+    from trainer.cli import main
+
+    try:
+        assert main(list(args)) == 0, f"trainer {' '.join(args)} failed"
+    finally:
+        reset_accelerate()
+
+
 @pytest.fixture
 def fresh_accelerate():
     """In-process Trainers share accelerate's global state; reset it after each test."""

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    BIN,
     ONE_PROCESS,
     REGRESSION_LAUNCHES,
     TINY,
-    TRAIN,
     TWO_PROCESSES,
     accelerate_cmd,
+    cli_in_process,
     read_jsonl,
     run_cmd,
     train_losses,
@@ -107,8 +106,7 @@ def test_nonfinite_step_skipped_consistently_across_ranks(tmp_path):
     poison = ["task.nan_sample=5", "train.ema_decay=0", "task.num_train=96", "train.max_steps=6"]
     args = [TINY, *TWO_PROCESSES, *poison]
     runs = {"single": tmp_path / "single", "ddp": tmp_path / "ddp", "zero2": tmp_path / "zero2"}
-    run_cmd([str(BIN / "python"), TRAIN, TINY, *ONE_PROCESS, *poison,
-             f"run.output_dir={runs['single']}"])
+    cli_in_process("train", TINY, *ONE_PROCESS, *poison, f"run.output_dir={runs['single']}")
     run_cmd(accelerate_cmd("ddp.yaml", *args, f"run.output_dir={runs['ddp']}"))
     run_cmd(accelerate_cmd("zero2.yaml", *args, f"run.output_dir={runs['zero2']}"))
     ref = final_weights(runs["single"], "model")

@@ -5,6 +5,7 @@ topology (DDP, ZeRO, FSDP, one process) is tested in test_resume_anywhere.py."""
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import time
@@ -12,7 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, TINY, TRAIN, accelerate_cmd, assert_run_matches, child_env, cut_run_back, run_cmd, train_losses
+from conftest import (
+    BIN,
+    ROOT,
+    TINY,
+    TRAIN,
+    accelerate_cmd,
+    assert_run_matches,
+    child_env,
+    cli_in_process,
+    cut_run_back,
+    run_cmd,
+    train_losses,
+)
 from safetensors.torch import load_file
 
 from trainer.core.checkpoint import latest_checkpoint
@@ -106,7 +119,7 @@ def test_sigterm_through_accelerate_launch(tmp_path):
 
 
 @pytest.mark.distributed
-def test_stream_checkpointed_by_two_processes_resumes_on_one_exactly(tmp_path):
+def test_stream_checkpointed_by_two_processes_resumes_on_one_exactly(tmp_path, caplog):
     """The resume matrix's streaming case: a stream of 101 samples (3 global batches of 32 an epoch, the last 5
     left out) checkpointed by 2 DDP processes at step 4 (epoch 1, 32 samples in) and continued by one process
     (accumulation 2 -> 4) reads exactly the samples the uninterrupted run read: every step's loss, the weights
@@ -119,8 +132,9 @@ def test_stream_checkpointed_by_two_processes_resumes_on_one_exactly(tmp_path):
     state = json.loads((ref / "checkpoints" / "step_00000004" / "trainer_state.json").read_text())
     assert state["data_position"] == [1, 32]  # (epoch, global samples read): the same on every rank
     out = cut_run_back(ref, tmp_path / "resumed", step=4)
-    proc = run_cmd([str(BIN / "python"), TRAIN, TINY, *common, f"run.output_dir={out}", "run.resume=auto"])
-    assert "train.grad_accum_steps 2 -> 4" in proc.stdout + proc.stderr
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        cli_in_process("train", TINY, *common, f"run.output_dir={out}", "run.resume=auto")
+    assert "train.grad_accum_steps 2 -> 4" in caplog.text
     assert_run_matches(ref, out, tolerance=1e-5, steps=8)
 
 
@@ -133,7 +147,7 @@ def test_stream_checkpointed_by_one_process_resumes_under_zero2_with_workers(tmp
     common = [*BASE, "task.num_train=101", "task.streaming=true", "train.per_device_batch_size=8",
               "train.global_batch_size=32", "train.max_steps=8", "ckpt.every_steps=4", "data.num_workers=2"]
     ref = tmp_path / "ref"
-    run_cmd([str(BIN / "python"), TRAIN, TINY, *common, f"run.output_dir={ref}", "run.resume=none"])
+    cli_in_process("train", TINY, *common, f"run.output_dir={ref}", "run.resume=none")
     out = cut_run_back(ref, tmp_path / "resumed", step=4)
     proc = run_cmd(accelerate_cmd("zero2.yaml", TINY, *common, f"run.output_dir={out}", "run.resume=auto"),
                    timeout=400)

@@ -29,6 +29,7 @@ from conftest import (
     accelerate_cmd,
     assert_run_matches,
     child_env,
+    cli_in_process,
     cut_run_back,
     run_cmd,
     train_losses,
@@ -171,7 +172,7 @@ def test_sedd_resumed_under_another_backend_matches_uninterrupted(tmp_path):
               "eval.every_steps=0", "eval.sample_every=0", "log.every_steps=1", "log.progress_bar=false",
               "log.tensorboard=false", f"task.cache_dir={tmp_path / 'cache'}"]
     reference, source = tmp_path / "reference", tmp_path / "ddp"
-    run_cmd([str(BIN / "python"), TRAIN, *common, f"run.output_dir={reference}", "run.resume=none"], timeout=400)
+    cli_in_process("train", *common, f"run.output_dir={reference}", "run.resume=none")
     run_cmd(accelerate_cmd("ddp.yaml", *common, f"run.output_dir={source}", "run.resume=none"), timeout=400)
     out = cut_run_back(source, tmp_path / "ddp_to_zero2", step=4)
     proc = run_cmd(accelerate_cmd("zero2.yaml", *common, f"run.output_dir={out}", "run.resume=auto"), timeout=400)

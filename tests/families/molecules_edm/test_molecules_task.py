@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import BIN, ROOT, accelerate_cmd, free_port, read_jsonl, reset_accelerate, run_cmd
+from conftest import BIN, ROOT, accelerate_cmd, cli_in_process, free_port, read_jsonl, reset_accelerate, run_cmd
 from safetensors.torch import load_file
 
 from trainer.families.molecules_edm.readers import read_molecules
@@ -80,7 +80,7 @@ def test_guided_sampling_is_paired_and_the_same_with_one_and_two_processes(train
     options = ["num_samples=5", "batch_size=2", "guidance.scales=[0.0,0.002]", "guidance.forcefield=springs",
                "guidance.noise_threshold=1.0", "evaluation_forcefield=springs", "chains=1", "chain_frames=4"]
     one, two = tmp_path / "one", tmp_path / "two"
-    run_cmd([str(BIN / "trainer"), "sample", str(trained_run), f"out={one}", *options])
+    cli_in_process("sample", str(trained_run), f"out={one}", *options)
     run_cmd([str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
              "--main_process_port", str(free_port()), "-m", "trainer", "sample", str(trained_run), f"out={two}",
              *options])
@@ -107,8 +107,8 @@ def test_guided_sampling_is_paired_and_the_same_with_one_and_two_processes(train
         (one / "chains" / "baseline" / "sample_0.xyz").read_text()
     # The same metrics from the written file, by the stand-alone evaluator.
     summary = tmp_path / "summary.json"
-    run_cmd([str(BIN / "trainer"), "evaluate-molecules", str(one / "baseline" / "molecules.extxyz"),
-             "forcefield=none", f"out={summary}"])
+    cli_in_process("evaluate-molecules", str(one / "baseline" / "molecules.extxyz"), "forcefield=none",
+                   f"out={summary}")
     standalone = json.loads(summary.read_text())
     for key in ("atom_stability", "molecule_stability", "validity", "uniqueness"):
         assert standalone[key] == pytest.approx(table["baseline"][key])

@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from conftest import BIN, ROOT, accelerate_cmd, free_port, read_jsonl, reset_accelerate, run_cmd
+from conftest import BIN, ROOT, accelerate_cmd, cli_in_process, free_port, read_jsonl, reset_accelerate, run_cmd
 
 from trainer.config import load_config
 from trainer.core.samplers import KeyedSamples
@@ -77,14 +77,26 @@ def test_crops_are_reproducible_per_epoch_and_valid(tmp_path):
     assert batch["num_tokens"] == int(batch["mask"].sum())
 
 
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """12 steps of the main job's config (crops of 24, dropout 0.1, 2 loader workers), checkpoints at 6 and 12,
+    trained in this process: the resume test's reference and the sampling test's model."""
+    root = tmp_path_factory.mktemp("sedd")
+    cli_in_process("train", *RESUME_RUN, f"task.cache_dir={root / 'cache'}", f"run.output_dir={root / 'run'}")
+    return root
+
+
+RESUME_RUN = [CONFIG, "train.max_steps=12", "ckpt.every_steps=6", "ckpt.keep_last=5", "eval.every_steps=0",
+              "log.every_steps=1", "log.progress_bar=false", "task.dropout=0.1", "task.max_length=24",
+              "data.num_workers=2"]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_sampling_same_sequences_with_one_and_two_processes(tmp_path):
-    run = tmp_path / "run"
-    run_cmd([str(BIN / "trainer"), "train", CONFIG, f"run.output_dir={run}", "train.max_steps=10",
-             "eval.every_steps=0", "log.progress_bar=false", f"task.cache_dir={tmp_path / 'cache'}"])
+def test_sampling_same_sequences_with_one_and_two_processes(trained_run, tmp_path):
+    run = trained_run / "run"
     one, two = tmp_path / "one.fasta", tmp_path / "two.fasta"
-    run_cmd([str(BIN / "trainer"), "sample", str(run), f"out={one}", "num_samples=7", "steps=12"])
+    cli_in_process("sample", str(run), f"out={one}", "num_samples=7", "steps=12")
     run_cmd([str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
              "--main_process_port", str(free_port()), "-m", "trainer", "sample", str(run), f"out={two}",
              "batch_size=2", "num_samples=7", "steps=12"])
@@ -105,30 +117,26 @@ def test_sampling_same_sequences_with_one_and_two_processes(tmp_path):
     # The tokenizer travels with every checkpoint and export.
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(run / "checkpoints" / "step_00000010" / "tokenizer"))
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(run / "checkpoints" / "step_00000012" / "tokenizer"))
     assert tokenizer("MKV")["input_ids"] == [16, 14, 23]
-    run_cmd([str(BIN / "trainer"), "export", str(run)])
-    assert (run / "export" / "tokenizer" / "tokenizer.json").is_file()
-    assert "length_histogram" in json.loads((run / "export" / "task_stats.json").read_text())
+    export = tmp_path / "export"
+    cli_in_process("export", str(run), "--out", str(export / "model.safetensors"))
+    assert (export / "tokenizer" / "tokenizer.json").is_file()
+    assert "length_histogram" in json.loads((export / "task_stats.json").read_text())
     fixed = tmp_path / "fixed.fasta"
-    run_cmd([str(BIN / "trainer"), "sample", str(run), f"out={fixed}", "num_samples=3", "length=17", "steps=8",
-             "sampler=euler"])
+    cli_in_process("sample", str(run), f"out={fixed}", "num_samples=3", "length=17", "steps=8", "sampler=euler")
     assert all(len("".join(r.strip().splitlines()[1:])) == 17 for r in fixed.read_text().split(">")[1:])
 
 
 @pytest.mark.slow
-def test_resume_reproduces_crops_and_noise_exactly(tmp_path):
+def test_resume_reproduces_crops_and_noise_exactly(trained_run, tmp_path):
     """Resuming from a mid-run checkpoint ends bit-identical: random crops (seed, epoch, index), the
     diffusion times and corruption (keyed by sample) and dropout (the rank's RNG) all replay exactly."""
     from safetensors.torch import load_file
 
-    common = [CONFIG, "train.max_steps=12", "ckpt.every_steps=6", "ckpt.keep_last=5", "eval.every_steps=0",
-              "log.every_steps=1", "log.progress_bar=false", "task.dropout=0.1", "task.max_length=24",
-              "data.num_workers=2", f"task.cache_dir={tmp_path / 'cache'}"]
-    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
-    run_cmd([str(BIN / "trainer"), "train", *common, f"run.output_dir={ref}"])
-    run_cmd([str(BIN / "trainer"), "train", *common, f"run.output_dir={resumed}",
-             f"run.resume={ref / 'checkpoints' / 'step_00000006'}"])
+    ref, resumed = trained_run / "run", tmp_path / "resumed"
+    cli_in_process("train", *RESUME_RUN, f"task.cache_dir={trained_run / 'cache'}", f"run.output_dir={resumed}",
+                   f"run.resume={ref / 'checkpoints' / 'step_00000006'}")
     a = load_file(ref / "checkpoints" / "step_00000012" / "model.safetensors")
     b = load_file(resumed / "checkpoints" / "step_00000012" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
