@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, ROOT, TINY, read_jsonl, run_cmd
+from conftest import BIN, ROOT, TINY, cli_in_process, read_jsonl, run_cmd
 
 from trainer.core.export import load_exported
 
@@ -30,11 +30,11 @@ def test_train_export_plot_against_reference(tmp_path):
         assert key in records[1], key
     assert (out / "config.yaml").is_file() and list((out / "tb").rglob("events.out.tfevents*"))
 
-    run_cmd([str(BIN / "trainer"), "export", str(out)])
+    cli_in_process("export", str(out))  # the console script itself is the train step's
     model, cfg = load_exported(out / "export" / "model.safetensors")
     assert cfg.train.max_steps == reference["step"]
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    run_cmd([str(BIN / "trainer"), "plot", str(out)])
+    cli_in_process("plot", str(out))
     for name in ("train.png", "eval.png"):
         assert (out / "plots" / name).stat().st_size > 10_000
 
