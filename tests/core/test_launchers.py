@@ -4,14 +4,18 @@ global batch to the same weights as one process, evaluates each sample exactly o
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import (
+    FAMILY_RUNS,
+    FAMILY_RUNS_COMMON,
     ONE_PROCESS,
     REGRESSION_LAUNCHES,
+    ROOT,
     TINY,
     TWO_PROCESSES,
     accelerate_cmd,
@@ -125,19 +129,54 @@ def test_nonfinite_step_skipped_consistently_across_ranks(tmp_path):
 def test_deepspeed_bf16_trains_like_autocast(tmp_path):
     """DeepSpeed's bf16 mode holds bf16 weights and casts no input, so the batch's floats met bf16 weights and
     every task failed at its first layer ("mat1 and mat2 must have the same dtype"; fp16 the same, on a GPU).
-    The core autocasts the forward there: ZeRO-2 bf16 trains what one process with bf16 autocast trains."""
+    The core autocasts the module's forward there: ZeRO-2 bf16 trains what one process with bf16 autocast trains."""
     from trainer.api import train
     from trainer.config import load_config
 
     common = ["task.preset=tiny", "train.max_steps=4", "train.mixed_precision=bf16", "log.every_steps=1",
-              "log.progress_bar=false", "log.tensorboard=false", "eval.every_steps=4", "ckpt.every_steps=0"]
+              "log.progress_bar=false", "log.tensorboard=false", "eval.every_steps=4", "ckpt.every_steps=4",
+              "optim.lr=0.05", "train.ema_decay=0"]
     ds = tmp_path / "zero2_bf16"
     log = run_cmd(accelerate_cmd("zero2.yaml", TINY, *common, f"run.output_dir={ds}", nproc=1))
     assert "backend=DEEPSPEED processes=1 device=cpu precision=bf16" in log.stdout + log.stderr
     plain = train(load_config(TINY, [*common, f"run.output_dir={tmp_path / 'plain'}"]))
     losses, reference = train_losses(ds), train_losses(tmp_path / "plain")
-    assert sorted(losses) == [1, 2, 3, 4]
+    assert sorted(losses) == [1, 2, 3, 4] and len(set(losses.values())) == 4  # it trained
     for step, loss in losses.items():  # bf16 rounding of weights (DeepSpeed) against of activations (autocast)
         assert loss == pytest.approx(reference[step], rel=1e-2), (step, losses, reference)
-    final = [json.loads(line) for line in (ds / "metrics.jsonl").read_text().splitlines() if "eval/loss" in line]
+    records = read_jsonl(ds)
+    assert [r["nonfinite_skipped"] for r in records if "nonfinite_skipped" in r][-1] == 0
+    final = [r for r in records if "eval/loss" in r]
     assert final and final[-1]["eval/loss"] == pytest.approx(plain.eval_metrics["loss"], rel=1e-2)
+    ours, theirs = final_weights(ds, "model"), final_weights(tmp_path / "plain", "model")
+    for key in theirs:
+        torch.testing.assert_close(ours[key].float(), theirs[key].float(), rtol=0, atol=2e-2, msg=key)
+
+
+VALIDATION = {"protein_sedd": ["task.val_fraction=0.05"], "molecules_edm": ["task.val_fraction=0.05"],
+              "perturbation_gears": ["train.grad_clip_value=0", "train.grad_clip_norm=1.0"]}
+"""Per family: the validation split back where FAMILY_RUNS drops it (so eval and samples run); GEARS clips by
+value, which DeepSpeed refuses: by norm here."""
+
+
+GEARS_HALF = pytest.mark.xfail(strict=True, reason="GEARS under DeepSpeed bf16 fails in backward (a Float/BFloat16 "
+                                                  "mismatch, not located yet): README Known limits")
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("family", [pytest.param(f, marks=GEARS_HALF) if f == "perturbation_gears" else f
+                                    for f in sorted(set(FAMILY_RUNS) - {"regression"})])
+def test_every_family_trains_and_samples_under_deepspeed_bf16(family, tmp_path):
+    """Each family's loss, eval step and (SEDD, EDM) eval samples under ZeRO-2 bf16 (half weights, fp32 buffers
+    and task draws): finite losses, no skipped step, eval metrics logged."""
+    config, overrides = FAMILY_RUNS[family]
+    out = tmp_path / "run"
+    run_cmd(accelerate_cmd("zero2.yaml", str(ROOT / "configs" / config), *FAMILY_RUNS_COMMON, *overrides,
+                           f"run.output_dir={out}", f"task.cache_dir={tmp_path / 'cache'}",
+                           "train.mixed_precision=bf16", "train.max_steps=2", *VALIDATION.get(family, []),
+                           "eval.every_steps=2", "eval.sample_every=1", "eval.num_samples=2", nproc=1), timeout=600)
+    records = read_jsonl(out)
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses), losses
+    assert [r["nonfinite_skipped"] for r in records if "nonfinite_skipped" in r][-1] == 0
+    assert any(k.startswith("eval/") for r in records for k in r), records[-3:]

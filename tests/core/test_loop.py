@@ -227,6 +227,8 @@ def test_deepspeed_json_must_agree_with_trainer_config():
     assert filled["zero_optimization"]["stage3_param_persistence_threshold"] == 0  # EMA needs partitions
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=4"):
         fill_deepspeed_config({"gradient_accumulation_steps": 4}, cfg)
+    with pytest.raises(ConfigError, match="enables torch_autocast: remove that section and set train.mixed_precision"):
+        fill_deepspeed_config({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, cfg)
     with pytest.raises(ConfigError, match="optimizer.type=Adam contradicts optim.name=adamw"):
         fill_deepspeed_config({"optimizer": {"type": "Adam"}}, cfg)
     with pytest.raises(ConfigError, match="persistence_threshold"):

@@ -71,6 +71,11 @@ def fill_deepspeed_config(ds: dict, cfg: Config) -> dict:
         elif float(ds[key]) != float(value):
             raise ConfigError(f"DeepSpeed config sets {key}={ds[key]} but the trainer config implies {value}; "
                               f"write \"auto\" in the json so both agree")
+    if str((ds.get("torch_autocast") or {}).get("enabled", False)).lower() == "true":
+        # The trainer autocasts DeepSpeed's half modes itself (engine.py); DeepSpeed's own autocast over fp32
+        # weights would be a second, unlogged precision setting (with bf16 on as well, two nested autocasts).
+        raise ConfigError("DeepSpeed config enables torch_autocast: remove that section and set "
+                          "train.mixed_precision=bf16 or fp16 (the json's bf16/fp16 \"auto\" follow it)")
     for key in ("bf16", "fp16"):
         section = ds.setdefault(key, {})
         if section.get("enabled", "auto") == "auto":

@@ -165,13 +165,14 @@ class DeepSpeedEngine(Engine):
         # floats and the task's fp32 draws (SampleRandom) met half weights ("mat1 and mat2 must have the same
         # dtype"). HF Trainer casts the batch alone; a task computes more inputs than that, so the module's
         # forward autocasts, as accelerate's prepare does for native AMP. Inside its own forward the DeepSpeed
-        # engine turns an outer autocast off: hence the module's forward, not a context around the loss.
+        # engine turns an outer CUDA autocast off: hence the module's forward, not a context around the loss.
         self.half = (torch.float16 if model.fp16_enabled() else torch.bfloat16 if model.bfloat16_enabled()
                      else None)
         if self.half is not None:
-            module = model.module
-            module.forward = MethodType(torch.autocast(accelerator.device.type, dtype=self.half)(
-                module.forward.__func__), module)
+            _autocast_forward(model.module, accelerator.device.type, self.half)
+            for module in model.module.modules():
+                if type(module) in _BATCH_NORMS:
+                    module.forward = MethodType(_batch_norm_with_fp32_affine, module)
 
     def sampling_context(self) -> contextlib.AbstractContextManager:
         """Autocast under DeepSpeed's fp16/bf16: sampling calls the module's own methods with fp32 inputs."""
@@ -200,6 +201,38 @@ class DeepSpeedEngine(Engine):
 
     def after_resume(self) -> None:
         self._engine_skipped = int(getattr(self.model, "skipped_steps", 0))
+
+
+def _autocast_forward(module: torch.nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Make `module.forward` run under autocast to `dtype` and return fp32 floats, as accelerate's `prepare` does
+    for native AMP (losses computed after the forward then see what they see without DeepSpeed)."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = module.forward
+    function = getattr(forward, "__func__", forward)  # a bound method, or a function set on the instance
+    wrapped = convert_outputs_to_fp32(torch.autocast(device_type, dtype=dtype)(function))
+    module.forward = MethodType(wrapped, module) if hasattr(forward, "__func__") else wrapped
+
+
+_BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+
+
+def _batch_norm_with_fp32_affine(self: torch.nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """`_BatchNorm.forward` with its weight and bias taken in fp32: DeepSpeed casts parameters to half but keeps
+    buffers, so a half weight met fp32 running statistics ("expected scalar type BFloat16 but found Float").
+    batch_norm takes a half input with fp32 affine and statistics (as under native AMP), and the running
+    statistics keep their fp32 precision."""
+    self._check_input_dim(x)
+    factor = 0.0 if self.momentum is None else self.momentum
+    if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+        self.num_batches_tracked.add_(1)
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+    use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+    keep = not self.training or self.track_running_stats
+    weight = self.weight.float() if self.weight is not None else None
+    bias = self.bias.float() if self.bias is not None else None
+    return torch.nn.functional.batch_norm(x, self.running_mean if keep else None, self.running_var if keep else None,
+                                          weight, bias, use_batch_stats, factor, self.eps)
 
 
 def log_shards(model: Any, accelerator: Accelerator) -> None:
