@@ -159,13 +159,8 @@ VALIDATION = {"protein_sedd": ["task.val_fraction=0.05"], "molecules_edm": ["tas
 value, which DeepSpeed refuses: by norm here."""
 
 
-GEARS_HALF = pytest.mark.xfail(strict=True, reason="GEARS under DeepSpeed bf16 fails in backward (a Float/BFloat16 "
-                                                  "mismatch, not located yet): README Known limits")
-
-
 @pytest.mark.extended
-@pytest.mark.parametrize("family", [pytest.param(f, marks=GEARS_HALF) if f == "perturbation_gears" else f
-                                    for f in sorted(set(FAMILY_RUNS) - {"regression"})])
+@pytest.mark.parametrize("family", sorted(set(FAMILY_RUNS) - {"regression"}))
 def test_every_family_trains_and_samples_under_deepspeed_bf16(family, tmp_path):
     """Each family's loss, eval step and (SEDD, EDM) eval samples under ZeRO-2 bf16 (half weights, fp32 buffers
     and task draws): finite losses, no skipped step, eval metrics logged."""

@@ -78,9 +78,11 @@ class SGConv(nn.Module):
             adjacency = build_normalized_adjacency(edge_index, weight, x.size(0))
             if weight is None:
                 adjacency = adjacency.to(x.dtype)
-        # Sparse products are outside autocast: under half-precision weights (DeepSpeed fp16/bf16) the embeddings
-        # arrive in half while the adjacency stays fp32, so the propagation runs in the adjacency's precision.
-        x = x.to(adjacency.dtype)
-        for _ in range(self.K):
-            x = torch.sparse.mm(adjacency, x)
+        # The propagation runs in the adjacency's precision with autocast off: under half-precision weights
+        # (DeepSpeed fp16/bf16) the embeddings arrive in half while the adjacency stays fp32, and autocast would
+        # cast the dense side of the sparse product alone (its backward then mixes the two).
+        with torch.autocast(x.device.type, enabled=False):
+            x = x.to(adjacency.dtype)
+            for _ in range(self.K):
+                x = torch.sparse.mm(adjacency, x)
         return self.lin(x)
