@@ -231,3 +231,20 @@ FAMILY_RUNS = {
     "regression": ("regression/tiny.yaml", []),
 }
 """config file under configs/, its overrides (on top of FAMILY_RUNS_COMMON)."""
+DEEPSPEED_FAMILY_OVERRIDES = {"protein_sedd": ["task.val_fraction=0.05"], "molecules_edm": ["task.val_fraction=0.05"],
+                              "perturbation_gears": ["train.grad_clip_value=0", "train.grad_clip_norm=1.0"]}
+"""On top of FAMILY_RUNS under DeepSpeed: the validation split back where FAMILY_RUNS drops it (so eval and
+samples run); GEARS clips by value, which DeepSpeed refuses: by norm here."""
+
+
+def deepspeed_family_run(family: str, tmp_path: Path, precision: str, steps: int) -> tuple[list[dict], str]:
+    """`family`'s FAMILY_RUNS config under ZeRO-2 on one process in `precision` for `steps` steps, evaluated at
+    the end (with eval samples where the task generates): (its metrics records, its output)."""
+    config, overrides = FAMILY_RUNS[family]
+    out = tmp_path / "run"
+    proc = run_cmd(accelerate_cmd("zero2.yaml", str(ROOT / "configs" / config), *FAMILY_RUNS_COMMON, *overrides,
+                                  *DEEPSPEED_FAMILY_OVERRIDES.get(family, []), f"run.output_dir={out}",
+                                  f"task.cache_dir={tmp_path / 'cache'}", f"train.mixed_precision={precision}",
+                                  f"train.max_steps={steps}", f"eval.every_steps={steps}", "eval.sample_every=1",
+                                  "eval.num_samples=2", nproc=1), timeout=600)
+    return read_jsonl(out), proc.stdout + proc.stderr

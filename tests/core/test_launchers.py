@@ -12,14 +12,13 @@ import pytest
 import torch
 from conftest import (
     FAMILY_RUNS,
-    FAMILY_RUNS_COMMON,
     ONE_PROCESS,
     REGRESSION_LAUNCHES,
-    ROOT,
     TINY,
     TWO_PROCESSES,
     accelerate_cmd,
     cli_in_process,
+    deepspeed_family_run,
     read_jsonl,
     run_cmd,
     train_losses,
@@ -153,24 +152,12 @@ def test_deepspeed_bf16_trains_like_autocast(tmp_path):
         torch.testing.assert_close(ours[key].float(), theirs[key].float(), rtol=0, atol=2e-2, msg=key)
 
 
-VALIDATION = {"protein_sedd": ["task.val_fraction=0.05"], "molecules_edm": ["task.val_fraction=0.05"],
-              "perturbation_gears": ["train.grad_clip_value=0", "train.grad_clip_norm=1.0"]}
-"""Per family: the validation split back where FAMILY_RUNS drops it (so eval and samples run); GEARS clips by
-value, which DeepSpeed refuses: by norm here."""
-
-
 @pytest.mark.extended
 @pytest.mark.parametrize("family", sorted(set(FAMILY_RUNS) - {"regression"}))
 def test_every_family_trains_and_samples_under_deepspeed_bf16(family, tmp_path):
     """Each family's loss, eval step and (SEDD, EDM) eval samples under ZeRO-2 bf16 (half weights, fp32 buffers
     and task draws): finite losses, no skipped step, eval metrics logged."""
-    config, overrides = FAMILY_RUNS[family]
-    out = tmp_path / "run"
-    run_cmd(accelerate_cmd("zero2.yaml", str(ROOT / "configs" / config), *FAMILY_RUNS_COMMON, *overrides,
-                           f"run.output_dir={out}", f"task.cache_dir={tmp_path / 'cache'}",
-                           "train.mixed_precision=bf16", "train.max_steps=2", *VALIDATION.get(family, []),
-                           "eval.every_steps=2", "eval.sample_every=1", "eval.num_samples=2", nproc=1), timeout=600)
-    records = read_jsonl(out)
+    records, _ = deepspeed_family_run(family, tmp_path, "bf16", steps=2)
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses), losses
     assert [r["nonfinite_skipped"] for r in records if "nonfinite_skipped" in r][-1] == 0

@@ -14,9 +14,7 @@ Run: `pytest -m gpu tests/gpu` (`-n 4` with pytest-xdist: each test launches its
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from conftest import (
     assert_run_matches,
     child_env,
     cut_run_back,
+    deepspeed_family_run,
     run_cmd,
     train_losses,
 )
@@ -157,29 +156,18 @@ def test_family_trains_on_the_gpu_as_on_the_cpu(family, tmp_path):
                       timeout=600)
         made = [p for p in tmp_path.glob("samples*") if p.is_file() and p.stat().st_size > 0]
         assert made, log.stdout[-2000:] + log.stderr[-2000:]
-    if os.environ.get("TRAINER_GPU_REPORT"):  # a folder where the device script collects the figures
-        report = Path(os.environ["TRAINER_GPU_REPORT"])
-        report.mkdir(parents=True, exist_ok=True)
-        (report / f"{family}.json").write_text(json.dumps({"gpu": on_gpu, "cpu": on_cpu}))
 
 
 @pytest.mark.parametrize("family", ["protein_sedd", "molecules_edm"])
 def test_family_trains_under_deepspeed_fp16(family, tmp_path):
     """DeepSpeed's fp16 holds fp16 weights; the task's fp32 draws (diffusion time, noise) meet them inside the
-    loss, and evaluation's samples call the module's own methods: the core autocasts both (CPU: the bf16 test
+    loss, and evaluation's samples call the module's own methods: the core autocasts both (CPU: the bf16 tests
     in test_launchers.py)."""
-    config, overrides = FAMILY_RUNS[family]
-    out = tmp_path / "run"
-    log = run_cmd(accelerate_cmd("zero2.yaml", str(ROOT / "configs" / config), *FAMILY_RUNS_COMMON, *overrides,
-                                 f"run.output_dir={out}", f"task.cache_dir={tmp_path / 'cache'}",
-                                 "train.mixed_precision=fp16", "train.max_steps=6", "task.val_fraction=0.05",
-                                 "eval.every_steps=6", "eval.sample_every=1", "eval.num_samples=4", nproc=1),
-                  timeout=600)
-    assert "backend=DEEPSPEED processes=1 device=cuda:0 precision=fp16" in log.stdout + log.stderr
-    losses = train_losses(out)
+    records, output = deepspeed_family_run(family, tmp_path, "fp16", steps=6)
+    assert "backend=DEEPSPEED processes=1 device=cuda:0 precision=fp16" in output
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert sorted(losses) == list(range(1, 7)) and all(math.isfinite(v) for v in losses.values()), losses
-    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval/loss" in line]
+    evals = [r for r in records if "eval/loss" in r]
     assert evals and any(k.startswith("eval/sample_") for k in evals[-1]), evals
-    skipped = [json.loads(line)["nonfinite_skipped"] for line in (out / "metrics.jsonl").read_text().splitlines()
-               if "nonfinite_skipped" in line]
+    skipped = [r["nonfinite_skipped"] for r in records if "nonfinite_skipped" in r]
     assert skipped[-1] < 6, "DeepSpeed's loss scaler skipped every step"  # (added after the 2026-11-26 GPU run)

@@ -218,9 +218,10 @@ _BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d
 
 
 def _batch_norm_with_fp32_affine(self: torch.nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
-    """`_BatchNorm.forward` computed in fp32: DeepSpeed casts parameters to half but keeps buffers, so a half
-    weight met fp32 running statistics ("expected scalar type BFloat16 but found Float"). The running statistics
-    keep their fp32 precision; the output returns in the input's dtype."""
+    """`_BatchNorm.forward` with its weight and bias taken in fp32: DeepSpeed casts parameters to half but keeps
+    buffers, so a half weight met fp32 running statistics ("expected scalar type BFloat16 but found Float").
+    batch_norm takes a half input with fp32 affine and statistics (as under native AMP, forward and backward),
+    and the running statistics keep their fp32 precision."""
     self._check_input_dim(x)
     factor = 0.0 if self.momentum is None else self.momentum
     if self.training and self.track_running_stats and self.num_batches_tracked is not None:
@@ -230,11 +231,8 @@ def _batch_norm_with_fp32_affine(self: torch.nn.modules.batchnorm._BatchNorm, x:
     keep = not self.training or self.track_running_stats
     weight = self.weight.float() if self.weight is not None else None
     bias = self.bias.float() if self.bias is not None else None
-    # In fp32 throughout: the CPU kernels' backward refuses a half input with fp32 statistics.
-    out = torch.nn.functional.batch_norm(x.float(), self.running_mean if keep else None,
-                                         self.running_var if keep else None, weight, bias, use_batch_stats, factor,
-                                         self.eps)
-    return out.to(x.dtype)
+    return torch.nn.functional.batch_norm(x, self.running_mean if keep else None, self.running_var if keep else None,
+                                          weight, bias, use_batch_stats, factor, self.eps)
 
 
 def log_shards(model: Any, accelerator: Accelerator) -> None:
