@@ -44,11 +44,15 @@ lint: setup
 	$(VENV)/bin/ruff check trainer tests benchmarks scripts
 
 # CI's suite: everything but the `extended` repeats (README, Tests: how long it takes); test-all adds them.
+# TEST_WORKERS pytest-xdist workers share the machine, each taking whole test modules (a module's fixtures run
+# once); most tests wait on launcher and interpreter start-ups, so 2 workers fill 2 cores. 0: one process.
+TEST_WORKERS ?= 2
+XDIST       = -n $(TEST_WORKERS) --dist loadscope
 test: setup
-	$(PY) -m pytest -q --durations=25 -m "not extended" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --durations=25 $(XDIST) -m "not extended" $(PYTEST_ARGS) tests
 
 test-all: setup
-	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q --durations=25 $(XDIST) $(PYTEST_ARGS) tests
 
 bench: setup
 	$(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS),bench]"

@@ -160,20 +160,31 @@ def launch_regression(topology: str, out: Path, *extra: str) -> str:
     return proc.stdout + proc.stderr
 
 
+def session_shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder shared by every pytest-xdist worker of this session (each worker has its own base temp
+    folder, `.../pytest-N/popen-gwK`; their parent is the session's), or this process's own without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    (root / name).mkdir(exist_ok=True)
+    return root / name
+
+
 @pytest.fixture(scope="session")
 def regression_runs(tmp_path_factory):
     """`regression_runs(topology)`: the run directory of the uninterrupted 8-step run under that topology,
-    launched on first use (its output in launch.log). Tests must not write into it: copy it first."""
-    root = tmp_path_factory.mktemp("regression_runs")
-    made: dict[str, Path] = {}
+    launched on first use (its output in launch.log) by whichever test worker needs it first, while the others
+    wait on its lock. Tests must not write into it: copy it first."""
+    from filelock import FileLock
+
+    root = session_shared_dir(tmp_path_factory, "regression_runs")
 
     def get(topology: str) -> Path:
-        if topology not in made:
-            out = root / topology
-            log = launch_regression(topology, out, "run.resume=none")
-            (out / "launch.log").write_text(log)
-            made[topology] = out
-        return made[topology]
+        out = root / topology
+        with FileLock(str(root / f"{topology}.lock")):
+            if not (out / "launch.log").is_file():  # launch.log is written last: a failed launch is retried
+                log = launch_regression(topology, out, "run.resume=none")
+                (out / "launch.log").write_text(log)
+        return out
     return get
 
 

@@ -104,10 +104,13 @@ HOLDER = """
 import os, sys, time
 from trainer.core.run_lock import acquire_run_lock
 acquire_run_lock(sys.argv[1])
+started, ready = os.pipe()
 child = os.fork()  # like a DataLoader worker: it shares the locked file with its parent
 if child == 0:
+    os.write(ready, b"1")  # its at-fork handler ran before this line (on a busy machine a child may not run yet)
     time.sleep(120)
     os._exit(0)
+os.read(started, 1)
 print(child, flush=True)
 time.sleep(120)
 """

@@ -147,11 +147,13 @@ def test_pool_of_two_workers_gives_the_same_numbers_as_one_and_survives_a_dead_w
     finally:
         pooled.close()
         pooled.close()  # idempotent
-    guided = xtb.for_guidance()
+    guided_in_process = xtb.for_guidance()  # keeps tblite's result objects, the pool their saved form: same numbers
     for result in guided_parallel:
-        expected = guided.compute(*batch)
+        expected = guided_in_process.compute(*batch)
         assert result.rung.tolist() == expected.rung.tolist() == [0] * 5 + [-1]
         np.testing.assert_allclose(result.energy, expected.energy, rtol=0, atol=1e-10, equal_nan=True)
+        np.testing.assert_allclose(result.forces, expected.forces, rtol=0, atol=1e-10)
+    assert isinstance(guided._rows[0].restart, dict) and not isinstance(guided_in_process._rows[0].restart, dict)
     serial = xtb.compute(*batch)
     assert parallel.ok.tolist() == [True] * 5 + [False]
     for result in (parallel, recovered):

@@ -27,7 +27,8 @@ Two kinds of evaluation share one pool:
   at `guidance_max_iterations` cycles, converged to `guidance_accuracy` (tblite's thresholds x 10: forces
   within ~0.002 eV/Angstrom median, 0.04 at most of the strict ones on a trained model's trajectory, ~30 % fewer
   cycles); a warm start from the molecule's wavefunction of the previous
-  guided step; and a sticky rung (a molecule starts at the rung that last converged for it and tries
+  guided step (tblite's result object itself with one worker; its saved form, ~5 KB, through a pool);
+  and a sticky rung (a molecule starts at the rung that last converged for it and tries
   one rung lower every `guidance_probe_every` steps). A molecule that fails every rung gets no force
   (its step is left unguided by the caller and counted); the worst case costs rungs x cap cycles, and
   the next step starts on the top rung. Every result records its rung, so a set reports how many
@@ -230,12 +231,14 @@ def _load_restart(restart: Restart) -> Any:
 
 def xtb_guided_molecule(method: str, numbers: np.ndarray, positions: np.ndarray, accuracy: float,
                         max_iterations: int, temperatures: Sequence[float], start: int,
-                        restart: Restart | None, keep_restart: bool) -> GuidedResult:
+                        restart: Restart | Any | None, keep_restart: str | None) -> GuidedResult:
     """A guidance single point on the temperature ladder, from rung `start` up, each rung capped at
-    `max_iterations` SCF cycles and warm-started from `restart` (the molecule's previous wavefunction).
+    `max_iterations` SCF cycles and warm-started from `restart` (the molecule's previous wavefunction: its
+    saved form, or tblite's result object itself in the process that made it).
 
-    Returns (energy eV, forces eV/Angstrom, None, rung, this wavefunction if `keep_restart`), or
-    (NaN, zeros, the last reason, -1, None) when no rung converged."""
+    Returns (energy eV, forces eV/Angstrom, None, rung, this wavefunction), or (NaN, zeros, the last reason,
+    -1, None) when no rung converged. `keep_restart`: None keeps no wavefunction, "saved" its saved form (to
+    cross processes), "object" tblite's result (same process: no file round trip, ~10 % of a guided step)."""
     numbers = np.asarray(numbers, dtype=np.int64)
     positions = np.asarray(positions, dtype=np.float64)
     zeros = np.zeros_like(positions)
@@ -246,7 +249,7 @@ def xtb_guided_molecule(method: str, numbers: np.ndarray, positions: np.ndarray,
         calc = _calculator(method, numbers, positions, accuracy, max_iterations)
     except Exception as error:  # coincident atoms: no temperature helps
         return math.nan, zeros, f"{type(error).__name__}: {error}", -1, None
-    guess = _load_restart(restart) if restart is not None else None
+    guess = _load_restart(restart) if isinstance(restart, dict) else restart
     error = "no rung tried"
     for rung in range(start, len(temperatures)):
         try:
@@ -260,7 +263,8 @@ def xtb_guided_molecule(method: str, numbers: np.ndarray, positions: np.ndarray,
         if not (math.isfinite(energy) and np.all(np.isfinite(forces))):
             error = "non-finite energy or forces"
             continue
-        return energy, forces, None, rung, _save_restart(result) if keep_restart else None
+        kept = None if keep_restart is None else result if keep_restart == "object" else _save_restart(result)
+        return energy, forces, None, rung, kept
     return math.nan, zeros, error, -1, None
 
 
@@ -271,7 +275,7 @@ def xtb_chunk(method: str, accuracy: float, max_iterations: int,
 
 
 def xtb_guided_chunk(method: str, accuracy: float, max_iterations: int, temperatures: Sequence[float],
-                     keep_restart: bool, items: list[tuple[np.ndarray, np.ndarray, int, Restart | None]]
+                     keep_restart: str | None, items: list[tuple[np.ndarray, np.ndarray, int, Restart | Any | None]]
                      ) -> list[GuidedResult]:
     """`xtb_guided_molecule` over (numbers, positions, start rung, restart) items: a pool worker's unit."""
     return [xtb_guided_molecule(method, numbers, positions, accuracy, max_iterations, temperatures, start, restart,
@@ -459,7 +463,7 @@ class _Row:
 
     start: int = 0
     steps_on_rung: int = 0
-    restart: Restart | None = None
+    restart: Restart | Any | None = None
 
 
 class XTBGuidance:
@@ -489,8 +493,10 @@ class XTBGuidance:
             # the previous step's wavefunction even when the decoded types changed: tblite starts cold
             # where its orbital dimensions differ, and a same-shaped one is as good a guess as any
             items.append((numbers[b, mask[b]], positions[b, mask[b]], start, row.restart))
+        # one worker computes in this process, so tblite's result objects can stay here as they are
+        keep = None if not ff.guidance_warm_start else "object" if ff.workers == 1 else "saved"
         results = ff._map(xtb_guided_chunk, (ff.method, ff.guidance_accuracy, ff.guidance_max_iterations, self.temperatures,
-                                             ff.guidance_warm_start), items)
+                                             keep), items)
         out = ForceResult.empty(batch, width)
         out.rung = np.full(batch, -1, dtype=np.int64)
         self.last_errors = {}
