@@ -44,10 +44,11 @@ lint: setup
 	$(VENV)/bin/ruff check trainer tests benchmarks scripts
 
 # CI's suite: everything but the `extended` repeats (README, Tests: how long it takes); test-all adds them.
-# TEST_WORKERS pytest-xdist workers share the machine, each taking whole test modules (a module's fixtures run
-# once); most tests wait on launcher and interpreter start-ups, so 2 workers fill 2 cores. 0: one process.
+# TEST_WORKERS pytest-xdist workers share the machine (most tests wait on launchers and interpreter start-ups,
+# so 2 workers fill 2 cores; 0: one process). Tests are dealt out one by one, except that the modules marked
+# xdist_group (a costly module fixture) go whole to one worker; the regression runs are shared (conftest.py).
 TEST_WORKERS ?= 2
-XDIST       = -n $(TEST_WORKERS) --dist loadscope
+XDIST       = -n $(TEST_WORKERS) --dist loadgroup
 test: setup
 	$(PY) -m pytest -q --durations=25 $(XDIST) -m "not extended" $(PYTEST_ARGS) tests
 

@@ -27,7 +27,8 @@ from trainer.core import checkpointer, export
 from trainer.core.trainer import Trainer
 from trainer.errors import CheckpointError
 
-pytestmark = pytest.mark.usefixtures("fresh_accelerate")
+# One test worker runs this module (make test: --dist loadgroup), so its module fixture is built once.
+pytestmark = [pytest.mark.usefixtures("fresh_accelerate"), pytest.mark.xdist_group("failures")]
 
 QUIET = ["log.progress_bar=false", "log.tensorboard=false"]
 STEPS = ["train.max_steps=6", "ckpt.every_steps=2", "ckpt.keep_last=5", "train.ema_decay=0.9"]
