@@ -45,10 +45,10 @@ lint: setup
 
 # CI's suite: everything but the `extended` repeats (README, Tests: how long it takes); test-all adds them.
 # TEST_WORKERS pytest-xdist workers share the machine (most tests wait on launchers and interpreter start-ups,
-# so 2 workers fill 2 cores; 0: one process). Tests are dealt out one by one, except that the modules marked
-# xdist_group (a costly module fixture) go whole to one worker; the regression runs are shared (conftest.py).
+# so 2 workers fill 2 cores; 0: one process). Each test file goes whole to one worker, so a module fixture is
+# built once (xdist's loadgroup does not group under pytest 9.2); the regression runs are shared (conftest.py).
 TEST_WORKERS ?= 2
-XDIST       = -n $(TEST_WORKERS) --dist loadgroup
+XDIST       = -n $(TEST_WORKERS) --dist loadfile
 test: setup
 	$(PY) -m pytest -q --durations=25 $(XDIST) -m "not extended" $(PYTEST_ARGS) tests
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, child_env, run_cmd
 
-# One test worker runs this module (make test: --dist loadgroup), so its module fixture is built once.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("wheel")]
+pytestmark = pytest.mark.slow
 
 # Runs in the install. The venv's editable-install finder would quietly serve a module missing from the
 # wheel out of the checkout, so it is dropped first; then `python -m trainer train ...` runs in-process.

@@ -27,8 +27,7 @@ from trainer.core import checkpointer, export
 from trainer.core.trainer import Trainer
 from trainer.errors import CheckpointError
 
-# One test worker runs this module (make test: --dist loadgroup), so its module fixture is built once.
-pytestmark = [pytest.mark.usefixtures("fresh_accelerate"), pytest.mark.xdist_group("failures")]
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 QUIET = ["log.progress_bar=false", "log.tensorboard=false"]
 STEPS = ["train.max_steps=6", "ckpt.every_steps=2", "ckpt.keep_last=5", "train.ema_decay=0.9"]

@@ -14,9 +14,6 @@ from safetensors.torch import load_file
 
 from trainer.families.molecules_edm.readers import read_molecules
 
-# One test worker runs this module (make test: --dist loadgroup), so its module fixture is built once.
-pytestmark = pytest.mark.xdist_group("molecules_task")
-
 CONFIG = str(ROOT / "configs" / "molecules_edm" / "edm_tiny.yaml")
 # T = 50 keeps sampling fast; everything else is the tiny config.
 FAST = ["task.timesteps=50", "log.progress_bar=false", "log.tensorboard=false"]

@@ -20,9 +20,6 @@ from trainer.families.perturbation_gears.anndata_reader import bundled_perturbat
 from trainer.families.perturbation_gears.api import load_gears_model, plan_processes
 from trainer.families.perturbation_gears.spec import METRIC_NAMES
 
-# One test worker runs this module (make test: --dist loadgroup), so its module fixture is built once.
-pytestmark = pytest.mark.xdist_group("gears_task")
-
 EPOCHS = 10
 SHORT_EPOCHS = 2
 GLOBAL_BATCH = 64

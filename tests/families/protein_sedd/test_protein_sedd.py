@@ -16,9 +16,6 @@ from trainer.core.samplers import KeyedSamples
 from trainer.core.trainer import Trainer
 from trainer.families.protein_sedd.task import NUM_RESIDUES, PAD_STATE, collate_crops
 
-# One test worker runs this module (make test: --dist loadgroup), so its module fixture is built once.
-pytestmark = pytest.mark.xdist_group("protein_sedd")
-
 CONFIG = str(ROOT / "configs" / "protein_sedd" / "sedd_tiny.yaml")
 
 
