@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 
-# One OpenMP thread in the test process too (subprocesses get it from child_env): the tests' models are tiny,
+# One thread per pool in the test process too (subprocesses get it from child_env): the tests' models are tiny,
 # and on a loaded 2-core machine a second thread spin-waits for a busy core (an eval batch measured 10x slower).
-# Set before any test module imports torch.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 # OpenBLAS (numpy's) and MKL size their pools from their own variables: beside one busy process GEARS' module took
-# 11 min 41 s and 703 s CPU with OpenBLAS' default threads spin-waiting, 101 s with one thread.
-for _blas in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_blas, "1")
+# 11 min 41 s and 703 s CPU with OpenBLAS' default threads, 101 s with one. Set before any test module imports torch.
+ONE_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+for _name in ONE_THREAD_VARIABLES:
+    os.environ.setdefault(_name, "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -35,8 +34,7 @@ def free_port() -> int:
 
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
+    env.update({name: "1" for name in ONE_THREAD_VARIABLES}, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 
