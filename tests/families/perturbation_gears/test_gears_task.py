@@ -89,8 +89,9 @@ def test_two_processes_match_one_with_the_same_global_batch(runs):
     assert one["world_size"] == 1 and two["world_size"] == 2
     a, b = train_losses(one["run_dir"]), train_losses(two["run_dir"])
     assert sorted(a) == sorted(b) and len(a) == 5
-    # Rounding (the all-reduce adds in another order) grows through Adam: 1e-7 at step 10, < 1e-4 at step 50.
-    assert b[min(a)] == pytest.approx(a[min(a)], rel=1e-6)
+    # Rounding (the all-reduce adds in another order; the 2-process run is compiled) grows through Adam: 1e-7 to
+    # 1.3e-6 at step 10 (by CPU: AVX2 / AVX-512 kernels sum in other orders), < 1e-4 at step 50.
+    assert b[min(a)] == pytest.approx(a[min(a)], rel=1e-5)
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=5e-4), step
     # Eval metrics differ by ~1 %: BatchNorm's running statistics (used in eval) are rank 0's under DDP, which
