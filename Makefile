@@ -22,8 +22,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	# deepspeed's setup imports torch: build it against the torch installed above.
-	$(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
+	# deepspeed's setup imports torch: build it against the torch installed above. setuptools' notice on every
+	# editable install (a folder named like the package may shadow it) is moot here: that folder is the package.
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
 	# DeepSpeed compiles its CPU communication op on first use (1-2 min, silent): do it here, once.
 	@echo "building DeepSpeed's CPU communication op (once, about 1-2 minutes)..."
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b and b.load()" > /dev/null \
