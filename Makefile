@@ -37,8 +37,9 @@ train: setup
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes $(NPROC) \
 		scripts/train.py $(CONFIG) run.output_dir=$(RUN_DIR) run.resume=none
 	$(VENV)/bin/trainer export $(RUN_DIR)
-	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes $(NPROC) \
-		-m trainer sample $(RUN_DIR) num_samples=$(SAMPLES) out=$(RUN_DIR)/samples.fasta
+	# SAMPLES=0 skips sampling (for a task that does not generate, e.g. CONFIG=configs/regression/tiny.yaml).
+	if [ "$(SAMPLES)" != 0 ]; then $(VENV)/bin/accelerate launch --config_file accelerate_configs/ddp.yaml \
+		--num_processes $(NPROC) -m trainer sample $(RUN_DIR) num_samples=$(SAMPLES) out=$(RUN_DIR)/samples.fasta; fi
 	$(VENV)/bin/trainer plot $(RUN_DIR)
 
 lint: setup

@@ -186,3 +186,24 @@ def test_native_schedules_match_transformers(name):
     for step in range(30):
         assert ours(step) == pytest.approx(reference.lr_lambdas[0](step), abs=1e-12), step
     assert native_schedule("polynomial", 5, 23) is None  # the others still come from transformers
+
+
+def test_deepspeed_refuses_value_clipping_and_says_what_to_add():
+    """GEARS' preset clips by value (as GEARS does); DeepSpeed clips by norm only. The refusal names the value, where
+    it may come from and the overrides that run it."""
+    from accelerate.utils import DistributedType
+    from conftest import ROOT
+
+    from trainer.core.engine import check_backend_supports
+
+    gears_tiny = ROOT / "configs" / "perturbation_gears" / "gears_tiny.yaml"
+    cfg = load_config(gears_tiny)
+    assert cfg.train.grad_clip_value == 1.0
+    with pytest.raises(ConfigError) as err:
+        check_backend_supports(cfg, DistributedType.DEEPSPEED)
+    message = str(err.value)
+    assert "train.grad_clip_value=1 (from the config or task preset 'tiny')" in message
+    assert "add train.grad_clip_value=0 train.grad_clip_norm=1" in message
+    check_backend_supports(cfg, DistributedType.MULTI_CPU)  # DDP clips by value itself
+    fixed = load_config(gears_tiny, ["train.grad_clip_value=0", "train.grad_clip_norm=1"])
+    check_backend_supports(fixed, DistributedType.DEEPSPEED)

@@ -333,3 +333,27 @@ def test_weight_decay_exempts_1d_parameters_unless_decay_all(tmp_path):
         cfg = load_config(None, ["optim.weight_decay=0.1", f"optim.decay_all_parameters={str(decay_all).lower()}"])
         groups = build_optimizer(cfg, model, 1e-3).param_groups
         assert [(g["weight_decay"], len(g["params"])) for g in groups] == expected
+
+
+def test_sample_metrics_skipped_under_sharded_weights_are_announced_once_at_start(caplog):
+    """Under FSDP / ZeRO-3 (no rank holds whole weights) evaluation draws no samples: one start note says so, and
+    the evaluations skip quietly (each rank used to warn at every evaluation)."""
+    from types import SimpleNamespace
+
+    class Sampler:  # a generative task (GenerativeTask is a runtime-checkable protocol)
+        def generate(self, model, generators, options, indices): ...
+        def write_samples(self, samples, options, out): ...
+        def score_samples(self, samples, options): ...
+
+    cfg = load_config(str(ROOT / "configs" / "regression" / "tiny.yaml"),
+                      ["eval.sample_every=1", "eval.every_steps=2", "train.max_steps=4"])
+    trainer = SimpleNamespace(cfg=cfg, task=Sampler(), engine=SimpleNamespace(may_sample_in_eval=False), accelerator=None,
+                              data=SimpleNamespace(sampler=None), resumed_from=None,
+                              batch_plan=SimpleNamespace(changes=[]), state=SimpleNamespace(step=2))
+    notes = Trainer._start_notes(trainer)
+    assert [n for n in notes if n.startswith("eval.sample_every: no sample metrics")] == notes and len(notes) == 1
+    with caplog.at_level("INFO", logger="trainer"):
+        assert Trainer._sample_scores(trainer) == {}
+    assert not caplog.records
+    trainer.engine.may_sample_in_eval = True
+    assert Trainer._start_notes(trainer) == []

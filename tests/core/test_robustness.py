@@ -241,3 +241,27 @@ def test_resuming_with_changed_task_settings_warns_loudly(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="trainer"):
         make(tmp_path, "train.max_steps=3", "task.noise=0.5")
     assert "RESUMING A CHANGED RUN" in caplog.text and "task.noise" in caplog.text and "0.1 -> 0.5" in caplog.text
+
+
+def test_processes_sharing_a_node_share_its_cores_when_omp_threads_is_unset(monkeypatch):
+    """The `deepspeed` launcher sets no OMP_NUM_THREADS: 2 local processes would each take every core."""
+    import torch
+
+    from trainer.core.distributed import share_cores_among_local_processes
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        monkeypatch.setenv("LOCAL_SIZE", "2")  # what the deepspeed launcher exports
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+        assert share_cores_among_local_processes() == 4 and torch.get_num_threads() == 4
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # torchrun's name wins; never below one thread
+        assert share_cores_among_local_processes() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's (or launcher's) choice stands
+        assert share_cores_among_local_processes() is None
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        assert share_cores_among_local_processes() is None
+    finally:
+        torch.set_num_threads(before)

@@ -145,3 +145,21 @@ def test_two_processes_train_the_weights_of_one(family, tmp_path, plain_process,
             print(f"\n{family} {layout or 'accumulation 2'} x 1 process vs 2 processes: max weight difference "
                   f"{difference:.2e}")
         assert difference <= TOLERANCE, (family, layout, difference)
+
+
+def test_only_the_main_process_prints_what_a_checkpoint_merge_narrates(capsys):
+    """`trainer sample` on N processes: each rank merges a ZeRO checkpoint, and DeepSpeed prints the merge (lines and
+    bars) on each; the replicas' copies are dropped, their errors are not."""
+    from tqdm.auto import tqdm
+
+    from trainer.core.generation import printing_only_on_main
+
+    for is_main in (False, True):
+        with printing_only_on_main(is_main):
+            print("Processing zero checkpoint")
+            for _ in tqdm(range(2), desc="Gathering sharded weights"):
+                pass
+        out, err = capsys.readouterr()
+        assert ("Processing zero checkpoint" in out and "Gathering" in err) == is_main and (out + err == "") != is_main
+    with pytest.raises(ValueError, match="broken"), printing_only_on_main(False):
+        raise ValueError("broken shard")

@@ -107,6 +107,23 @@ _DS_OPTIMIZERS = {"adamw": "adamw", "adam": "adam", "sgd": "sgd"}
 _DS_SCHEDULERS = {"warmuplr": "constant_with_warmup", "warmupdecaylr": "linear", "warmupcosinelr": "cosine"}
 
 
+def share_cores_among_local_processes() -> int | None:
+    """Several processes on one node with OMP_NUM_THREADS unset (the `deepspeed` launcher leaves it unset unless
+    --bind_cores_to_rank; torchrun and accelerate set 1): each process's torch would start one thread per core and
+    together they oversubscribe the cores (ComFormer and EDM ran 4-5x slower so on 2 cores). Give each process
+    its share of the cores instead; returns the threads set, None when nothing was changed."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    if local <= 1 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // local)
+    torch.set_num_threads(threads)
+    if _is_first_rank():
+        logger.info("OMP_NUM_THREADS is unset and %d processes share this node's %d cores: %d torch thread(s) per "
+                    "process (set OMP_NUM_THREADS to choose)", local, cores, threads)
+    return threads
+
+
 def _is_first_rank() -> bool:
     """Which process speaks before the Accelerator (and `quiet_replica`) exists: the launcher's RANK."""
     return int(os.environ.get("RANK", "0")) == 0
@@ -196,6 +213,7 @@ def build_accelerator(cfg: Config, deepspeed_config: str | None = None) -> Accel
     """
     # First, so that a rank whose launcher dies while it waits in the rendezvous does not linger either.
     guard_against_orphaning()
+    share_cores_among_local_processes()
     use_cuda = torch.cuda.is_available()
     if cfg.train.mixed_precision == "fp16" and not use_cuda:
         # accelerate would silently train in fp32: refuse instead.

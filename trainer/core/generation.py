@@ -12,15 +12,18 @@ statistics to `OUT.stats.json`.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from trainer.config import config_from_dict, parse_options
 from trainer.errors import ConfigError
@@ -75,14 +78,17 @@ def generate_distributed(task: Task, model: torch.nn.Module, options: SampleConf
     mine = rank_batches(options.num_samples, options.batch_size, rank, world_size)
     results: list[tuple[int, Any]] = []
     # This rank's share; the ranks run in step, so the main process's bar shows the whole job's ETA.
-    bar = tqdm(total=sum(map(len, mine)), desc="sample", unit="sample", dynamic_ncols=True,
+    desc = "sample" if world_size == 1 else f"sample (rank 0's share of {options.num_samples})"
+    bar = tqdm(total=sum(map(len, mine)), desc=desc, unit="sample", dynamic_ncols=True,
                disable=not (progress and rank == 0))
-    for block in mine:
-        chunk = list(block)
-        generators = [sample_generator(options.seed, k, device) for k in chunk]
-        with torch.no_grad():
-            results.extend(zip(chunk, task.generate(model, generators, options, chunk)))
-        bar.update(len(chunk))
+    # A task's log lines go through tqdm, which lifts the bar off its line first (they were glued onto it).
+    with logging_redirect_tqdm() if not bar.disable else contextlib.nullcontext():
+        for block in mine:
+            chunk = list(block)
+            generators = [sample_generator(options.seed, k, device) for k in chunk]
+            with torch.no_grad():
+                results.extend(zip(chunk, task.generate(model, generators, options, chunk)))
+            bar.update(len(chunk))
     bar.close()
     gathered = gather_object(results) if world_size > 1 else results
     if rank != 0:
@@ -91,6 +97,17 @@ def generate_distributed(task: Task, model: torch.nn.Module, options: SampleConf
     if len(samples) != options.num_samples:
         raise RuntimeError(f"gathered {len(samples)} samples, expected {options.num_samples}")
     return samples
+
+
+@contextlib.contextmanager
+def printing_only_on_main(is_main: bool) -> Iterator[None]:
+    """What third-party code prints (DeepSpeed's ZeRO merge: print() lines and tqdm bars) shows from the main
+    process only; an exception still propagates from every rank, and loggers keep their own streams."""
+    if is_main:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def sample_run(run_dir: str | Path, options: SampleConfig | Sequence[str] = ()) -> dict[str, Any] | None:
@@ -104,7 +121,8 @@ def sample_run(run_dir: str | Path, options: SampleConfig | Sequence[str] = ()) 
     if not isinstance(options, SampleConfig):
         options = sample_options(task, options)
     state = PartialState(cpu=not torch.cuda.is_available())
-    params, source = consolidated_weights(run_dir, checkpoint=options.checkpoint, weights=options.weights)
+    with printing_only_on_main(state.is_main_process):  # each rank merges a ZeRO checkpoint; DeepSpeed narrates it
+        params, source = consolidated_weights(run_dir, checkpoint=options.checkpoint, weights=options.weights)
     stats = read_task_stats(source)
     task.attach_stats(stats)
     task.load_artifacts(Path(source))

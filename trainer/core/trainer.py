@@ -118,6 +118,9 @@ class Trainer:
                          f"epoch (a different remainder each epoch) so ranks stay even")
         if self.resumed_from:
             notes.append(f"resumed from {self.resumed_from} at step {self.state.step}")
+        if self.cfg.eval.sample_every and isinstance(self.task, GenerativeTask) and not self.engine.may_sample_in_eval:
+            notes.append("eval.sample_every: no sample metrics in evaluation under FSDP / ZeRO-3 (they need whole "
+                         "weights on every rank); run `trainer sample` on a checkpoint instead")
         return notes + self.batch_plan.changes
 
     # ------------------------------------------------------------------ loop
@@ -260,9 +263,7 @@ class Trainer:
         if index % every and step < self.cfg.train.max_steps:
             return {}
         acc = self.accelerator
-        if not self.engine.may_sample_in_eval:
-            logger.warning("eval.sample_every: sample metrics need whole weights on every rank; skipped under "
-                           "FSDP / ZeRO-3 (run `trainer sample` on the checkpoint instead)")
+        if not self.engine.may_sample_in_eval:  # said once at the start (_start_notes)
             return {}
         options = self.task.eval_sample_config(self.cfg.eval.num_samples, self.cfg.run.seed)
         samples = generate_distributed(self.task, unwrap_model(acc, self.model), options, acc.process_index,

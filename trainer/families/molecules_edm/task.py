@@ -19,6 +19,7 @@ import gzip
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -348,7 +349,11 @@ class _StepBar:
         from tqdm.auto import tqdm
 
         self.guide, self.guided_steps = guide, guided_steps
-        self.bar = tqdm(total=total, desc=name, unit="step", leave=False, position=1, dynamic_ncols=True)
+        # Below the sample bar on a terminal; in a log file (no cursor moves) one bar after another, each left as
+        # its final line (a nested bar there wrote blank lines and cursor-up codes).
+        nested = sys.stderr.isatty()
+        self.bar = tqdm(total=total, desc=name, unit="step", leave=not nested, position=1 if nested else 0,
+                        dynamic_ncols=True)
 
     def step(self, done: int) -> None:
         guide = self.guide
