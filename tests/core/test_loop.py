@@ -289,7 +289,8 @@ def test_summary_at_the_end_of_a_run(tmp_path, caplog):
     summary = caplog.records[-1].getMessage()
     best = trainer.state.best_step
     assert summary.startswith("run completed at step 4 of 4")
-    assert "final eval (step 4): loss " in summary and f"best eval  (step {best}, loss min): loss " in summary
+    assert "final eval (step 4): loss " in summary  # the selection metric (eval.metric) first
+    assert f"best eval  (step {best}, loss min): " + ("the final eval" if best == 4 else "loss ") in summary
     assert f"run directory: {tmp_path}" in summary
     assert f"best {tmp_path / 'checkpoints' / f'step_{best:08d}'}" in summary
     assert f"trainer export {tmp_path}" in summary and f"trainer plot {tmp_path}" in summary
@@ -357,3 +358,12 @@ def test_sample_metrics_skipped_under_sharded_weights_are_announced_once_at_star
     assert not caplog.records
     trainer.engine.may_sample_in_eval = True
     assert Trainer._start_notes(trainer) == []
+
+
+def test_summary_lines_lead_with_the_selection_metric_and_count_subgroup_metrics():
+    from trainer.core.run_logger import _format_metrics
+
+    record = {"step": 9, "test/frac_correct": 0.5, "test/mse_de": 1.179, "test/combo_seen0/mse_de": 1.3,
+              "test/combo_seen1/mse_de": 1.2, "test/n_conditions": 32}
+    assert _format_metrics(record, "test/", "mse_de") == \
+        "mse_de 1.179, frac_correct 0.5, n_conditions 32 (+2 subgroup metrics in metrics.jsonl)"

@@ -115,12 +115,12 @@ class RunLogger:
         lines = [f"run {status} at step {step} of {self.cfg.train.max_steps}"
                  + (f" ({nonfinite_skipped} non-finite steps skipped)" if nonfinite_skipped else "")]
         if evals:
-            lines.append(f"  final eval (step {evals[-1]['step']}): {_format_metrics(evals[-1], 'eval/')}")
+            lines.append(f"  final eval (step {evals[-1]['step']}): {_format_metrics(evals[-1], 'eval/', e.metric)}")
         if best_eval is not None:
             lines.append(f"  best eval  (step {best_eval['step']}, {e.metric} {e.mode}): "
-                         f"{_format_metrics(best_eval, 'eval/')}")
+                         + ("the final eval" if best_eval is evals[-1] else _format_metrics(best_eval, "eval/", e.metric)))
         if tests:
-            lines.append(f"  test: {_format_metrics(tests[-1], 'test/')}  (report in {run.test})")
+            lines.append(f"  test: {_format_metrics(tests[-1], 'test/', e.metric)}  (report in {run.test})")
         best = ckpt.read_pointer(run.checkpoints, "best")
         latest = ckpt.read_pointer(run.checkpoints, "latest")
         lines.append(f"  run directory: {run.root}  (config.yaml, metrics.jsonl"
@@ -137,9 +137,14 @@ class RunLogger:
             self.metrics.close()
 
 
-def _format_metrics(record: dict[str, Any], prefix: str) -> str:
-    return ", ".join(f"{k[len(prefix):]} {v:.4g}" if isinstance(v, float) else f"{k[len(prefix):]} {v}"
-                     for k, v in record.items() if k.startswith(prefix))
+def _format_metrics(record: dict[str, Any], prefix: str, first: str = "") -> str:
+    """`first` (the selection metric) leads. Subgroup metrics ("group/metric", e.g. GEARS' 30 per test subgroup) are
+    counted, not listed: a summary line stays readable, metrics.jsonl and the test report hold them."""
+    items = sorted(((k[len(prefix):], v) for k, v in record.items() if k.startswith(prefix)), key=lambda kv: kv[0] != first)
+    shown = [(k, v) for k, v in items if "/" not in k]
+    text = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown)
+    hidden = len(items) - len(shown)
+    return text + (f" (+{hidden} subgroup metrics in metrics.jsonl)" if hidden else "")
 
 
 def _flat_hparams(d: dict, prefix: str = "") -> dict[str, Any]:
