@@ -163,3 +163,12 @@ def test_only_the_main_process_prints_what_a_checkpoint_merge_narrates(capsys):
         assert ("Processing zero checkpoint" in out and "Gathering" in err) == is_main and (out + err == "") != is_main
     with pytest.raises(ValueError, match="broken"), printing_only_on_main(False):
         raise ValueError("broken shard")
+
+
+def test_fewer_sample_batches_than_processes_is_said():
+    from trainer.core.generation import idle_ranks_note, rank_batches
+
+    assert rank_batches(16, 16, 1, 2) == []  # rank 1 has nothing to draw
+    assert idle_ranks_note(16, 16, 2) == ("num_samples=16 in batches of 16 is 1 batch(es) for 2 processes: 1 of them "
+                                          "idle (batch_size=8 would use all)")
+    assert idle_ranks_note(16, 8, 2) is None and idle_ranks_note(16, 16, 1) is None and idle_ranks_note(3, 1, 2) is None

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
+import math
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,6 +33,8 @@ from trainer.registry import get_task
 from trainer.seeding import derive_seed
 from trainer.task import GenerativeTask, SampleConfig, Task
 
+logger = logging.getLogger("trainer")
+
 
 def rank_batches(num_samples: int, batch_size: int, rank: int, world_size: int) -> list[range]:
     """The batches of `rank`: fixed blocks of `batch_size` consecutive sample indices, dealt round-robin.
@@ -41,6 +45,16 @@ def rank_batches(num_samples: int, batch_size: int, rank: int, world_size: int) 
     """
     blocks = [range(start, min(start + batch_size, num_samples)) for start in range(0, num_samples, batch_size)]
     return blocks[rank::world_size]
+
+
+def idle_ranks_note(num_samples: int, batch_size: int, world_size: int) -> str | None:
+    """The batches are fixed (results stay the same at any world size), so fewer batches than processes leave
+    some idle: what to say then, None otherwise."""
+    blocks = math.ceil(num_samples / batch_size)
+    if not 0 < blocks < world_size:
+        return None
+    return (f"num_samples={num_samples} in batches of {batch_size} is {blocks} batch(es) for {world_size} processes: "
+            f"{world_size - blocks} of them idle (batch_size={math.ceil(num_samples / world_size)} would use all)")
 
 
 def run_task(run_dir: str | Path) -> Task:
@@ -76,6 +90,9 @@ def generate_distributed(task: Task, model: torch.nn.Module, options: SampleConf
     from accelerate.utils import gather_object
 
     mine = rank_batches(options.num_samples, options.batch_size, rank, world_size)
+    idle = idle_ranks_note(options.num_samples, options.batch_size, world_size)
+    if idle and progress and rank == 0:
+        logger.warning(idle)
     results: list[tuple[int, Any]] = []
     # This rank's share; the ranks run in step, so the main process's bar shows the whole job's ETA.
     desc = "sample" if world_size == 1 else f"sample (rank 0's share of {options.num_samples})"
