@@ -41,6 +41,13 @@ def _export(args: argparse.Namespace) -> int:
     from trainer.core.export import export_run
 
     out = export_run(args.run_dir, out=args.out, checkpoint=args.checkpoint, weights=args.weights)
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as exported:
+        meta = exported.metadata() or {}
+    # What was exported on stderr; stdout stays the path alone, for scripts.
+    print(f"exported the {meta.get('weights', '?')} weights of {meta.get('checkpoint', '?')} (step {meta.get('step', '?')})",
+          file=sys.stderr)
     print(out)
     return 0
 

@@ -14,7 +14,7 @@ from trainer.core.export import load_exported
 REFERENCE = Path(__file__).parent / "reference" / "regression_tiny.json"
 
 
-def test_train_export_plot_against_reference(tmp_path):
+def test_train_export_plot_against_reference(tmp_path, capsys):
     out = tmp_path / "run"
     run_cmd([str(BIN / "trainer"), "train", TINY, f"run.output_dir={out}", "log.progress_bar=false",
              "run.resume=none"])
@@ -30,7 +30,11 @@ def test_train_export_plot_against_reference(tmp_path):
         assert key in records[1], key
     assert (out / "config.yaml").is_file() and list((out / "tb").rglob("events.out.tfevents*"))
 
+    capsys.readouterr()
     cli_in_process("export", str(out))  # the console script itself is the train step's
+    printed = capsys.readouterr()
+    assert printed.out == f"{out / 'export' / 'model.safetensors'}\n"  # the path alone, for scripts
+    assert f"exported the ema weights of checkpoints/step_{reference['step']:08d}" in printed.err
     model, cfg = load_exported(out / "export" / "model.safetensors")
     assert cfg.train.max_steps == reference["step"]
     assert all(torch.isfinite(p).all() for p in model.parameters())
