@@ -202,7 +202,7 @@ def test_deepspeed_refuses_value_clipping_and_says_what_to_add():
     with pytest.raises(ConfigError) as err:
         check_backend_supports(cfg, DistributedType.DEEPSPEED)
     message = str(err.value)
-    assert "train.grad_clip_value=1 (from the config or task preset 'tiny')" in message
+    assert "train.grad_clip_value=1 (from the command line, the config, or task preset 'tiny')" in message
     assert "add train.grad_clip_value=0 train.grad_clip_norm=1" in message
     check_backend_supports(cfg, DistributedType.MULTI_CPU)  # DDP clips by value itself
     fixed = load_config(gears_tiny, ["train.grad_clip_value=0", "train.grad_clip_norm=1"])

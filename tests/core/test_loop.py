@@ -367,3 +367,4 @@ def test_summary_lines_lead_with_the_selection_metric_and_count_subgroup_metrics
               "test/combo_seen1/mse_de": 1.2, "test/n_conditions": 32}
     assert _format_metrics(record, "test/", "mse_de") == \
         "mse_de 1.179, frac_correct 0.5, n_conditions 32 (+2 subgroup metrics in metrics.jsonl)"
+    assert _format_metrics(record, "test/", "combo_seen0/mse_de").startswith("combo_seen0/mse_de 1.3, frac_correct 0.5")

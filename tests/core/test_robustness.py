@@ -254,7 +254,8 @@ def test_processes_sharing_a_node_share_its_cores_when_omp_threads_is_unset(monk
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
         monkeypatch.setenv("LOCAL_SIZE", "2")  # what the deepspeed launcher exports
-        monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+        monkeypatch.setattr("psutil.cpu_count", lambda logical=True: 16 if logical else 8)  # 8 cores, 2 threads each
         assert share_cores_among_local_processes() == 4 and torch.get_num_threads() == 4
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # torchrun's name wins; never below one thread
         assert share_cores_among_local_processes() == 1

@@ -14,6 +14,9 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import pytest
 import torch
 from conftest import FAMILY_RUNS, FAMILY_RUNS_COMMON, ROOT, reset_accelerate
@@ -161,8 +164,19 @@ def test_only_the_main_process_prints_what_a_checkpoint_merge_narrates(capsys):
                 pass
         out, err = capsys.readouterr()
         assert ("Processing zero checkpoint" in out and "Gathering" in err) == is_main and (out + err == "") != is_main
+    stdout, stderr = sys.stdout, sys.stderr
     with pytest.raises(ValueError, match="broken"), printing_only_on_main(False):
         raise ValueError("broken shard")
+    assert (sys.stdout, sys.stderr) == (stdout, stderr)
+    # A library's handler created during the merge (DeepSpeed's logger, on its first import) writes to the real
+    # stream afterwards, not to the discarded buffer.
+    with printing_only_on_main(False):
+        late = logging.getLogger("test_merge_narration")
+        late.addHandler(logging.StreamHandler(sys.stderr))
+    try:
+        assert late.handlers[0].stream is stderr
+    finally:
+        late.handlers.clear()
 
 
 def test_fewer_sample_batches_than_processes_is_said():
@@ -172,3 +186,7 @@ def test_fewer_sample_batches_than_processes_is_said():
     assert idle_ranks_note(16, 16, 2) == ("num_samples=16 in batches of 16 is 1 batch(es) for 2 processes: 1 of them "
                                           "idle (batch_size=8 would use all)")
     assert idle_ranks_note(16, 8, 2) is None and idle_ranks_note(16, 16, 1) is None and idle_ranks_note(3, 1, 2) is None
+    for samples, batch, world in ((5, 5, 4), (9, 9, 6), (7, 3, 4)):  # the suggested batch size keeps every rank busy
+        suggested = int(idle_ranks_note(samples, batch, world).split("batch_size=")[1].split()[0])
+        assert all(rank_batches(samples, suggested, rank, world) for rank in range(world)), (samples, batch, world)
+    assert idle_ranks_note(1, 16, 2).endswith("(at most 1 can work on 1 samples)")

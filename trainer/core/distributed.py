@@ -109,13 +109,17 @@ _DS_SCHEDULERS = {"warmuplr": "constant_with_warmup", "warmupdecaylr": "linear",
 
 def share_cores_among_local_processes() -> int | None:
     """Several processes on one node with OMP_NUM_THREADS unset (the `deepspeed` launcher leaves it unset unless
-    --bind_cores_to_rank; torchrun and accelerate set 1): each process's torch would start one thread per core and
-    together they oversubscribe the cores (ComFormer and EDM ran 4-5x slower so on 2 cores). Give each process
-    its share of the cores instead; returns the threads set, None when nothing was changed."""
+    --bind_cores_to_rank; torchrun and accelerate set it for several processes): each process's torch would start
+    one thread per physical core and together they oversubscribe the cores (ComFormer tiny under the `deepspeed`
+    launcher on 2 cores: 32.1 s against 18.8 s; BENCHMARKS.md). Give each process its share of the physical cores
+    it may run on instead; returns the threads set, None when nothing was changed."""
+    import psutil
+
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
     if local <= 1 or os.environ.get("OMP_NUM_THREADS"):
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = min(usable, psutil.cpu_count(logical=False) or usable)  # torch's own default counts physical cores
     threads = max(1, cores // local)
     torch.set_num_threads(threads)
     if _is_first_rank():

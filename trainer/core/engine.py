@@ -42,10 +42,10 @@ def check_backend_supports(cfg: Config, distributed_type: DistributedType) -> No
     t = cfg.train
     if distributed_type == DistributedType.DEEPSPEED and t.grad_clip_value > 0:
         # Often not the user's own setting (GEARS' presets clip by value, as GEARS does): say what to add.
-        preset = f" or task preset '{cfg.task.preset}'" if getattr(cfg.task, "preset", "") else ""
-        raise ConfigError(f"train.grad_clip_value={t.grad_clip_value:g} (from the config{preset}) is not supported "
-                          f"under DeepSpeed, whose engine clips by norm only: add train.grad_clip_value=0 "
-                          f"train.grad_clip_norm={t.grad_clip_value:g} (or another norm)")
+        preset = f", or task preset '{cfg.task.preset}'" if getattr(cfg.task, "preset", "") else ""
+        raise ConfigError(f"train.grad_clip_value={t.grad_clip_value:g} (from the command line, the config{preset}) is "
+                          f"not supported under DeepSpeed, whose engine clips by norm only: add train.grad_clip_value=0 "
+                          f"train.grad_clip_norm={t.grad_clip_value:g} (or another norm; a norm clip changes the steps)")
 
 
 class Engine:

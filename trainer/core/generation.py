@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -53,8 +54,10 @@ def idle_ranks_note(num_samples: int, batch_size: int, world_size: int) -> str |
     blocks = math.ceil(num_samples / batch_size)
     if not 0 < blocks < world_size:
         return None
-    return (f"num_samples={num_samples} in batches of {batch_size} is {blocks} batch(es) for {world_size} processes: "
-            f"{world_size - blocks} of them idle (batch_size={math.ceil(num_samples / world_size)} would use all)")
+    head = f"num_samples={num_samples} in batches of {batch_size} is {blocks} batch(es) for {world_size} processes: "
+    if num_samples < world_size:
+        return head + f"{world_size - blocks} of them idle (at most {num_samples} can work on {num_samples} samples)"
+    return head + f"{world_size - blocks} of them idle (batch_size={num_samples // world_size} would use all)"
 
 
 def run_task(run_dir: str | Path) -> Task:
@@ -119,12 +122,23 @@ def generate_distributed(task: Task, model: torch.nn.Module, options: SampleConf
 @contextlib.contextmanager
 def printing_only_on_main(is_main: bool) -> Iterator[None]:
     """What third-party code prints (DeepSpeed's ZeRO merge: print() lines and tqdm bars) shows from the main
-    process only; an exception still propagates from every rank, and loggers keep their own streams."""
+    process only; an exception still propagates from every rank. A logging handler created meanwhile (DeepSpeed's,
+    on its first import) is pointed back at the real stream afterwards, so later warnings and errors still show."""
     if is_main:
         yield
         return
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        yield
+    out, err = io.StringIO(), io.StringIO()
+    real = {id(out): sys.stdout, id(err): sys.stderr}
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            yield
+    finally:
+        loggers = [logging.getLogger(), *(v for v in list(logging.Logger.manager.loggerDict.values())
+                                          if isinstance(v, logging.Logger))]
+        for each in loggers:
+            for handler in each.handlers:
+                if isinstance(handler, logging.StreamHandler) and id(handler.stream) in real:
+                    handler.setStream(real[id(handler.stream)])
 
 
 def sample_run(run_dir: str | Path, options: SampleConfig | Sequence[str] = ()) -> dict[str, Any] | None:

@@ -141,7 +141,7 @@ def _format_metrics(record: dict[str, Any], prefix: str, first: str = "") -> str
     """`first` (the selection metric) leads. Subgroup metrics ("group/metric", e.g. GEARS' 30 per test subgroup) are
     counted, not listed: a summary line stays readable, metrics.jsonl and the test report hold them."""
     items = sorted(((k[len(prefix):], v) for k, v in record.items() if k.startswith(prefix)), key=lambda kv: kv[0] != first)
-    shown = [(k, v) for k, v in items if "/" not in k]
+    shown = [(k, v) for k, v in items if k == first or "/" not in k]
     text = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown)
     hidden = len(items) - len(shown)
     return text + (f" (+{hidden} subgroup metrics in metrics.jsonl)" if hidden else "")

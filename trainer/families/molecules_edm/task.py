@@ -351,7 +351,7 @@ class _StepBar:
         self.guide, self.guided_steps = guide, guided_steps
         # Below the sample bar on a terminal; in a log file (no cursor moves) one bar after another, each left as
         # its final line (a nested bar there wrote blank lines and cursor-up codes).
-        nested = sys.stderr.isatty()
+        nested = bool(getattr(sys.stderr, "isatty", lambda: False)())  # no stderr at all under pythonw
         self.bar = tqdm(total=total, desc=name, unit="step", leave=not nested, position=1 if nested else 0,
                         dynamic_ncols=True)
 
