@@ -28,9 +28,9 @@ def load_model_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
         # ZeRO-1/2/3: merge the per-rank fp32 partitions (any stage) on one CPU process.
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        from trainer.core.safe_load import weights_only_loading
+        from trainer.core.universal import deepspeed_reading
 
-        with weights_only_loading():  # DeepSpeed itself would unpickle with weights_only=False
+        with deepspeed_reading():  # DeepSpeed itself would unpickle with weights_only=False
             return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag="pytorch_model")
     fsdp = sorted(ckpt_dir.glob("pytorch_model_fsdp_*"))
     if fsdp:  # FSDP's shards (torch.distributed.checkpoint), read whole on this process, weights-only

@@ -13,13 +13,11 @@ statistics to `OUT.stats.json`.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import math
-import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,28 +117,6 @@ def generate_distributed(task: Task, model: torch.nn.Module, options: SampleConf
     return samples
 
 
-@contextlib.contextmanager
-def printing_only_on_main(is_main: bool) -> Iterator[None]:
-    """What third-party code prints (DeepSpeed's ZeRO merge: print() lines and tqdm bars) shows from the main
-    process only; an exception still propagates from every rank. A logging handler created meanwhile (DeepSpeed's,
-    on its first import) is pointed back at the real stream afterwards, so later warnings and errors still show."""
-    if is_main:
-        yield
-        return
-    out, err = io.StringIO(), io.StringIO()
-    real = {id(out): sys.stdout, id(err): sys.stderr}
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            yield
-    finally:
-        loggers = [logging.getLogger(), *(v for v in list(logging.Logger.manager.loggerDict.values())
-                                          if isinstance(v, logging.Logger))]
-        for each in loggers:
-            for handler in each.handlers:
-                if isinstance(handler, logging.StreamHandler) and id(handler.stream) in real:
-                    handler.setStream(real[id(handler.stream)])
-
-
 def sample_run(run_dir: str | Path, options: SampleConfig | Sequence[str] = ()) -> dict[str, Any] | None:
     """Sample from RUN_DIR's checkpoint; returns the statistics on the main process, None elsewhere."""
     from accelerate import PartialState
@@ -152,8 +128,7 @@ def sample_run(run_dir: str | Path, options: SampleConfig | Sequence[str] = ()) 
     if not isinstance(options, SampleConfig):
         options = sample_options(task, options)
     state = PartialState(cpu=not torch.cuda.is_available())
-    with printing_only_on_main(state.is_main_process):  # each rank merges a ZeRO checkpoint; DeepSpeed narrates it
-        params, source = consolidated_weights(run_dir, checkpoint=options.checkpoint, weights=options.weights)
+    params, source = consolidated_weights(run_dir, checkpoint=options.checkpoint, weights=options.weights)
     stats = read_task_stats(source)
     task.attach_stats(stats)
     task.load_artifacts(Path(source))

@@ -28,6 +28,7 @@ import contextlib
 import io
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,14 +154,23 @@ def convert(path: Path, out: Path, saved: dict[str, Any], param_names: list[list
         _from_torch(path, out, saved.get("param_names") or param_names)
 
 
+@contextlib.contextmanager
+def deepspeed_reading() -> Iterator[None]:
+    """Around DeepSpeed's own checkpoint readers (ZeRO merge, universal conversion): weights-only unpickling, and
+    their print() lines and tqdm bars dropped (every rank of `trainer sample` merges, each narrated it). Import the
+    DeepSpeed module before entering, so its logger keeps the real stream; errors still raise."""
+    chatter = io.StringIO()
+    with weights_only_loading(), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+        yield
+
+
 def _from_deepspeed(path: Path, out: Path) -> None:
     from deepspeed.checkpoint import ds_to_universal
 
     args = argparse.Namespace(input_folder=str(path / DS_FOLDER), output_folder=str(out), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-    chatter = io.StringIO()
     try:
-        with weights_only_loading(), contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):
+        with deepspeed_reading():
             ds_to_universal.main(args)
     except CheckpointError:
         raise
