@@ -14,7 +14,7 @@ SAMPLES    ?= 64
 RUN_DIR    ?= runs/main
 PYTEST_ARGS ?=
 # Every family's extra, so the main job and the whole test suite run from one environment.
-EXTRAS     ?= test,protein_sedd,crystals,molecules_edm,perturbation_gears
+EXTRAS     ?= test,protein_sedd,crystals,molecules_edm,molecules_mlff,perturbation_gears
 
 .PHONY: setup train test test-all lint bench readme-config clean
 
@@ -29,6 +29,8 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	@echo "building DeepSpeed's CPU communication op (once, about 1-2 minutes)..."
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b and b.load()" > /dev/null \
 		|| echo "(not prebuilt: DeepSpeed builds it on first use)"
+	# ANI-1x's parameters (the ani1x force field) into the data cache: pip fetches the pinned wheel, checksummed.
+	$(VENV)/bin/trainer data fetch ani1x > /dev/null
 	touch $@
 
 setup: $(VENV)/.installed

@@ -456,11 +456,19 @@ def config_from_dict(data: dict) -> Config:
 def describe_fields(sections: dict[str, Any]) -> str:
     """Markdown table of the fields of dataclass instances (`{prefix: instance}`; prefix '' for none)."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
-    for name, obj in sections.items():
+
+    def add(name: str, obj: Any) -> None:
         docs = field_docs(type(obj))
         for f in dataclasses.fields(obj):
             key = f"{name}.{f.name}" if name else f.name
-            lines.append(f"| `{key}` | `{getattr(obj, f.name)!r}` | {docs.get(f.name, '')} |")
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a nested section: its own keys
+                add(key, value)
+            else:
+                lines.append(f"| `{key}` | `{value!r}` | {docs.get(f.name, '')} |")
+
+    for name, obj in sections.items():
+        add(name, obj)
     return "\n".join(lines)
 
 

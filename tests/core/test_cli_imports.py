@@ -58,4 +58,4 @@ print(json.dumps({{"codes": codes, "heavy": [m for m in {HEAVY!r} if m in sys.mo
     for k, call in enumerate(calls):
         assert statuses[k] == (2 if call[0] == "train" else 0) and said[k], (call, statuses[k], said[k][-500:])
         assert SAYS.get(k, "") in said[k], (call, said[k][-500:])
-    assert "| `num_samples` |" in said[-1] and "| `guidance` |" in said[-1]  # sample RUN_DIR --help: the task's keys
+    assert "| `num_samples` |" in said[-1] and "| `guidance.scales` |" in said[-1]  # sample --help: every key

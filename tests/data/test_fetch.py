@@ -39,8 +39,11 @@ def no_env(monkeypatch):
 
 
 def test_registry_entries_are_complete_and_pinned():
-    assert set(F.REGISTRY) == {"mlearn_si_training", "mlearn_si_test", "mlearn_mo_training", "mlearn_mo_test"}
-    for name, entry in F.REGISTRY.items():
+    assert set(F.REGISTRY) == {"mlearn_si_training", "mlearn_si_test", "mlearn_mo_training", "mlearn_mo_test", "ani1x"}
+    ani = F.REGISTRY["ani1x"]  # files of a pinned wheel (tests/families/molecules_edm/test_ani.py fetches it)
+    assert ani.requirement == "torchani==2.2.4" and re.fullmatch(r"[0-9a-f]{64}", ani.sha256)
+    assert len(ani.checksums()) == 2 + 8 * 4 * 9 and ani.license.startswith("MIT")
+    for name, entry in ((n, e) for n, e in F.REGISTRY.items() if n != "ani1x"):
         assert entry.name == name and re.fullmatch(r"[0-9a-f]{64}", entry.sha256), name
         assert entry.url.startswith("https://raw.githubusercontent.com/materialsvirtuallab/mlearn/a04d3b6e")
         assert entry.license.startswith("BSD-3-Clause") and entry.description and entry.source and entry.size > 0
@@ -108,8 +111,10 @@ def test_trainer_data_command(tmp_path, monkeypatch, capsys):
     assert main(["data", "list"]) == 0
     out = capsys.readouterr().out
     assert f"cache: {tmp_path / 'cache'}" in out
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("mlearn_")}
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isalnum() and "cache:" not in line}
+    rows.pop("name")
     assert set(rows) == set(F.REGISTRY) and rows["mlearn_si_test"][1:4] == ["309.8", "KB", "no"]
+    assert rows["ani1x"][1:4] == ["10.5", "MB", "no"] and "pip download torchani==2.2.4" in out
     assert F.REGISTRY["mlearn_mo_training"].url in out and "BSD-3-Clause" in out
     assert main(["data", "fetch", "mlearn_si_test"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "cache" / "mlearn_si_test" / "test.json")

@@ -15,6 +15,10 @@ Configs refer to a data set as `${fetch:NAME}` (an OmegaConf resolver registered
 `trainer.config`), e.g. `task.data_path: ${fetch:mlearn_mo_training}`; the command line has
 `trainer data list` and `trainer data fetch NAME ...` (entry point `trainer.commands`: data).
 
+Parameter sets published only inside a Python package (ANI-1x, in the torchani 2.2.4 wheel) are
+`PackageFiles` entries: pip downloads the pinned wheel, and only the listed members are extracted and checked
+file by file (`package_files.py`). `locate(NAME)` returns an already fetched set without downloading.
+
 Only sets whose checksum could be taken from a copy of the published file are listed; see `REGISTRY`.
 """
 
@@ -23,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
-import hashlib
 import os
 import shutil
 import sys
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from trainer.data.package_files import PackageFiles, fetch_package_files, locate_package_files, sha256_of
 from trainer.errors import DataError
 
 CACHE_ENV = "TRAINER_DATA_CACHE"
@@ -84,10 +88,26 @@ _MLEARN_FILES = (  # element, split, structures, sha256, bytes
     ("Mo", "test", 23, "68169e2927c2115daa2f504805fcb9548ee65daf2dd015428807ba92f8e13bb8", 250_629),
 )
 
-REGISTRY: dict[str, RemoteData] = {d.name: d for d in (
+# ANI-1x (Smith et al., J. Chem. Phys. 148, 241733 (2018)): the NeuroChem parameters of the 8-network ensemble
+# ship inside the torchani 2.2.4 wheel (MIT); torchani 2.9 reads them but would download them from a hub. The
+# info file is empty in that wheel: its four lines (constants, self energies, ensemble prefix, size) are written.
+ANI1X = PackageFiles(
+    name="ani1x", requirement="torchani==2.2.4", wheel="torchani-2.2.4-py3-none-any.whl",
+    sha256="de99afb38aeee9bf8553e58c468539ed41baf6b217833c2fc90429ad4261a02d", size=10_539_398,
+    prefix="torchani/resources/", dest="Neurochem",
+    description="ANI-1x ensemble (8 networks; H C N O; wB97x/6-31G(d)): AEV constants, self energies, network "
+                "weights, extracted from the torchani 2.2.4 wheel (the `ani1x` force field)",
+    license="MIT (aiqm/torchani)",
+    source="Smith et al., 'Less is more: sampling chemical space with active learning', J. Chem. Phys. 148, 241733 (2018)",
+    generated=(("ani-1x_8x.info", "ani-1x_8x/rHCNO-5.2R_16-3.5A_a4-8.params\nani-1x_8x/sae_linfit.dat\n"
+                                  "ani-1x_8x/train\n8\n"),),
+)
+
+REGISTRY: dict[str, RemoteData | PackageFiles] = {d.name: d for d in (
     *(RemoteData(f"mlearn_{el.lower()}_{split}", f"{_MLEARN}/{el}/{split}.json", sha256, size,
                  _MLEARN_WHAT.format(el=el, split=split, n=n), _MLEARN_LICENSE, _MLEARN_SOURCE)
       for el, split, n, sha256, size in _MLEARN_FILES),
+    ANI1X,
 )}
 """The fetchable data sets. Not listed (no copy to take a checksum from on the machines this was written on;
 add an entry with the sha256 of a verified download): full QM9, UniRef50, the GEARS Norman set, full JARVIS-DFT."""
@@ -102,7 +122,7 @@ def cache_dir() -> Path:
     return Path(pooch.os_cache(APP_NAME))
 
 
-def lookup(name: str, registry: dict[str, RemoteData] | None = None) -> RemoteData:
+def lookup(name: str, registry: dict[str, RemoteData | PackageFiles] | None = None) -> RemoteData | PackageFiles:
     registry = REGISTRY if registry is None else registry
     if name in registry:
         return registry[name]
@@ -127,17 +147,24 @@ def local_path(entry: RemoteData, cache: Path | None = None) -> Path:
     return (cache or cache_dir()) / entry.name / entry.filename
 
 
-def is_cached(entry: RemoteData, cache: Path | None = None) -> bool:
+def is_cached(entry: RemoteData | PackageFiles, cache: Path | None = None) -> bool:
     """True when the cached file exists (its checksum is checked by `fetch`, not here)."""
+    if isinstance(entry, PackageFiles):
+        return (cache or cache_dir()).joinpath(entry.name, entry.dest).is_dir()
     return local_path(entry, cache).is_file()
 
 
-def sha256_of(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def locate(name: str, cache: str | Path | None = None) -> Path:
+    """The local path of an already fetched data set, never downloading: a package-files set (ANI-1x) is
+    checked file by file; a missing one is a one-line DataError naming `trainer data fetch NAME`."""
+    entry = lookup(name)
+    root = Path(cache).expanduser() if cache is not None else cache_dir()
+    if isinstance(entry, PackageFiles):
+        return locate_package_files(entry, root)
+    path = local_path(entry, root)
+    if not path.is_file():
+        raise DataError(f"data set {name!r} is not in the cache ({path}); run `trainer data fetch {name}`")
+    return path
 
 
 class _HashingDownloader:
@@ -193,7 +220,7 @@ def _processor(entry: RemoteData) -> object | None:
 
 
 def fetch(name: str, *, cache: str | Path | None = None, mirror: str | None = None,
-          registry: dict[str, RemoteData] | None = None, progressbar: bool | None = None) -> Path:
+          registry: dict[str, RemoteData | PackageFiles] | None = None, progressbar: bool | None = None) -> Path:
     """The local path of data set NAME, downloaded (and checked against its sha256) on first use.
 
     `cache` and `mirror` default to $TRAINER_DATA_CACHE / $TRAINER_DATA_MIRROR (see the module docstring).
@@ -202,6 +229,10 @@ def fetch(name: str, *, cache: str | Path | None = None, mirror: str | None = No
     import pooch
 
     entry = lookup(name, registry)
+    if isinstance(entry, PackageFiles):
+        root = Path(cache).expanduser() if cache is not None else cache_dir()
+        with _locked(root / entry.name):
+            return fetch_package_files(entry, root, mirror)
     folder = (Path(cache).expanduser() if cache is not None else cache_dir()) / entry.name
     url = source_url(entry, mirror)
     downloader = _HashingDownloader(sys.stderr.isatty() if progressbar is None else progressbar)
@@ -254,7 +285,7 @@ def _human(size: int) -> str:
     return f"{size} B"
 
 
-def list_text(cache: Path | None = None, registry: dict[str, RemoteData] | None = None) -> str:
+def list_text(cache: Path | None = None, registry: dict[str, RemoteData | PackageFiles] | None = None) -> str:
     registry = REGISTRY if registry is None else registry
     cache = cache or cache_dir()
     rows = [f"cache: {cache} (${CACHE_ENV})" + (f"; mirror: {os.environ[MIRROR_ENV]}" if os.environ.get(MIRROR_ENV)

@@ -77,8 +77,10 @@ def test_one_process_with_accumulation_trains_the_weights_of_two(trained_run, tm
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_guided_sampling_is_paired_and_the_same_with_one_and_two_processes(trained_run, tmp_path):
-    options = ["num_samples=5", "batch_size=2", "guidance.scales=[0.0,0.002]", "guidance.forcefield=springs",
-               "guidance.noise_threshold=1.0", "evaluation_forcefield=springs", "chains=1", "chain_frames=4"]
+    # ANI-1x guides (on the sampler's device, batched), springs take the molecules it does not model (F)
+    options = ["num_samples=5", "batch_size=2", "guidance.scales=[0.0,0.002]", "guidance.forcefield=ani1x",
+               "guidance.fallback_forcefield=springs", "guidance.noise_threshold=1.0", "evaluation_forcefield=springs",
+               "chains=1", "chain_frames=4"]
     one, two = tmp_path / "one", tmp_path / "two"
     cli_in_process("sample", str(trained_run), f"out={one}", *options)
     run_cmd([str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
@@ -97,7 +99,13 @@ def test_guided_sampling_is_paired_and_the_same_with_one_and_two_processes(train
     rows = list(csv.DictReader((one / "metrics.csv").open()))
     assert [r["set"] for r in rows] == list(sets)
     table = {r["set"]: r for r in json.loads((one / "metrics.json").read_text())}
-    assert table["guided_scale_0.002"]["guidance_force_evaluations"] > 0
+    guided = table["guided_scale_0.002"]
+    assert guided["guidance_force_evaluations"] == 5 * 50  # every molecule at every step (T = 50, threshold 1)
+    assert guided["guidance_scored_ani1x"] > 0 and guided["guidance_scored_springs"] > 0  # F decoded on the way
+    assert guided["guidance_scored_ani1x"] + guided["guidance_scored_springs"] + guided["guidance_failures"] == 250
+    for row in table.values():  # ANI-1x's view beside the evaluation force field's, F molecules counted apart
+        assert row["mlff_forcefield"] == "ani1x"
+        assert row["mlff_forcefield_molecules"] + row.get("mlff_forcefield_unsupported", 0) == 5
     assert table["baseline"]["forcefield_molecules"] + table["baseline"]["forcefield_failures"] == 5
     assert (one / "summary.png").stat().st_size > 0
     for name in sets:  # the first sample's trajectory of every set, the guided ones guided

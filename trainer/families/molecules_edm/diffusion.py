@@ -74,7 +74,9 @@ GuidanceHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, int], 
 """`hook(positions [B, N, 3] Angstrom, type_index [B, N] long, node_mask [B, N] bool, sigma_t, step_index)
 -> positions`. Called after every ancestral step z_s ~ p(z_s | z_t); sigma_t is the noise level of the
 noisier time t of that step and step_index counts the steps done before it (0 .. T - 1). It must not
-draw random numbers nor modify its inputs in place; returning `positions` itself means "unchanged"."""
+draw random numbers nor modify its inputs in place; returning `positions` itself means "unchanged".
+A hook with a `decode_among` attribute (type indices, or None) gets types decoded by the argmax over those
+types only (a force field that models fewer elements); the sampler's own types are unchanged."""
 
 _ATOMIC_NUMBERS = {"H": 1, "He": 2, "Li": 3, "Be": 4, "B": 5, "C": 6, "N": 7, "O": 8, "F": 9, "Ne": 10,
                    "Na": 11, "Mg": 12, "Al": 13, "Si": 14, "P": 15, "S": 16, "Cl": 17, "Ar": 18, "K": 19,
@@ -501,8 +503,13 @@ class EDMDiffusion(nn.Module):
         noise[mask] = flat  # row-major order of a prefix mask == concatenation order
         return noise
 
-    def _decode_types(self, z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        types = torch.argmax(z[..., self.n_dims:self.n_dims + self.num_classes], dim=-1)
+    def _decode_types(self, z: torch.Tensor, mask: torch.Tensor, among: Sequence[int] | None = None) -> torch.Tensor:
+        scores = z[..., self.n_dims:self.n_dims + self.num_classes]
+        if among is not None:
+            allowed = torch.zeros(self.num_classes, dtype=torch.bool, device=z.device)
+            allowed[list(among)] = True
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        types = torch.argmax(scores, dim=-1)
         return torch.where(mask, types, torch.zeros_like(types))
 
     def _chain_steps(self, chain_frames: int) -> list[int]:
@@ -566,7 +573,8 @@ class EDMDiffusion(nn.Module):
             z = torch.cat([remove_mean_with_mask(z[..., :self.n_dims], mask_f), z[..., self.n_dims:]], dim=-1)
             if guidance is not None:
                 positions = z[..., :self.n_dims] * self.norm_values[0]
-                guided = guidance(positions, self._decode_types(z, mask), mask, float(sigma_t), step_index)
+                types = self._decode_types(z, mask, getattr(guidance, "decode_among", None))
+                guided = guidance(positions, types, mask, float(sigma_t), step_index)
                 if guided is not positions:
                     if tuple(guided.shape) != tuple(positions.shape):
                         raise ValueError(f"guidance returned shape {tuple(guided.shape)}, expected {tuple(positions.shape)}")

@@ -156,7 +156,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     for key in HEADLINE:
         if key in summary:
             lines.append(f"  {key:20s} {100.0 * summary[key]:7.2f} %")
-    for key in ("force_rms_mean", "force_rms_median", "force_max_mean", "energy_per_atom_mean", "forcefield_failures"):
+    for key in ("force_rms_mean", "force_rms_median", "force_max_mean", "energy_per_atom_mean", "energy_spread_mean",
+                "force_spread_mean", "forcefield_failures", "forcefield_unsupported"):
         value = summary.get(key)
         if value is not None and not (isinstance(value, float) and math.isnan(value)):
             lines.append(f"  {key:20s} {value:10.4f}" if isinstance(value, float) else f"  {key:20s} {value}")
@@ -171,8 +172,9 @@ class EvaluateOptions:
     """Training SMILES for novelty: a text file (one per line, .gz ok: the run artifact training_smiles.txt.gz)
     or a molecule file; empty: no novelty."""
     forcefield: str = "gfn2"
-    """Force field of the force and energy metrics: gfn2 (GFN2-xTB), gfn1, ase:<module.Class>, uma:<name or
-    file>, springs, or none (skip them)."""
+    """Force field of the force and energy metrics: gfn2 (GFN2-xTB), ani1x (the ANI-1x ensemble; adds
+    energy_spread / force_spread, counts molecules with F as forcefield_unsupported), gfn1, ase:<module.Class>,
+    uma:<name or file>, springs, or none (skip them)."""
     forcefield_kwargs: dict = field(default_factory=dict)
     """Keyword arguments of the force field, e.g. forcefield_kwargs={model: 7net-0}."""
     elements: list = field(default_factory=lambda: list(QM9_ELEMENTS))

@@ -12,6 +12,13 @@ Deliberately different from the reference (its bugs): a molecule whose force eva
 scale 0.0 returns the positions tensor itself, so the sampler's output equals the baseline bit for bit;
 nothing here draws random numbers; statistics are counters, not per-step INFO logs.
 
+Forces come through `compute_on_device`: an MLFF (ani1x) evaluates the batch where the sampler's tensors are,
+a numpy force field (tblite) through one host round trip. A force field that models fewer elements than the
+sampler decodes is routed with a fallback (forcefields/routing.py): counted per force field (`scored_<name>`),
+or, without a fallback, left unguided and counted (`unsupported`); with `types="forcefield"` the sampler decodes
+the types for this hook among the force field's elements (`decode_among`), so none needs the fallback. With
+`max_uncertainty`, a molecule whose ensemble energy spread exceeds it on a step is not pushed (`uncertain_skips`).
+
 A force field with `for_guidance()` (GFN-xTB) is evaluated through that evaluator: an electronic-temperature
 ladder with a per-rung SCF cap and warm starts (forcefields/xtb.py), whose rung per result is counted
 (`evaluations_<rung label>`), so a set reports how many of its forces came from each rung.
@@ -29,7 +36,7 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.families.molecules_edm.egnn import remove_mean_with_mask
-from trainer.families.molecules_edm.forcefields.base import ForceField
+from trainer.families.molecules_edm.forcefields.base import ForceField, compute_on_device
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,11 @@ class GuidanceConfig:
     """Largest per-atom force norm (eV/Angstrom) used; None: no clip."""
     displacement_clip: float | None = None
     """Largest per-atom displacement norm (Angstrom) per iteration; None: no clip."""
+    max_uncertainty: float | None = None
+    """Skip the push for a molecule whose ensemble energy spread (eV/atom) is above this on that step; None: never."""
+    types: str = "argmax"
+    """How the force field sees the atom types: `argmax` over all types (the seed's rule), or `forcefield`:
+    the argmax over the types the force field models (ani1x: no F), so no molecule needs the fallback."""
 
     def __post_init__(self) -> None:
         if not np.isfinite(self.scale) or self.scale < 0:
@@ -54,7 +66,9 @@ class GuidanceConfig:
             raise ConfigError(f"guidance iterations must be an integer >= 1, got {self.iterations}")
         if not np.isfinite(self.noise_threshold) or self.noise_threshold < 0:
             raise ConfigError(f"guidance noise_threshold must be a finite number >= 0, got {self.noise_threshold}")
-        for name in ("force_clip", "displacement_clip"):
+        if self.types not in ("argmax", "forcefield"):
+            raise ConfigError(f"guidance types must be 'argmax' or 'forcefield', got {self.types!r}")
+        for name in ("force_clip", "displacement_clip", "max_uncertainty"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"guidance {name} must be > 0 or None, got {value}")
@@ -75,8 +89,9 @@ class ForceGuidance:
     `atomic_numbers_of_types[i]` is the atomic number of type index i (the diffusion's
     `atomic_numbers_of_types`). Counters: `steps_guided` (sampler steps where it acted),
     `force_evaluations` (molecules evaluated), `failures` (evaluations with ok False: that molecule is
-    left unguided on that step), `forcefield_seconds` (time inside the force field), and with a ladder
-    `rung_counts[i]` (successful evaluations on rung i, named by `rung_labels[i]`).
+    left unguided on that step), `forcefield_seconds` (time inside the force field), with a ladder
+    `rung_counts[i]` (successful evaluations on rung i, named by `rung_labels[i]`), with a routed force field
+    `scored[name]` and `unsupported`, with `max_uncertainty` `uncertain_skips`.
     """
 
     def __init__(self, forcefield: ForceField, config: GuidanceConfig, atomic_numbers_of_types: Sequence[int]) -> None:
@@ -84,19 +99,38 @@ class ForceGuidance:
         self.config = config
         self.atomic_numbers_of_types = np.asarray(atomic_numbers_of_types, dtype=np.int64)
         for_guidance = getattr(forcefield, "for_guidance", None)
-        self.evaluator = for_guidance() if callable(for_guidance) else forcefield
+        # the spread is asked for only when gating needs it, so a `for_guidance()` without arguments still fits
+        self.evaluator = (forcefield if not callable(for_guidance) else
+                          for_guidance(needs_spread=True) if config.max_uncertainty is not None else for_guidance())
+        supported = getattr(forcefield, "supported_numbers", None)
+        self.decode_among: list[int] | None = None
+        """Type indices the sampler decodes among for this hook (`types: forcefield`), None: all."""
+        if config.types == "forcefield" and supported is not None:
+            self.decode_among = [i for i, z in enumerate(self.atomic_numbers_of_types.tolist()) if z in supported]
+            if not self.decode_among:
+                raise ConfigError(f"guidance types=forcefield: {getattr(forcefield, 'name', '?')} models none of the "
+                                  f"atom types {self.atomic_numbers_of_types.tolist()}")
         self.rung_labels: list[str] = [str(label) for label in getattr(self.evaluator, "rung_labels", ())]
         self.rung_counts = [0] * len(self.rung_labels)
         self.steps_guided = 0
         self.force_evaluations = 0
         self.failures = 0
         self.forcefield_seconds = 0.0
+        self.scored: dict[str, int] = {}
+        self.unsupported = 0
+        self.uncertain_skips = 0
 
     def counters(self) -> dict[str, float]:
         """The counters as a dict (for logs and metric files)."""
-        return {"steps_guided": self.steps_guided, "force_evaluations": self.force_evaluations,
-                "failures": self.failures, "forcefield_seconds": self.forcefield_seconds,
-                **{f"evaluations_{label}": count for label, count in zip(self.rung_labels, self.rung_counts)}}
+        out = {"steps_guided": self.steps_guided, "force_evaluations": self.force_evaluations,
+               "failures": self.failures, "forcefield_seconds": self.forcefield_seconds,
+               **{f"evaluations_{label}": count for label, count in zip(self.rung_labels, self.rung_counts)}}
+        if hasattr(self.evaluator, "names"):  # a routed force field
+            out.update({f"scored_{name}": self.scored.get(name, 0) for name in self.evaluator.names if name != "none"},
+                       unsupported=self.unsupported)
+        if self.config.max_uncertainty is not None:
+            out["uncertain_skips"] = self.uncertain_skips
+        return out
 
     def active(self, sigma_t: float) -> bool:
         """Whether a step at noise level sigma_t is guided."""
@@ -110,36 +144,64 @@ class ForceGuidance:
         cfg = self.config
         mask = node_mask.squeeze(-1) if node_mask.dim() == 3 else node_mask
         mask = mask.bool()
-        mask_np = mask.cpu().numpy()
-        types = type_index.cpu().numpy()
-        numbers = np.where(mask_np, self.atomic_numbers_of_types[np.clip(types, 0, None)], 0)
-        real = mask_np.any(axis=1)
+        table = torch.as_tensor(self.atomic_numbers_of_types, device=mask.device)
+        numbers = torch.where(mask, table[type_index.clamp(min=0)], torch.zeros_like(type_index))
+        real = mask.any(dim=1)
         step_size = cfg.scale / cfg.iterations * (1.0 - sigma_t)
         x = positions
         self.steps_guided += 1
         for _ in range(cfg.iterations):
             started = time.perf_counter()
-            result = self.evaluator.compute(numbers, x.detach().cpu().double().numpy(), mask_np)
+            result = compute_on_device(self.evaluator, numbers, x.detach(), mask)
             self.forcefield_seconds += time.perf_counter() - started
-            ok = np.asarray(result.ok, dtype=bool) & real
-            self.force_evaluations += int(real.sum())
+            ok = result.ok.to(x.device) & real
+            evaluated = real
+            if result.source is not None:  # a routed force field: count who scored what, and what nobody could
+                source = result.source.to(x.device)
+                names = getattr(self.evaluator, "names", [])
+                unsupported = real & self._outside(numbers, mask)
+                if getattr(self.evaluator, "has_fallback", False):
+                    unsupported = torch.zeros_like(unsupported)
+                self.unsupported += int(unsupported.sum())
+                evaluated = real & ~unsupported
+                for index, name in enumerate(names):
+                    scored = int((ok & (source == index)).sum())
+                    if scored:
+                        self.scored[name] = self.scored.get(name, 0) + scored
+            self.force_evaluations += int(evaluated.sum())
+            if not self.rung_labels and getattr(self.evaluator, "rung_labels", None):  # a fallback with a ladder, built late
+                self.rung_labels = [str(label) for label in self.evaluator.rung_labels]
+                self.rung_counts = [0] * len(self.rung_labels)
             if result.rung is not None and self.rung_counts:
-                used = np.asarray(result.rung)[ok]
+                used = result.rung.to(x.device)[ok]
                 for rung in used[(used >= 0) & (used < len(self.rung_counts))].tolist():
                     self.rung_counts[rung] += 1
-            failed = int((real & ~ok).sum())
+            failed = int((evaluated & ~ok).sum())
             if failed:
                 self.failures += failed
                 log.debug("guidance step %d: force field %s failed on %d molecule(s); left unguided",
                           step_index, getattr(self.forcefield, "name", "?"), failed)
-            if not ok.any():
+            if cfg.max_uncertainty is not None:
+                if result.energy_spread is None:
+                    raise ConfigError(f"guidance.max_uncertainty needs a force field that reports an ensemble spread "
+                                      f"(ani1x with its 8 networks); {getattr(self.forcefield, 'name', '?')} reports none")
+                uncertain = ok & (result.energy_spread.to(x.device) > cfg.max_uncertainty)
+                self.uncertain_skips += int(uncertain.sum())
+                ok = ok & ~uncertain
+            if not bool(ok.any()):
                 continue
-            forces = torch.as_tensor(np.nan_to_num(np.asarray(result.forces, dtype=np.float64)), dtype=x.dtype,
-                                     device=x.device)
-            forces = clip_norm(forces, cfg.force_clip)
+            forces = clip_norm(torch.nan_to_num(result.forces.to(device=x.device, dtype=x.dtype)), cfg.force_clip)
             displacement = clip_norm(step_size * forces, cfg.displacement_clip)
-            ok_t = torch.as_tensor(ok, device=x.device)
-            keep = (ok_t.unsqueeze(1) & mask).unsqueeze(-1)
+            keep = (ok.unsqueeze(1) & mask).unsqueeze(-1)
             moved = remove_mean_with_mask(x + displacement * keep, mask)
-            x = torch.where(ok_t.reshape(-1, 1, 1), moved, x)
+            x = torch.where(ok.reshape(-1, 1, 1), moved, x)
         return x
+
+    def _outside(self, numbers: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[B] bool: molecules with an element the routed force field's primary does not model."""
+        supported = getattr(self.evaluator, "supported_numbers", None)
+        if supported is None:
+            return torch.zeros(numbers.shape[0], dtype=torch.bool, device=numbers.device)
+        table = torch.zeros(119, dtype=torch.bool, device=numbers.device)
+        table[sorted(supported)] = True
+        return ~(table[numbers.clamp(0, 118)] | ~mask).all(dim=1)

@@ -20,8 +20,10 @@ Definitions (Hoogeboom et al. 2022; reference code `qm9/bond_analyze.py`, `qm9/a
   when its denominator is 0, as the reference).
 
 Force-field metrics (with a `ForceField`): per molecule `force_rms` = sqrt(mean over atoms of |F_i|^2)
-and `force_max` = max_i |F_i| (eV/Angstrom), `energy_per_atom` (eV) and `forcefield_ok`; summaries take the
-mean and median over the molecules the force field succeeded on and count the failures.
+and `force_max` = max_i |F_i| (eV/Angstrom), `energy_per_atom` (eV) and `forcefield_ok`, and for an ensemble
+(ani1x) `energy_spread` (members' energy std per atom) and `force_spread`; summaries take the mean and median
+over the molecules the force field succeeded on, count the failures, and count apart the molecules with an
+element the force field does not model (`forcefield_unsupported`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ VALENCE: dict[int, int] = {1: 1, 6: 4, 7: 3, 8: 2, 9: 1}
 _TABLE_Z = (1, 6, 7, 8, 9)
 _SYMBOL_Z = {"H": 1, "C": 6, "N": 7, "O": 8, "F": 9}
 _FORCE_KEYS = ("force_rms", "force_max", "energy_per_atom")
+_SPREAD_KEYS = ("energy_spread", "force_spread")
 
 
 def _threshold_table(lengths: dict[tuple[str, str], int], margin: int) -> np.ndarray:
@@ -173,18 +176,26 @@ def _largest_fragment_smiles(mol: Any) -> str | None:
 # force field
 
 
-def forcefield_values(molecules: Sequence[Molecule], forcefield: Any, batch_size: int = 64) -> list[dict[str, Any]]:
+def forcefield_values(molecules: Sequence[Molecule], forcefield: Any, batch_size: int = 64,
+                      prefix: str = "") -> list[dict[str, Any]]:
     """Per molecule {forcefield_ok, force_rms, force_max (eV/Angstrom), energy_per_atom (eV)} from one
-    `ForceField`, called on padded batches of `batch_size` molecules (NaN values where not ok)."""
+    `ForceField`, called on padded batches of `batch_size` molecules (NaN values where not ok); an ensemble adds
+    `energy_spread` (eV/atom) and `force_spread` (eV/Angstrom). A molecule with an element the force field does
+    not model (`supported_numbers`) is `forcefield_unsupported`, not a failure. Keys start with `prefix`."""
     from trainer.families.molecules_edm.forcefields import pad_molecules
 
+    supported = getattr(forcefield, "supported_numbers", None)
     out: list[dict[str, Any]] = []
     for start in range(0, len(molecules), batch_size):
         chunk = molecules[start:start + batch_size]
         numbers, positions, mask = pad_molecules(chunk)
+        spreads: dict[str, np.ndarray] = {}
         try:
             result = forcefield.compute(numbers, positions, mask)
             energy, forces, ok = np.asarray(result.energy), np.asarray(result.forces), np.asarray(result.ok, dtype=bool)
+            for key in _SPREAD_KEYS:
+                if getattr(result, key, None) is not None:
+                    spreads[key] = np.asarray(getattr(result, key), dtype=np.float64)
         except Exception as e:  # a force field must not raise, but one that does fails its batch, not the run
             logger.warning("force field %s failed on molecules %d-%d: %s: %s", getattr(forcefield, "name", "?"),
                            start, start + len(chunk) - 1, type(e).__name__, e)
@@ -194,30 +205,40 @@ def forcefield_values(molecules: Sequence[Molecule], forcefield: Any, batch_size
             f = forces[b, :n] if forces.ndim == 3 else np.zeros((n, 3))
             norms = np.linalg.norm(f, axis=-1)
             good = bool(ok[b]) and n > 0 and np.isfinite(energy[b]) and np.isfinite(norms).all()
-            out.append({
+            values = {
                 "forcefield_ok": good,
                 "force_rms": float(np.sqrt(np.mean(norms ** 2))) if good else float("nan"),
                 "force_max": float(norms.max()) if good else float("nan"),
                 "energy_per_atom": float(energy[b]) / n if good else float("nan"),
-            })
+                **{key: float(spread[b]) if good else float("nan") for key, spread in spreads.items()},
+            }
+            if supported is not None:
+                values["forcefield_unsupported"] = not set(np.asarray(mol.numbers).tolist()) <= set(supported)
+            out.append({prefix + key: value for key, value in values.items()})
     return out
 
 
-def summarize_forcefield_values(items: Iterable[Molecule | dict[str, Any]]) -> dict[str, Any]:
-    """Mean and median of force_rms / force_max / energy_per_atom over the molecules with forcefield_ok,
-    `forcefield_molecules` (evaluated) and `forcefield_failures`; reads each Molecule's `info` (or a
-    dict). Empty when no molecule carries force-field values."""
+def summarize_forcefield_values(items: Iterable[Molecule | dict[str, Any]], prefix: str = "") -> dict[str, Any]:
+    """Mean and median of force_rms / force_max / energy_per_atom (and an ensemble's energy_spread /
+    force_spread) over the molecules with forcefield_ok, `forcefield_molecules` (evaluated),
+    `forcefield_unsupported` (elements the force field does not model; not evaluated) and `forcefield_failures`;
+    reads each Molecule's `info` (or a dict), keys starting with `prefix`. Empty when no molecule carries them."""
     rows = [item.info if isinstance(item, Molecule) else item for item in items]
-    rows = [r for r in rows if "forcefield_ok" in r]
+    rows = [r for r in rows if prefix + "forcefield_ok" in r]
     if not rows:
         return {}
-    ok = [r for r in rows if bool(r["forcefield_ok"])]
+    unsupported = [r for r in rows if bool(r.get(prefix + "forcefield_unsupported", False))]
+    rows = [r for r in rows if not bool(r.get(prefix + "forcefield_unsupported", False))]
+    ok = [r for r in rows if bool(r[prefix + "forcefield_ok"])]
     out: dict[str, Any] = {"forcefield_molecules": len(rows), "forcefield_failures": len(rows) - len(ok)}
-    for key in _FORCE_KEYS:
-        values = np.array([float(r[key]) for r in ok], dtype=np.float64)
+    if unsupported:
+        out["forcefield_unsupported"] = len(unsupported)
+    keys = list(_FORCE_KEYS) + [k for k in _SPREAD_KEYS if any(prefix + k in r for r in ok)]
+    for key in keys:
+        values = np.array([float(r[prefix + key]) for r in ok], dtype=np.float64)
         out[f"{key}_mean"] = float(values.mean()) if len(values) else float("nan")
         out[f"{key}_median"] = float(np.median(values)) if len(values) else float("nan")
-    return out
+    return {prefix + key: value for key, value in out.items()}
 
 
 # --------------------------------------------------------------------------------------------------

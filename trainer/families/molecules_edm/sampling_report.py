@@ -141,10 +141,18 @@ def guidance_summary(row: dict[str, Any]) -> str:
                       if key.startswith("guidance_evaluations_") and key != "guidance_evaluations_per_second")
     evaluations = row.get("guidance_force_evaluations", 0)
     failures = row.get("guidance_failures", 0)
+    scored = ", ".join(f"{key.removeprefix('guidance_scored_')} {value:,}" for key, value in row.items()
+                       if key.startswith("guidance_scored_"))
+    extra = ""
+    if row.get("guidance_unsupported"):
+        extra += f"; {row['guidance_unsupported']:,} unguided (elements outside the force field, no fallback)"
+    if "guidance_uncertain_skips" in row:
+        extra += f"; {row['guidance_uncertain_skips']:,} pushes skipped (ensemble spread above max_uncertainty)"
     return (f"{row['set']}: {evaluations:,} guidance force evaluations, {row['guidance_evaluations_per_second']:.1f}/s "
             f"in the force field ({100 * row['guidance_forcefield_share']:.0f} % of the sampling time)"
+            + (f"; scored by {scored}" if scored else "")
             + (f"; converged per rung: {rungs}" if rungs else "")
-            + f"; failed {failures:,} ({100 * failures / max(evaluations, 1):.2f} %, left unguided on that step)")
+            + f"; failed {failures:,} ({100 * failures / max(evaluations, 1):.2f} %, left unguided on that step)" + extra)
 
 
 

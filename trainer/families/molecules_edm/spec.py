@@ -61,9 +61,25 @@ class GuidanceOptions:
     """Guidance scales (Angstrom per eV/Angstrom), e.g. [0.0005,0.0007,0.008]; each set starts from the
     baseline's noise. Empty: the baseline only."""
     forcefield: str = "gfn2"
-    """Guiding force field: gfn2 (GFN2-xTB via tblite), gfn1, ase:<module.Class>, uma:<name or file>, springs."""
+    """Guiding force field: gfn2 (GFN2-xTB via tblite, a process pool), ani1x (the ANI-1x ensemble, batched on
+    the sampler's device; H C N O; `trainer data fetch ani1x`), gfn1, ase:<module.Class>, uma:<name or file>,
+    springs."""
     forcefield_kwargs: dict = field(default_factory=dict)
-    """Keyword arguments of the force field (e.g. {model: 7net-0} for an ASE calculator)."""
+    """Keyword arguments of the force field (e.g. {model_index: 0} for one ANI-1x network, {model: 7net-0} for an
+    ASE calculator)."""
+    fallback_forcefield: str = "gfn2"
+    """Guides the molecules with an element the guiding force field does not model (F under ani1x); each set
+    counts them (`guidance_scored_<name>`). `none`: they stay unguided (counted as `guidance_unsupported`)."""
+    fallback_forcefield_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the fallback force field."""
+    types: str = "argmax"
+    """Atom types the force field sees: `argmax` over all of them (the seed's rule; in the noisy part of the
+    guided phase most molecules then hold an F, which ani1x routes to the fallback), or `forcefield`: the argmax
+    over the types the guiding force field models (ani1x: H C N O), so the fallback is never needed. The
+    sampler's own types are unchanged either way."""
+    max_uncertainty: float = 0.0
+    """Skip the push for a molecule whose ensemble energy spread (eV/atom; ani1x's 8 networks) is above this
+    on that step, counted as `guidance_uncertain_skips` (0: never skip)."""
     iterations: int = 1
     """Force evaluations per guided step; each moves the atoms by scale/iterations x (1 - sigma_t) x F.
     The cost: molecules x guided steps x iterations x scales force evaluations (printed at the start)."""
@@ -93,6 +109,10 @@ class MoleculeSampleConfig(SampleConfig):
     """Force field for the per-molecule force RMS/max and energy metrics (`none`: skip them)."""
     evaluation_forcefield_kwargs: dict = field(default_factory=dict)
     """Keyword arguments of the evaluation force field."""
+    evaluation_mlff: str = "auto"
+    """A machine-learned force field whose view of the final molecules is reported beside the strict one, as
+    `mlff_force_rms_mean`, `mlff_energy_spread_mean`, ... per set (ani1x, uma:...). `auto`: the guiding force
+    field when it is one (ani1x, uma:) and scales are given; `none`: skip."""
     chains: int = 1
     """Keep the full trajectory of the first this many samples of every set (xyz + PNG strip)."""
     chain_frames: int = 20
@@ -109,7 +129,11 @@ class MoleculeSampleConfig(SampleConfig):
         if any(not isinstance(s, (int, float)) or s < 0 for s in g.scales):
             raise ValueError(f"guidance.scales must be numbers >= 0, got {g.scales}")
         if any(s > 0 for s in g.scales) and g.forcefield == "none":
-            raise ValueError("guidance.scales > 0 need a guidance.forcefield (gfn2, ase:..., uma:..., springs)")
+            raise ValueError("guidance.scales > 0 need a guidance.forcefield (gfn2, ani1x, ase:..., uma:..., springs)")
+        if g.types not in ("argmax", "forcefield"):
+            raise ValueError(f"guidance.types must be 'argmax' or 'forcefield', got {g.types!r}")
+        if g.max_uncertainty < 0:
+            raise ValueError(f"guidance.max_uncertainty must be >= 0 (eV/atom; 0: never skip), got {g.max_uncertainty}")
         if g.iterations < 1 or not 0 < g.noise_threshold <= 1:
             raise ValueError("guidance.iterations must be >= 1 and guidance.noise_threshold in (0, 1]")
         if self.chains < 0 or self.chain_frames < 2 or self.num_atoms < 0:

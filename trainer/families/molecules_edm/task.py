@@ -180,6 +180,32 @@ class MoleculesEDMTask(Task):
             self._forcefields[key] = forcefield
         return self._forcefields[key]
 
+    def _guiding_forcefield(self, g_opt: Any) -> Any:
+        """The guidance force field; one that models only some elements (ani1x) is routed with the fallback
+        (built on the first molecule that needs it)."""
+        from trainer.families.molecules_edm.forcefields.routing import RoutedForceField
+
+        primary = self._forcefield(g_opt.forcefield, dict(g_opt.forcefield_kwargs))
+        if getattr(primary, "supported_numbers", None) is None:
+            return primary
+        key = f"routed|{g_opt.forcefield}|{sorted(g_opt.forcefield_kwargs.items())}|{g_opt.fallback_forcefield}|" \
+              f"{sorted(g_opt.fallback_forcefield_kwargs.items())}"
+        if key not in self._forcefields:
+            spec, kwargs = g_opt.fallback_forcefield, dict(g_opt.fallback_forcefield_kwargs)
+            fallback = None if spec.strip().lower() == "none" else (lambda: self._forcefield(spec, kwargs))
+            name = {"gfn2": "gfn2-xtb", "gfn1": "gfn1-xtb"}.get(spec.strip().lower(), spec.strip())
+            self._forcefields[key] = RoutedForceField(primary, fallback, fallback_name=name)
+        return self._forcefields[key]
+
+    def _mlff_spec(self, options: MoleculeSampleConfig) -> str | None:
+        """The force field of the `mlff_` metrics (`evaluation_mlff`; `auto`: the guiding one when it is an MLFF)."""
+        spec = options.evaluation_mlff.strip()
+        if spec.lower() == "auto":
+            guiding = options.guidance.forcefield.strip()
+            is_mlff = guiding.lower() == "ani1x" or guiding.lower().startswith("uma:")
+            spec = guiding if is_mlff and any(s > 0 for s in options.guidance.scales) else "none"
+        return None if spec.lower() in ("none", "") or spec == options.evaluation_forcefield else spec
+
     def _draw_num_atoms(self, generators: list[torch.Generator], options: MoleculeSampleConfig) -> list[int]:
         if options.num_atoms:
             return [options.num_atoms] * len(generators)
@@ -206,6 +232,9 @@ class MoleculesEDMTask(Task):
             self._log_workload(options, guided_steps)
         evaluator = (None if options.evaluation_forcefield == "none"
                      else self._forcefield(options.evaluation_forcefield, dict(options.evaluation_forcefield_kwargs)))
+        mlff_spec = self._mlff_spec(options)
+        mlff = None if mlff_spec is None else self._forcefield(
+            mlff_spec, dict(g_opt.forcefield_kwargs) if mlff_spec == g_opt.forcefield else {})
         show = bool(options.progress) and _main_process()
         label = f"{indices[0]}-{indices[-1]}" if len(indices) else ""
         results: list[dict[str, Any]] = [{} for _ in generators]
@@ -215,11 +244,13 @@ class MoleculesEDMTask(Task):
                 g.set_state(state)
             guide = None
             if scale is not None and scale > 0:
-                guide = ForceGuidance(self._forcefield(g_opt.forcefield, dict(g_opt.forcefield_kwargs)),
+                guide = ForceGuidance(self._guiding_forcefield(g_opt),
                                       GuidanceConfig(scale=float(scale), iterations=g_opt.iterations,
                                                      noise_threshold=g_opt.noise_threshold,
                                                      force_clip=g_opt.force_clip or None,
-                                                     displacement_clip=g_opt.displacement_clip or None),
+                                                     displacement_clip=g_opt.displacement_clip or None,
+                                                     max_uncertainty=g_opt.max_uncertainty or None,
+                                                     types=g_opt.types),
                                       self.atomic_numbers)
             bar = _StepBar(f"{name} {label}".strip(), diffusion.T, guide, guided_steps) if show else None
             started = time.perf_counter()
@@ -236,6 +267,11 @@ class MoleculesEDMTask(Task):
                 from trainer.families.molecules_edm.metrics import forcefield_values
 
                 for mol, values in zip(molecules, forcefield_values(molecules, evaluator)):
+                    mol.info.update(values)
+            if mlff is not None:
+                from trainer.families.molecules_edm.metrics import forcefield_values
+
+                for mol, values in zip(molecules, forcefield_values(molecules, mlff, prefix="mlff_")):
                     mol.info.update(values)
             counters = guide.counters() if guide is not None else {}
             for i, mol in enumerate(molecules):
@@ -321,9 +357,13 @@ class MoleculesEDMTask(Task):
                     counters[key] = counters.get(key, 0.0) + value
             row = {"set": name, "scale": 0.0 if scale is None else float(scale), **summary,
                    **summarize_forcefield_values(molecules),
+                   **summarize_forcefield_values(molecules, prefix="mlff_"),
                    "sampling_seconds_per_molecule": seconds / len(entries),
                    **{f"guidance_{k}": round(v, 6) if k.endswith("seconds") else int(round(v))
                       for k, v in counters.items()}}
+            mlff_spec = self._mlff_spec(options)
+            if mlff_spec is not None:
+                row["mlff_forcefield"] = mlff_spec
             if counters.get("force_evaluations"):
                 row["guidance_failure_rate"] = row["guidance_failures"] / row["guidance_force_evaluations"]
             if counters.get("forcefield_seconds"):

@@ -1,7 +1,8 @@
 """Batched force fields for guidance and evaluation, built by name: `build_forcefield("gfn2")`.
 
 Specs: `gfn2` / `gfn2-xtb` (the offline default: GFN2-xTB through tblite, a process pool),
-`gfn1` / `gfn1-xtb`, `ase:<dotted.path.Class>` (any ASE calculator; keyword arguments go to the class,
+`gfn1` / `gfn1-xtb`, `ani1x` (the ANI-1x ensemble, a batched MLFF on the sampler's device; H C N O;
+`trainer data fetch ani1x` first), `ase:<dotted.path.Class>` (any ASE calculator; keyword arguments go to the class,
 except `cell` and `pbc`, which set a vacuum box), `uma:<model name or checkpoint path>` (fairchem UMA),
 `springs` (an analytic test field) and `none` (no force field: `build_forcefield` returns None).
 
@@ -17,12 +18,13 @@ from typing import Any
 import numpy as np
 
 from trainer.errors import ConfigError, DataError
-from trainer.families.molecules_edm.forcefields.base import ForceField, ForceResult
+from trainer.families.molecules_edm.forcefields.base import ForceBatch, ForceField, ForceResult, compute_on_device
 from trainer.families.molecules_edm.molecule import Molecule
 
-__all__ = ["FORCEFIELD_CHOICES", "ForceField", "ForceResult", "build_forcefield", "pad_molecules", "validate_batch"]
+__all__ = ["FORCEFIELD_CHOICES", "ForceBatch", "ForceField", "ForceResult", "build_forcefield", "compute_on_device",
+           "pad_molecules", "validate_batch"]
 
-FORCEFIELD_CHOICES: tuple[str, ...] = ("gfn2", "gfn2-xtb", "gfn1", "gfn1-xtb", "ase:<dotted.path.Class>",
+FORCEFIELD_CHOICES: tuple[str, ...] = ("gfn2", "gfn2-xtb", "gfn1", "gfn1-xtb", "ani1x", "ase:<dotted.path.Class>",
                                        "uma:<model name or checkpoint path>", "springs", "none")
 """The spec forms `build_forcefield` accepts (GFN2-xTB is the default)."""
 
@@ -31,6 +33,7 @@ def build_forcefield(spec: str = "gfn2", **kwargs: Any) -> ForceField | None:
     """The force field named by `spec` (see the module docstring), or None for `none`.
 
     `kwargs` go to the adapter: `XTBForceField(workers=, accuracy=, max_iterations=)` for the xTB specs,
+    `ANIForceField(model_index=, device=, cache=)` for `ani1x`,
     the calculator class (plus the adapter's `cell`, `pbc`) for `ase:`, `UMAForceField(device=, ...)`
     for `uma:`, `SpringForceField(...)` for `springs`.
     """
@@ -42,6 +45,10 @@ def build_forcefield(spec: str = "gfn2", **kwargs: Any) -> ForceField | None:
         from trainer.families.molecules_edm.forcefields.xtb import XTBForceField
 
         return XTBForceField(method=key.removesuffix("-xtb"), **kwargs)
+    if key == "ani1x":
+        from trainer.families.molecules_edm.forcefields.ani import ANIForceField
+
+        return ANIForceField(**kwargs)
     if key.startswith("ase:"):
         from trainer.families.molecules_edm.forcefields.ase_calculator import ASECalculatorForceField
 

@@ -1,9 +1,11 @@
 """fairchem UMA (e.g. `uma-s-1p1`) as a batched force field: one `predict` per batch.
 
-Each molecule becomes fairchem's `AtomicData.from_ase(atoms, r_edges=False, task_name="omol")` with
-charge 0 and spin multiplicity 1 (neutral singlet), the batch is collated by fairchem's own
+Each molecule becomes fairchem's `AtomicData` for the `omol` task with charge 0 and spin multiplicity 1
+(neutral singlet), built from the sampler's tensors where they are (what `AtomicData.from_ase` builds for a
+molecule without a cell; no copy to the host), the batch is collated by fairchem's own
 `data_list_collater(..., otf_graph=True)` (the model builds its radius graph itself, so pymatgen is not
-needed), and one `predict` returns energies [B] (eV) and forces [atoms, 3] (eV/Angstrom).
+needed), and one `predict` returns energies [B] (eV) and forces [atoms, 3] (eV/Angstrom): `compute_tensors`,
+the guidance path; `compute` is the same on numpy arrays.
 
 Needs the `fairchem-core` package (not a dependency of trainer: `pip install fairchem-core`) and the
 weights offline: a model name is looked up in the local Hugging Face hub cache only (HF_HUB_OFFLINE=1
@@ -29,7 +31,7 @@ import numpy as np
 
 from trainer.errors import ConfigError
 from trainer.families.molecules_edm.forcefields import validate_batch
-from trainer.families.molecules_edm.forcefields.base import ForceResult
+from trainer.families.molecules_edm.forcefields.base import ForceBatch, ForceResult
 
 logger = logging.getLogger(__name__)
 
@@ -136,48 +138,63 @@ class UMAForceField:
     def __repr__(self) -> str:
         return f"UMAForceField({self.model!r}, device={self.device!r})"
 
-    def _data(self, numbers: np.ndarray, positions: np.ndarray) -> Any:
+    def _data(self, numbers: Any, positions: Any) -> Any:
+        """fairchem's AtomicData of one neutral singlet molecule, built from tensors where they are (what
+        `AtomicData.from_ase` builds for a molecule without a cell: no periodicity, a unit cell, no edges: the
+        model makes its own radius graph)."""
         import torch
-        from ase import Atoms
         from fairchem.core.datasets.atomic_data import AtomicData
 
-        atoms = Atoms(numbers=numbers, positions=positions, info={"charge": 0, "spin": 1})
-        data = AtomicData.from_ase(atoms, r_edges=False, task_name=UMA_TASK, r_data_keys=["spin", "charge"])
-        # set explicitly: fairchem versions differ in whether from_ase reads them from atoms.info
-        data.charge = torch.tensor([0], dtype=torch.long)
-        data.spin = torch.tensor([1], dtype=torch.long)
-        return data
+        device, count = positions.device, int(numbers.shape[0])
 
-    def _predict(self, items: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-        """Energies [len(items)] eV and forces [sum of atoms, 3] eV/Angstrom from one predict call."""
+        def longs(*values: int) -> Any:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return AtomicData(pos=positions.to(torch.float32), atomic_numbers=numbers.to(torch.long),
+                          cell=torch.eye(3, device=device).unsqueeze(0), pbc=torch.zeros(1, 3, dtype=torch.bool, device=device),
+                          natoms=longs(count), edge_index=torch.empty(2, 0, dtype=torch.long, device=device),
+                          cell_offsets=torch.empty(0, 3, device=device), nedges=longs(0), charge=longs(0), spin=longs(1),
+                          fixed=torch.zeros(count, dtype=torch.long, device=device),
+                          tags=torch.zeros(count, dtype=torch.long, device=device), sid=[""], dataset=UMA_TASK)
+
+    def _predict(self, items: list[tuple[Any, Any]]) -> tuple[Any, Any]:
+        """Energies [len(items)] eV and forces [sum of atoms, 3] eV/Angstrom (tensors) from one predict call."""
         from fairchem.core.datasets import data_list_collater
 
         batch = data_list_collater([self._data(z, x) for z, x in items], otf_graph=True)
         prediction = self.predictor.predict(batch)
-        energy = prediction["energy"].detach().cpu().double().numpy().reshape(-1)
-        forces = prediction["forces"].detach().cpu().double().numpy().reshape(-1, 3)
-        return energy, forces
+        return prediction["energy"].detach().reshape(-1), prediction["forces"].detach().reshape(-1, 3)
 
-    def compute(self, numbers: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> ForceResult:
-        """numbers [B, N] int, positions [B, N, 3] Angstrom, mask [B, N] bool -> ForceResult (eV, eV/Angstrom).
+    def compute_tensors(self, numbers: Any, positions: Any, mask: Any) -> ForceBatch:
+        """numbers [B, N], positions [B, N, 3] Angstrom, mask [B, N] (tensors) -> ForceBatch on positions' device.
 
-        One predict for the batch; if it raises, each molecule is predicted alone so that only the
-        molecules that fail are marked not ok.
+        One predict for the batch, on the predictor's device; if it raises, each molecule is predicted alone
+        so that only the molecules that fail are marked not ok.
         """
-        numbers, positions, mask = validate_batch(numbers, positions, mask, name=self.name)
+        import torch
+
+        out_device, out_dtype = positions.device, positions.dtype
+        device = torch.device(self.device)
+        numbers, mask = numbers.to(device=device, dtype=torch.long), mask.to(device=device, dtype=torch.bool)
+        x = positions.detach().to(device=device, dtype=torch.float32)
         batch, width = numbers.shape
-        out = ForceResult.empty(batch, width)
+        energy = torch.full((batch,), math.nan, dtype=torch.float64, device=device)
+        forces = torch.zeros((batch, width, 3), dtype=torch.float64, device=device)
+        ok = torch.zeros(batch, dtype=torch.bool, device=device)
         self.last_errors = {}
+        counts = mask.sum(dim=1).tolist()
+        finite = (torch.isfinite(x).all(dim=-1) | ~mask).all(dim=1).tolist()
         rows: list[int] = []
         for b in range(batch):
-            count = int(mask[b].sum())
-            if count < 2:  # UMA does not model isolated atoms (fairchem uses tabulated references)
+            if counts[b] == 0:
+                continue  # no molecule in this row (routed elsewhere)
+            if counts[b] < 2:  # UMA does not model isolated atoms (fairchem uses tabulated references)
                 self.last_errors[b] = "fewer than 2 atoms"
-            elif not np.all(np.isfinite(positions[b, mask[b]])):
+            elif not finite[b]:
                 self.last_errors[b] = "non-finite positions"
             else:
                 rows.append(b)
-        items = [(numbers[b, mask[b]], positions[b, mask[b]]) for b in rows]
+        items = [(numbers[b, mask[b]], x[b, mask[b]]) for b in rows]
         try:
             results = [self._predict(items)] if items else []
             groups = [rows]
@@ -190,19 +207,28 @@ class UMAForceField:
                     groups.append([b])
                 except Exception as single_error:
                     self.last_errors[b] = f"{type(single_error).__name__}: {single_error}"
-        for (energy, forces), group in zip(results, groups):
+        for (group_energy, group_forces), group in zip(results, groups):
             start = 0
             for k, b in enumerate(group):
-                count = int(mask[b].sum())
-                molecule_forces = forces[start:start + count]
-                start += count
-                if not (math.isfinite(energy[k]) and np.all(np.isfinite(molecule_forces))):
+                molecule_forces = group_forces[start:start + counts[b]].to(device=device, dtype=torch.float64)
+                start += counts[b]
+                value = group_energy[k].to(device=device, dtype=torch.float64)
+                if not (bool(torch.isfinite(value)) and bool(torch.isfinite(molecule_forces).all())):
                     self.last_errors[b] = "non-finite energy or forces"
                     continue
-                out.energy[b] = energy[k]
-                out.forces[b, mask[b]] = molecule_forces
-                out.ok[b] = True
-        return out
+                energy[b] = value
+                forces[b, mask[b]] = molecule_forces
+                ok[b] = True
+        move = {"device": out_device, "dtype": out_dtype}
+        return ForceBatch(energy=energy.to(**move), forces=forces.to(**move), ok=ok.to(out_device))
+
+    def compute(self, numbers: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> ForceResult:
+        """numbers [B, N] int, positions [B, N, 3] Angstrom, mask [B, N] bool -> ForceResult (eV, eV/Angstrom)."""
+        import torch
+
+        numbers, positions, mask = validate_batch(numbers, positions, mask, name=self.name)
+        return self.compute_tensors(torch.as_tensor(numbers), torch.as_tensor(positions),
+                                    torch.as_tensor(mask)).to_numpy()
 
     def close(self) -> None:
         """Drop the model (idempotent)."""

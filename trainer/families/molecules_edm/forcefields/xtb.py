@@ -357,11 +357,12 @@ class XTBForceField:
         The strict single point: tblite's default electronic temperature, `max_iterations` cycles."""
         numbers, positions, mask = validate_batch(numbers, positions, mask, name=self.name)
         batch, width = numbers.shape
-        molecules = [(numbers[b, mask[b]], positions[b, mask[b]]) for b in range(batch)]
-        results = self._map(xtb_chunk, (self.method, self.accuracy, self.max_iterations), molecules)
+        rows = [b for b in range(batch) if mask[b].any()]  # a row with no atoms (routed elsewhere) is skipped
+        molecules = [(numbers[b, mask[b]], positions[b, mask[b]]) for b in rows]
+        results = self._map(xtb_chunk, (self.method, self.accuracy, self.max_iterations), molecules) if rows else []
         out = ForceResult.empty(batch, width)
         self.last_errors = {}
-        for b, (energy, forces, error) in enumerate(results):
+        for b, (energy, forces, error) in zip(rows, results):
             if error is not None:
                 self.last_errors[b] = error
                 continue
@@ -370,9 +371,10 @@ class XTBForceField:
             logger.debug("%s failed on %d of %d molecules: %s", self.name, len(self.last_errors), batch, self.last_errors)
         return out
 
-    def for_guidance(self) -> XTBGuidance:
+    def for_guidance(self, needs_spread: bool = False) -> XTBGuidance:
         """A fresh guidance evaluator (its own per-molecule rungs and wavefunctions) on this force field's pool:
-        one per guided sampling call, whose batch rows are the same molecules at every step."""
+        one per guided sampling call, whose batch rows are the same molecules at every step (xTB has no spread:
+        `needs_spread` changes nothing)."""
         return XTBGuidance(self)
 
     def close(self) -> None:
@@ -485,7 +487,8 @@ class XTBGuidance:
         batch, width = numbers.shape
         top = len(self.temperatures) - 1
         items = []
-        for b in range(batch):
+        rows = [b for b in range(batch) if mask[b].any()]  # a row with no atoms (routed elsewhere) keeps its state
+        for b in rows:
             row = self._rows.setdefault(b, _Row())
             start = row.start
             if start > 0 and row.steps_on_rung >= ff.guidance_probe_every:
@@ -496,11 +499,11 @@ class XTBGuidance:
         # one worker computes in this process, so tblite's result objects can stay here as they are
         keep = None if not ff.guidance_warm_start else "object" if ff.workers == 1 else "saved"
         results = ff._map(xtb_guided_chunk, (ff.method, ff.guidance_accuracy, ff.guidance_max_iterations, self.temperatures,
-                                             keep), items)
+                                             keep), items) if items else []
         out = ForceResult.empty(batch, width)
         out.rung = np.full(batch, -1, dtype=np.int64)
         self.last_errors = {}
-        for b, (energy, forces, error, rung, restart) in enumerate(results):
+        for b, (energy, forces, error, rung, restart) in zip(rows, results):
             row = self._rows[b]
             if error is not None:  # every rung failed: start on the top rung next step, cold
                 self.last_errors[b] = error
