@@ -102,6 +102,9 @@ class ForceGuidance:
         # the spread is asked for only when gating needs it, so a `for_guidance()` without arguments still fits
         self.evaluator = (forcefield if not callable(for_guidance) else
                           for_guidance(needs_spread=True) if config.max_uncertainty is not None else for_guidance())
+        if config.max_uncertainty is not None and not _reports_spread(self.evaluator):
+            raise ConfigError(f"guidance.max_uncertainty needs a force field that reports an ensemble spread (ani1x "
+                              f"with its 8 networks); {getattr(forcefield, 'name', '?')} reports none")
         supported = getattr(forcefield, "supported_numbers", None)
         self.decode_among: list[int] | None = None
         """Type indices the sampler decodes among for this hook (`types: forcefield`), None: all."""
@@ -205,3 +208,8 @@ class ForceGuidance:
         table = torch.zeros(119, dtype=torch.bool, device=numbers.device)
         table[sorted(supported)] = True
         return ~(table[numbers.clamp(0, 118)] | ~mask).all(dim=1)
+
+
+def _reports_spread(evaluator: object) -> bool:
+    """Whether a guidance evaluator (or a routed one's primary) is an ensemble that reports its spread."""
+    return bool(getattr(evaluator, "ensemble", False) or getattr(getattr(evaluator, "primary", None), "ensemble", False))

@@ -204,7 +204,16 @@ class MoleculesEDMTask(Task):
             guiding = options.guidance.forcefield.strip()
             is_mlff = guiding.lower() == "ani1x" or guiding.lower().startswith("uma:")
             spec = guiding if is_mlff and any(s > 0 for s in options.guidance.scales) else "none"
-        return None if spec.lower() in ("none", "") or spec == options.evaluation_forcefield else spec
+        return None if spec.lower() in ("none", "") or spec.lower() == options.evaluation_forcefield.strip().lower() else spec
+
+    @staticmethod
+    def _mlff_kwargs(options: MoleculeSampleConfig, spec: str) -> dict[str, Any]:
+        """The guiding force field's options when the MLFF view is the same force field, less those that pick
+        one network for the pushes (the view is the whole ensemble's, with its spread)."""
+        g_opt = options.guidance
+        if spec.strip().lower() != g_opt.forcefield.strip().lower():
+            return {}
+        return {k: v for k, v in g_opt.forcefield_kwargs.items() if k not in ("model_index", "guidance_network")}
 
     def _draw_num_atoms(self, generators: list[torch.Generator], options: MoleculeSampleConfig) -> list[int]:
         if options.num_atoms:
@@ -233,8 +242,7 @@ class MoleculesEDMTask(Task):
         evaluator = (None if options.evaluation_forcefield == "none"
                      else self._forcefield(options.evaluation_forcefield, dict(options.evaluation_forcefield_kwargs)))
         mlff_spec = self._mlff_spec(options)
-        mlff = None if mlff_spec is None else self._forcefield(
-            mlff_spec, dict(g_opt.forcefield_kwargs) if mlff_spec == g_opt.forcefield else {})
+        mlff = None if mlff_spec is None else self._forcefield(mlff_spec, self._mlff_kwargs(options, mlff_spec))
         show = bool(options.progress) and _main_process()
         label = f"{indices[0]}-{indices[-1]}" if len(indices) else ""
         results: list[dict[str, Any]] = [{} for _ in generators]

@@ -8,7 +8,8 @@ One call evaluates the whole padded batch: species [B, N] (-1 at padding), posit
 in Hartree converted to eV (the constants of `ase.units`, as the xTB adapter), forces = -d(energy)/d(positions)
 by autograd, on the device of the positions (CPU or GPU: no copy to the host). With the ensemble (the default),
 the energy and forces are the members' mean, and the same forward gives the spread of the members' energies
-(`energy_spread`, eV/atom); `force_spread` (members' forces, one backward each) is computed by `compute`, the
+(`energy_spread`: their standard deviation divided by the atom count, eV/atom; torchani's QBC divides by the
+square root instead); `force_spread` (members' forces, one backward each) is computed by `compute`, the
 evaluation path, and by `compute_tensors(..., force_spread=True)`. `model_index=k` evaluates network k alone
 (no spread). Guided sampling pushes with one network (`guidance_network`, default 0: 2-3x faster than the
 ensemble mean, with molecules of the same quality in the benchmark) unless it needs the spread
@@ -44,6 +45,9 @@ ENSEMBLE_SIZE = 8
 REPULSION_CUTOFF = 0.8
 """Angstrom: below it ZBL nuclear repulsion is added. ANI-1x was trained near equilibrium and barely repels two
 atoms pushed closer than any bond (0.15 eV/Å between two H at 0.3 Å); strong guidance then lets atoms collapse."""
+MIN_DISTANCE = 0.25
+"""Angstrom: a molecule with two atoms closer than this is not evaluated (not ok: left unguided, counted), as
+GFN2-xTB fails there too; the repulsion's forces at such distances (thousands of eV/Å) would throw atoms apart."""
 DATA_SET = "ani1x"
 """The `trainer data` entry holding the parameter files."""
 
@@ -70,6 +74,10 @@ class FusedEnsemble:
                 for symbol in self.symbols:
                     nets = [m.atomics[symbol] for m in members]
                     layers = [[*net.layers, net.final_layer] for net in nets]
+                    if {len(stack) for stack in layers} != {len(layers[0])} or (self.depth and len(layers[0]) != self.depth) \
+                            or any(type(net.activation).__name__ != "TightCELU" for net in nets):
+                        raise ConfigError("ani1x: the fused ensemble expects equally deep CELU(0.1) networks for every "
+                                          "element and member (ANI-1x's)")
                     self.depth = len(layers[0])
                     for depth in range(self.depth):
                         weight = torch.stack([layer[depth].weight.detach().t() for layer in layers])  # [M, in, out]
@@ -209,7 +217,10 @@ class ANIForceField:
         real = mask.any(dim=1)
         supported = self._supported.to(device)[numbers.clamp(0, 118)] | ~mask
         finite = torch.isfinite(x).all(dim=-1) | ~mask
-        good = real & supported.all(dim=1) & finite.all(dim=1)
+        pair = mask.unsqueeze(1) & mask.unsqueeze(2) & ~torch.eye(width, dtype=torch.bool, device=device)
+        distances = torch.cdist(torch.nan_to_num(x), torch.nan_to_num(x)).masked_fill(~pair, math.inf)
+        apart = distances.amin(dim=(1, 2)) >= MIN_DISTANCE
+        good = real & supported.all(dim=1) & finite.all(dim=1) & apart
         self.last_errors = {}
         if not bool(good.all()):
             for b in torch.nonzero(~good).flatten().tolist():
@@ -218,8 +229,10 @@ class ANIForceField:
                 elif not bool(supported[b].all()):
                     bad = sorted(set(numbers[b][mask[b] & ~supported[b]].tolist()))
                     self.last_errors[b] = f"atomic number(s) {bad} outside ANI-1x (H C N O)"
-                else:
+                elif not bool(finite[b].all()):
                     self.last_errors[b] = "non-finite positions"
+                else:
+                    self.last_errors[b] = f"two atoms closer than {MIN_DISTANCE} Å"
         energy = torch.full((batch,), math.nan, dtype=torch.float64, device=device)
         forces = torch.zeros((batch, width, 3), dtype=torch.float64, device=device)
         e_spread = torch.full((batch,), math.nan, dtype=torch.float64, device=device) if self.ensemble else None
@@ -227,7 +240,7 @@ class ANIForceField:
         rows = torch.nonzero(good).flatten()
         if len(rows):
             sub_mask = mask[rows]
-            n = int(sub_mask.sum(dim=1).max())
+            n = int(sub_mask.nonzero()[:, 1].max()) + 1  # up to the last real atom (a mask need not be a prefix)
             sub_mask = sub_mask[:, :n]
             species = torch.where(sub_mask, numbers[rows, :n], torch.full_like(numbers[rows, :n], -1))
             coords = torch.where(sub_mask.unsqueeze(-1), x[rows, :n], torch.zeros_like(x[rows, :n]))

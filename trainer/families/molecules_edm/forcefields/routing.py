@@ -81,6 +81,7 @@ class RoutedForceField:
         primary_rows = self._routes(numbers, mask)
         other_rows = mask.any(dim=1) & ~primary_rows
         first = compute_on_device(self.primary, numbers, positions, mask & primary_rows.unsqueeze(1))
+        first.ok = first.ok & primary_rows  # a row masked out for the primary is never its result
         source = torch.where(first.ok, torch.zeros_like(numbers[:, 0]), torch.full_like(numbers[:, 0], -1))
         self.last_errors = {b: e for b, e in getattr(self.primary, "last_errors", {}).items() if bool(primary_rows[b])}
         out = first
