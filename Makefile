@@ -11,7 +11,10 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC      ?= 2
 CONFIG     ?= configs/protein_sedd/sedd_tiny.yaml
 SAMPLES    ?= 64
-RUN_DIR    ?= runs/main
+# Each config trains in its own folder; a rerun resumes an interrupted run there (RESUME=none starts over), and a
+# finished one says so in one line and trains nothing (export, samples and plots are made again from it).
+RUN_DIR    ?= runs/$(basename $(notdir $(CONFIG)))
+RESUME     ?= auto
 PYTEST_ARGS ?=
 # Every family's extra, so the main job and the whole test suite run from one environment.
 EXTRAS     ?= test,protein_sedd,crystals,molecules_edm,molecules_mlff,perturbation_gears
@@ -37,7 +40,7 @@ setup: $(VENV)/.installed
 
 train: setup
 	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes $(NPROC) \
-		scripts/train.py $(CONFIG) run.output_dir=$(RUN_DIR) run.resume=none
+		scripts/train.py $(CONFIG) run.output_dir=$(RUN_DIR) run.resume=$(RESUME)
 	$(VENV)/bin/trainer export $(RUN_DIR)
 	# SAMPLES=0 skips sampling (for a task that does not generate, e.g. CONFIG=configs/regression/tiny.yaml).
 	if [ "$(SAMPLES)" != 0 ]; then $(VENV)/bin/accelerate launch --config_file accelerate_configs/ddp.yaml \

@@ -153,3 +153,31 @@ def test_stream_checkpointed_by_one_process_resumes_under_zero2_with_workers(tmp
                    timeout=400)
     assert "through the topology-free form" in proc.stdout + proc.stderr
     assert_run_matches(ref, out, tolerance=1e-5, steps=8)
+
+
+def test_a_finished_run_rerun_says_so_in_one_line_and_writes_nothing(tmp_path, caplog):
+    """Rerunning a finished run (run.resume=auto, the same output_dir) trains nothing, prints one line naming the
+    step, when its results were made and how to train again, and leaves every file as it was; a run stopped at
+    its last step (preempted.json) still gets its final evaluation and test on the rerun."""
+    out = tmp_path / "run"
+    args = ["train", TINY, *BASE, "train.max_steps=4", "eval.every_steps=0", f"run.output_dir={out}", "run.resume=auto"]
+    cli_in_process(*args)
+
+    def files() -> dict[str, tuple[int, bytes]]:
+        return {str(p.relative_to(out)): (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()
+                and p.name != ".lock"}
+
+    before = files()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        cli_in_process(*args)
+    said = [r.getMessage() for r in caplog.records if "already complete" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("run already complete at step 4/4: nothing to train"), caplog.text
+    assert "run.resume=none or another run.output_dir" in said[0] and "final eval" not in caplog.text
+    assert files() == before
+
+    (out / "preempted.json").write_text(json.dumps({"step": 4, "signal": "SIGTERM"}))
+    records = len((out / "metrics.jsonl").read_text().splitlines())
+    cli_in_process(*args)
+    assert not (out / "preempted.json").exists()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) > records  # the final eval and test ran

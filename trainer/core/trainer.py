@@ -11,6 +11,7 @@ task or the backend.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import math
@@ -104,7 +105,13 @@ class Trainer:
                                          data=self.data, task=self.task, ema=self.ema)
         resumed = self.checkpointer.resume()
         self.resumed_from = resumed.path if resumed else None
+        # A run resumed at its last step that was not stopped there has its final eval, test and checkpoint:
+        # a rerun trains nothing and writes nothing (its results stay those of the run that made them).
+        self.already_complete = (self.resumed_from is not None and self.state.step >= t.max_steps
+                                 and not self.run_dir.preempted.is_file())
         self.log = RunLogger(acc, cfg, self.run_dir, self.task.unit)
+        if self.already_complete:
+            return
         if self.is_main:
             self.run_dir.root.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir.config)
@@ -127,6 +134,8 @@ class Trainer:
     def fit(self) -> str:
         """Train to train.max_steps; returns `completed` or `preempted`."""
         acc, cfg, t = self.accelerator, self.cfg, self.cfg.train
+        if self.already_complete:
+            return self._say_already_complete()
         watcher = PreemptionWatcher(acc.num_processes)
         micro = agreed_start(self.data.micro_batches(self.state.step * t.grad_accum_steps), acc)
         bar = tqdm(total=t.max_steps, initial=self.state.step, desc="train", dynamic_ncols=True,
@@ -154,9 +163,7 @@ class Trainer:
                 status = "preempted"
                 break
         bar.close()
-        # A resumed run that had finished already has its final eval and checkpoint.
-        if not (self.resumed_from is not None and saved_at == self.state.step and status == "completed"):
-            self._finish(status, saved_at, watcher)
+        self._finish(status, saved_at, watcher)
         watcher.close()
         acc.wait_for_everyone()
         acc.end_training()
@@ -165,6 +172,20 @@ class Trainer:
         if acc.is_main_process:
             release_run_lock(cfg.run.output_dir)  # now, not at exit: a notebook may start another run here
         return status
+
+    def _say_already_complete(self) -> str:
+        """One line for a rerun of a finished run (nothing trained, nothing written); returns `completed`."""
+        acc = self.accelerator
+        if acc.is_main_process:
+            when = datetime.datetime.fromtimestamp(Path(self.resumed_from).stat().st_mtime).strftime("%Y-%m-%d %H:%M")
+            logger.info("run already complete at step %d/%d: nothing to train; its results are from %s (%s, %s); "
+                        "run.resume=none or another run.output_dir trains again", self.state.step,
+                        self.cfg.train.max_steps, when, self.run_dir.metrics, self.resumed_from)
+        acc.wait_for_everyone()
+        acc.end_training()
+        if acc.is_main_process:
+            release_run_lock(self.cfg.run.output_dir)
+        return "completed"
 
     def train_step(self, batches: list[MicroBatch]) -> dict[str, Any]:
         """One optimizer step over `batches` (grad_accum_steps micro-batches of this rank).
