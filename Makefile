@@ -22,14 +22,17 @@ EXTRAS     ?= test,protein_sedd,crystals,molecules_edm,molecules_mlff,perturbati
 .PHONY: setup train test test-all lint bench readme-config clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
+	@echo "set-up 1/4: a virtual environment in $(VENV) and pip itself..."
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	@echo "set-up 2/4: $(TORCH_SPEC) (the CPU build unless TORCH_SPEC says otherwise)..."
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	@echo "set-up 3/4: the package and its extras ($(EXTRAS)): the longest step, a few minutes..."
 	# deepspeed's setup imports torch: build it against the torch installed above. setuptools' notice on every
 	# editable install (a folder named like the package may shadow it) is moot here: that folder is the package.
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
 	# DeepSpeed compiles its CPU communication op on first use (1-2 min, silent): do it here, once.
-	@echo "building DeepSpeed's CPU communication op (once, about 1-2 minutes)..."
+	@echo "set-up 4/4: DeepSpeed's CPU communication op (built once, about 1-2 minutes) and ANI-1x's parameters..."
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b and b.load()" > /dev/null \
 		|| echo "(not prebuilt: DeepSpeed builds it on first use)"
 	# ANI-1x's parameters (the ani1x force field) into the data cache: pip fetches the pinned wheel, checksummed.
