@@ -20,8 +20,8 @@ def records() -> list[dict]:
     """A SEDD-like run: loss under two names, a declared baseline (unigram), a `baseline_X` pair, counts."""
     out = [{"step": 0, "event": "start", "world_size": 2}]
     for step in (20, 40, 60):
-        out.append({"step": step, "loss": 3.0 - step / 100, "lr": 1e-3, "grad_norm": 0.5, "samples_per_s": 200.0,
-                    "tokens_per_s": 1.2e4})
+        out.append({"step": step, "loss": 3.0 - step / 100, "lr": 1e-3, "grad_norm": 0.5 + step / 1000,
+                    "samples_per_s": 200.0 + step, "tokens_per_s": 1.2e4})
     for k, step in enumerate((20, 40, 60)):
         nelbo = 2.95 - 0.05 * k
         out.append({"step": step, "eval/loss": nelbo, "eval/nelbo_per_token": nelbo,
@@ -69,8 +69,17 @@ def test_baseline_pairs_need_both_keys():
 
 
 def test_train_figure_has_a_panel_per_logged_key_only():
-    lines = panels(train_figure(records()))
-    assert list(lines) == ["loss", "lr", "grad_norm", "samples_per_s"]
+    fig = train_figure(records())
+    texts = [t.get_text() for t in fig.texts]
+    assert [ax.get_ylabel() for ax in fig.axes] == ["training loss", "gradient norm (L2, before clipping)",
+                                                   "samples per second"]
+    assert {ax.get_xlabel() for ax in fig.axes} == {"optimizer step"} and fig.axes[0].get_yscale() == "linear"
+    lines = panels(fig)
+    assert list(lines) == ["loss", "grad_norm", "samples_per_s"] and texts == ["learning rate constant at 0.001"]
+    decades = [{"step": k, "loss": 10.0 ** -k} for k in range(3)]  # a loss over decades: a log axis
+    fig = train_figure(decades)
+    assert fig.axes[0].get_yscale() == "log"
+    plt.close(fig)
     assert list(panels(train_figure([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]))) == ["loss"]
     assert train_figure([{"step": 0, "event": "start"}]) is None
     assert eval_figure([{"step": 1, "eval/num_sequences": 3.0, "eval/x": float("nan")}]) is None

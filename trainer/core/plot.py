@@ -1,5 +1,8 @@
 """`trainer plot RUN_DIR`: PNG curves of training loss, learning rate and eval metrics.
 
+Axes are labelled (optimizer step; the quantity); the loss gets a log axis only when it spans a decade, and a
+training quantity that never changed (a constant learning rate) is a line of text instead of a flat panel.
+
 Each eval metric gets one panel, and its trivial baseline (the number the model has to beat) is drawn in
 the same axes: a horizontal line when it is constant, else a dashed curve. A metric's baseline is either
 declared by the task (`TaskSpec.baselines`, metric -> baseline metric) or found by name (`baseline_X` is the
@@ -24,6 +27,11 @@ from trainer.rundir import RunDir  # noqa: E402
 logger = logging.getLogger(__name__)
 
 TRAIN_KEYS = ("loss", "lr", "grad_norm", "samples_per_s")
+AXIS_LABELS = {"loss": "training loss", "lr": "learning rate", "grad_norm": "gradient norm (L2, before clipping)",
+               "samples_per_s": "samples per second"}
+"""The y-axis label of each training panel (eval panels are labelled by their metric)."""
+DECADES_FOR_LOG = 1.0
+"""A panel of `log_keys` gets a log axis only when its values span at least this many decades."""
 EVAL_PREFIX = "eval/"
 BASELINE_PREFIX = "baseline_"
 
@@ -94,18 +102,29 @@ def _figure(series: Mapping[str, Series], groups: list[list[str]], baselines: Ma
         if len(ax.lines) > 1:
             ax.legend(fontsize=7)
         ax.set_title(_label(group, prefix), fontsize=9)
-        ax.set_xlabel("step")
-        if group[0] in log_keys and values and min(values) > 0:
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(AXIS_LABELS.get(group[0], _label(group[:1], prefix)), fontsize=8)
+        if group[0] in log_keys and values and min(values) > 0 and math.log10(max(values) / min(values)) >= DECADES_FOR_LOG:
             ax.set_yscale("log")
     fig.tight_layout()
     return fig
 
 
 def train_figure(records: list[dict]) -> plt.Figure | None:
-    """Loss (log scale), lr, grad norm and throughput against the step; None without any of them."""
+    """Loss (a log axis when it spans a decade), lr, grad norm and throughput against the step; a quantity that
+    never changed (a constant lr) is a line of text under the panels, not a flat panel. None without any."""
     series = _series(records, list(TRAIN_KEYS))
     keys = [k for k in TRAIN_KEYS if k in series]
-    return _figure(series, [[k] for k in keys], log_keys=("loss",)) if keys else None
+    constant = [k for k in keys if k != "loss" and len(series[k][1]) > 1 and len(set(series[k][1])) == 1]
+    drawn = [k for k in keys if k not in constant]
+    if not drawn:
+        return None
+    fig = _figure(series, [[k] for k in drawn], log_keys=("loss",))
+    if constant:
+        fig.text(0.01, 0.01, "; ".join(f"{AXIS_LABELS.get(k, k)} constant at {series[k][1][0]:.4g}" for k in constant),
+                 fontsize=8)
+        fig.subplots_adjust(bottom=0.25)
+    return fig
 
 
 def eval_figure(records: list[dict], declared: Mapping[str, str] = ()) -> plt.Figure | None:
