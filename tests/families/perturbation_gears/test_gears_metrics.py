@@ -11,7 +11,13 @@ import torch
 from trainer.errors import ConfigError, DataError
 from trainer.families.perturbation_gears.baselines import fit_baselines, normalize_condition
 from trainer.families.perturbation_gears.loss import gears_loss
-from trainer.families.perturbation_gears.metrics import aggregate_metrics, condition_metrics, pearson, top_expressed_genes
+from trainer.families.perturbation_gears.metrics import (
+    aggregate_metrics,
+    baselines_that_beat,
+    condition_metrics,
+    pearson,
+    top_expressed_genes,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # loss
@@ -266,3 +272,12 @@ def test_baselines_reject_bad_input() -> None:
         fit_baselines({"A+ctrl": CTRL_MEAN[:3]}, CTRL_MEAN, GENES)
     with pytest.raises(DataError, match="gene_names"):
         fit_baselines({"A+ctrl": CTRL_MEAN}, CTRL_MEAN, GENES[:4])
+
+
+def test_baselines_that_beat_the_model_by_each_metrics_direction():
+    model = {"mse_de": 1.0, "pearson_delta": 0.2, "mse": 0.1}
+    baselines = {"no_change": {"mse_de": 1.3, "pearson_delta": 0.0, "mse": 0.1},
+                 "additive": {"mse_de": 0.9, "pearson_delta": 0.3, "mse": float("nan")},
+                 "linear": {"mse_de": 1.1, "pearson_delta": 0.25}}
+    assert baselines_that_beat(model, baselines, ["mse_de", "pearson_delta", "mse"]) == {
+        "mse_de": {"additive": 0.9}, "pearson_delta": {"additive": 0.3, "linear": 0.25}}  # a tie is no win

@@ -77,6 +77,11 @@ def test_training_beats_no_change_and_reports_baselines(runs):
     split = json.loads((report / "split.json").read_text())
     assert len(split["test"]) == 32 and "combo_seen0" in split["subgroups"]["test"]
     assert (report / "top_de_changes.png").stat().st_size > 10_000
+    written = json.loads((report / "metrics.json").read_text())
+    for metric, better in written["beaten_by"].items():  # the baselines that win, named with their values
+        assert metric in ("mse_de", "pearson_delta", "mse", "pearson_delta_de")
+        assert metric != "mse_de" or "no_change" not in better  # the model beats no-change on mse_de (above)
+        assert all(value == written["baselines"][name][metric] for name, value in better.items())
 
 
 def test_two_processes_match_one_with_the_same_global_batch(runs):

@@ -164,3 +164,25 @@ def _mean_over(per_condition: Mapping[str, Mapping[str, float]], names: Sequence
     out = {key: float(np.mean(vals)) for key, vals in sorted(values.items())}
     out["n_conditions"] = float(len(names))
     return out
+
+
+def lower_is_better(metric: str) -> bool:
+    """Errors and distances (mse*, l2*) are better lower; correlations and fractions (pearson*, frac_*) higher."""
+    return metric.startswith(("mse", "l2"))
+
+
+def baselines_that_beat(model: Mapping[str, float], baselines: Mapping[str, Mapping[str, float]],
+                        metrics: Sequence[str]) -> dict[str, dict[str, float]]:
+    """{metric: {baseline: its value}} for each of `metrics` (overall, not per subgroup) on which a baseline
+    scores strictly better than the model; a metric no baseline beats is left out."""
+    out: dict[str, dict[str, float]] = {}
+    for metric in metrics:
+        ours = model.get(metric)
+        if ours is None or not np.isfinite(ours):
+            continue
+        better = {name: float(values[metric]) for name, values in baselines.items()
+                  if metric in values and np.isfinite(values[metric])
+                  and (values[metric] < ours if lower_is_better(metric) else values[metric] > ours)}
+        if better:
+            out[metric] = better
+    return out

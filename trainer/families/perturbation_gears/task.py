@@ -55,6 +55,7 @@ from trainer.families.perturbation_gears.gene_ontology import read_gene2go
 from trainer.families.perturbation_gears.loss import gears_loss
 from trainer.families.perturbation_gears.metrics import (
     aggregate_metrics,
+    baselines_that_beat,
     condition_metrics,
     top_expressed_genes,
 )
@@ -358,8 +359,16 @@ class PerturbationGearsTask(Task):
         if any(fallbacks.values()):
             logger.info("test baselines: %s of %d conditions predicted by the training mean (their genes have no "
                         "training single / no embedding)", ", ".join(f"{k} {v}" for k, v in fallbacks.items()), len(evaluated))
+        headline = [m for m in ("mse_de", "pearson_delta", "mse", "pearson_delta_de") if m in metrics]
+        beaten_by = baselines_that_beat(metrics, {n: aggregates[n] for n in BASELINE_NAMES}, headline)
+        for metric, better in beaten_by.items():  # said, not only tabulated: a baseline that wins is news
+            logger.info("test: %s beat%s the model on %s (%.4g): %s", " and ".join(better), "" if len(better) > 1 else "s",
+                        metric, metrics[metric], ", ".join(f"{n} {v:.4g}" for n, v in better.items()))
+        if headline and not beaten_by:
+            logger.info("test: the model beats all %d baselines on %s", len(BASELINE_NAMES), ", ".join(headline))
         atomic_write_json(directory / "metrics.json",
                           {"model": metrics, "baselines": {n: aggregates[n] for n in BASELINE_NAMES},
+                           "beaten_by": beaten_by,
                            "baseline_fallbacks": fallbacks,
                            "split": {k: len(v) for k, v in self.stats["split"].items() if isinstance(v, list)},
                            "data": self.stats.get("data_report", {})}, durable=False)
