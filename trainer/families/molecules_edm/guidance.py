@@ -36,7 +36,12 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.families.molecules_edm.egnn import remove_mean_with_mask
-from trainer.families.molecules_edm.forcefields.base import ForceField, compute_on_device
+from trainer.families.molecules_edm.forcefields.base import (
+    ForceField,
+    compute_on_device,
+    guidance_evaluator,
+    modelled_atoms,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +103,7 @@ class ForceGuidance:
         self.forcefield = forcefield
         self.config = config
         self.atomic_numbers_of_types = np.asarray(atomic_numbers_of_types, dtype=np.int64)
-        for_guidance = getattr(forcefield, "for_guidance", None)
-        # the spread is asked for only when gating needs it, so a `for_guidance()` without arguments still fits
-        self.evaluator = (forcefield if not callable(for_guidance) else
-                          for_guidance(needs_spread=True) if config.max_uncertainty is not None else for_guidance())
+        self.evaluator = guidance_evaluator(forcefield, needs_spread=config.max_uncertainty is not None)
         if config.max_uncertainty is not None and not _reports_spread(self.evaluator):
             raise ConfigError(f"guidance.max_uncertainty needs a force field that reports an ensemble spread (ani1x "
                               f"with its 8 networks); {getattr(forcefield, 'name', '?')} reports none")
@@ -162,7 +164,8 @@ class ForceGuidance:
             if result.source is not None:  # a routed force field: count who scored what, and what nobody could
                 source = result.source.to(x.device)
                 names = getattr(self.evaluator, "names", [])
-                unsupported = real & self._outside(numbers, mask)
+                supported = getattr(self.evaluator, "supported_numbers", None)
+                unsupported = real & ~modelled_atoms(numbers, mask, supported).all(dim=1)
                 if getattr(self.evaluator, "has_fallback", False):
                     unsupported = torch.zeros_like(unsupported)
                 self.unsupported += int(unsupported.sum())
@@ -199,15 +202,6 @@ class ForceGuidance:
             moved = remove_mean_with_mask(x + displacement * keep, mask)
             x = torch.where(ok.reshape(-1, 1, 1), moved, x)
         return x
-
-    def _outside(self, numbers: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """[B] bool: molecules with an element the routed force field's primary does not model."""
-        supported = getattr(self.evaluator, "supported_numbers", None)
-        if supported is None:
-            return torch.zeros(numbers.shape[0], dtype=torch.bool, device=numbers.device)
-        table = torch.zeros(119, dtype=torch.bool, device=numbers.device)
-        table[sorted(supported)] = True
-        return ~(table[numbers.clamp(0, 118)] | ~mask).all(dim=1)
 
 
 def _reports_spread(evaluator: object) -> bool:

@@ -37,7 +37,7 @@ import numpy as np
 
 from trainer.errors import ConfigError
 from trainer.families.molecules_edm.forcefields import validate_batch
-from trainer.families.molecules_edm.forcefields.base import ForceBatch, ForceResult
+from trainer.families.molecules_edm.forcefields.base import ForceBatch, ForceResult, modelled_atoms
 
 ANI1X_ELEMENTS = ("H", "C", "N", "O")
 ANI1X_NUMBERS = frozenset({1, 6, 7, 8})
@@ -190,8 +190,6 @@ class ANIForceField:
         self.model.to(self.device or self._on)
         self._on = self.device or self._on
         self._hartree = float(Hartree)
-        self._supported = torch.zeros(119, dtype=torch.bool)
-        self._supported[sorted(ANI1X_NUMBERS)] = True
         self.last_errors: dict[int, str] = {}
 
     def __repr__(self) -> str:
@@ -215,7 +213,7 @@ class ANIForceField:
         x = positions.detach().to(device=device, dtype=self.dtype)
         batch, width = numbers.shape
         real = mask.any(dim=1)
-        supported = self._supported.to(device)[numbers.clamp(0, 118)] | ~mask
+        supported = modelled_atoms(numbers, mask, ANI1X_NUMBERS)
         finite = torch.isfinite(x).all(dim=-1) | ~mask
         pair = mask.unsqueeze(1) & mask.unsqueeze(2) & ~torch.eye(width, dtype=torch.bool, device=device)
         distances = torch.cdist(torch.nan_to_num(x), torch.nan_to_num(x)).masked_fill(~pair, math.inf)

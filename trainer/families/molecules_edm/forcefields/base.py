@@ -124,3 +124,25 @@ def compute_on_device(forcefield: Any, numbers: torch.Tensor, positions: torch.T
                       energy_spread=put(getattr(result, "energy_spread", None)),
                       force_spread=put(getattr(result, "force_spread", None)),
                       rung=put(result.rung, torch.int64))
+
+
+def modelled_atoms(numbers: torch.Tensor, mask: torch.Tensor, supported: Any) -> torch.Tensor:
+    """[B, N] bool: True where an atom's element is in `supported` (a set of atomic numbers; None: every
+    element) or the slot is padding, so `.all(dim=1)` says which molecules a force field models."""
+    import torch
+
+    if supported is None:
+        return torch.ones_like(mask, dtype=torch.bool)
+    table = torch.zeros(119, dtype=torch.bool, device=numbers.device)
+    table[sorted(supported)] = True
+    return table[numbers.clamp(0, 118)] | ~mask
+
+
+def guidance_evaluator(forcefield: Any, needs_spread: bool = False) -> Any:
+    """What evaluates `forcefield` during one guided sampling call: its `for_guidance()` evaluator (xTB's ladder,
+    ANI-1x's pushing network; asked for the spread only when gating needs it, so a `for_guidance()` without
+    arguments still fits), or the force field itself."""
+    make = getattr(forcefield, "for_guidance", None)
+    if not callable(make):
+        return forcefield
+    return make(needs_spread=True) if needs_spread else make()

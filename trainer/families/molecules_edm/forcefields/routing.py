@@ -15,7 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from trainer.families.molecules_edm.forcefields.base import ForceBatch, ForceResult, compute_on_device
+from trainer.families.molecules_edm.forcefields.base import (
+    ForceBatch,
+    ForceResult,
+    compute_on_device,
+    guidance_evaluator,
+    modelled_atoms,
+)
 
 
 class RoutedForceField:
@@ -51,10 +57,7 @@ class RoutedForceField:
     def for_guidance(self, needs_spread: bool = False) -> RoutedForceField:
         """The same routing over each side's guidance evaluator (xTB: its ladder), for one sampling call."""
         def evaluator(field: Any) -> Any:
-            make = getattr(field, "for_guidance", None)
-            if not callable(make):
-                return field
-            return make(needs_spread=True) if needs_spread else make()
+            return guidance_evaluator(field, needs_spread)
 
         if self._fallback_built:
             fallback = None if self._fallback is None else evaluator(self._fallback)
@@ -65,13 +68,7 @@ class RoutedForceField:
 
     def _routes(self, numbers: Any, mask: Any) -> Any:
         """[B] bool: the molecules the primary models (every real atom's element in supported_numbers)."""
-        import torch
-
-        if self.supported_numbers is None:
-            return mask.any(dim=1)
-        table = torch.zeros(119, dtype=torch.bool, device=numbers.device)
-        table[sorted(self.supported_numbers)] = True
-        return (table[numbers.clamp(0, 118)] | ~mask).all(dim=1) & mask.any(dim=1)
+        return modelled_atoms(numbers, mask, self.supported_numbers).all(dim=1) & mask.any(dim=1)
 
     def compute_tensors(self, numbers: Any, positions: Any, mask: Any) -> ForceBatch:
         """numbers [B, N], positions [B, N, 3] Angstrom, mask [B, N] (tensors) -> ForceBatch with `source`."""
