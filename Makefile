@@ -31,9 +31,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	# deepspeed's setup imports torch: build it against the torch installed above. setuptools' notice on every
 	# editable install (a folder named like the package may shadow it) is moot here: that folder is the package.
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
-	# DeepSpeed compiles its CPU communication op on first use (1-2 min, silent): do it here, once.
+	# DeepSpeed compiles its CPU communication op on first use: here, once, into this environment's own cache
+	# (trainer/core/deepspeed_ops.py), the one its runs load.
 	@echo "set-up 4/4: DeepSpeed's CPU communication op (built once, about 1-2 minutes) and ANI-1x's parameters..."
-	$(PY) -c "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b and b.load()" > /dev/null \
+	$(PY) -m trainer.core.deepspeed_ops \
 		|| echo "(not prebuilt: DeepSpeed builds it on first use)"
 	# ANI-1x's parameters (the ani1x force field) into the data cache: pip fetches the pinned wheel, checksummed.
 	$(VENV)/bin/trainer data fetch ani1x > /dev/null
@@ -41,13 +42,14 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 setup: $(VENV)/.installed
 
+# `trainer train --nproc N` launches N DDP processes itself (torch.distributed.run on a free port) and stands between
+# them and the terminal: Ctrl-C stops every process at a step with a checkpoint, and errors stay one line.
 train: setup
-	$(VENV)/bin/accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes $(NPROC) \
-		scripts/train.py $(CONFIG) run.output_dir=$(RUN_DIR) run.resume=$(RESUME)
+	$(VENV)/bin/trainer train $(CONFIG) --nproc $(NPROC) run.output_dir=$(RUN_DIR) run.resume=$(RESUME)
 	$(VENV)/bin/trainer export $(RUN_DIR)
 	# SAMPLES=0 skips sampling (for a task that does not generate, e.g. CONFIG=configs/regression/tiny.yaml).
-	if [ "$(SAMPLES)" != 0 ]; then $(VENV)/bin/accelerate launch --config_file accelerate_configs/ddp.yaml \
-		--num_processes $(NPROC) -m trainer sample $(RUN_DIR) num_samples=$(SAMPLES) out=$(RUN_DIR)/samples.fasta; fi
+	if [ "$(SAMPLES)" != 0 ]; then $(VENV)/bin/trainer sample $(RUN_DIR) --nproc $(NPROC) num_samples=$(SAMPLES) \
+		out=$(RUN_DIR)/samples.fasta; fi
 	$(VENV)/bin/trainer plot $(RUN_DIR)
 
 lint: setup

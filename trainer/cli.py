@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -26,15 +27,29 @@ def _train(args: argparse.Namespace) -> int:
     from trainer.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # a config error stops here, before torch is imported
-    from trainer.core.preemption import PREEMPTED_EXIT_CODE
-    from trainer.core.trainer import Trainer
     from trainer.core.watchdog import arm_exit_guard, started_by_launcher
 
+    if args.nproc is not None and not started_by_launcher():
+        from trainer.core.launch import train
+
+        return _STOP_CODES[train(cfg, args.nproc, args.deepspeed).status]
+    from trainer.core.command_line import started_by_front_end
+    from trainer.core.trainer import Trainer
+
     status = Trainer(cfg, deepspeed_config=args.deepspeed).fit()
-    code = PREEMPTED_EXIT_CODE if status == "preempted" else 0
+    code = _STOP_CODES[status]
     if started_by_launcher():
+        from trainer.core.launch import write_rank_status
+
+        write_rank_status(code)
+        if started_by_front_end():
+            code = 0  # the front end reads the run's marker and exits with the stop's status; the launcher stays quiet
         arm_exit_guard(code)
     return code
+
+
+_STOP_CODES = {"completed": 0, "preempted": 75, "interrupted": 128 + signal.SIGINT}
+"""Exit statuses of a training run (core/preemption.py: PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE)."""
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -80,6 +95,14 @@ def _sample(args: argparse.Namespace) -> int:
         return 0
     if args.run_dir is None:
         raise ConfigError("trainer sample needs RUN_DIR")
+    from trainer.core.watchdog import started_by_launcher
+
+    if args.nproc is not None and not started_by_launcher():
+        from trainer.core.launch import raise_for_ranks, ranks_command, run_ranks
+
+        raise_for_ranks(run_ranks(ranks_command(args.nproc, ["sample", args.run_dir, *args.overrides]), args.nproc),
+                        f"sampling on {args.nproc} processes")
+        return 0
     from trainer.core.generation import sample_run
 
     stats = sample_run(args.run_dir, args.overrides)
@@ -144,6 +167,9 @@ def build_parser(sweep_arguments: bool = True) -> argparse.ArgumentParser:
     train.add_argument("config", help="experiment YAML (configs/<family>/*.yaml)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=100 (anywhere on the line)")
     train.add_argument("--deepspeed", default=None, help="DeepSpeed json (ds_configs/*.json); 'auto' values are filled")
+    train.add_argument("--nproc", type=int, default=None,
+                       help="train on N local processes (torch.distributed.run on a free port); Ctrl-C stops them all "
+                            "with a checkpoint. Ignored under a launcher, whose processes train")
     train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     train.set_defaults(func=_train)
@@ -161,6 +187,8 @@ def build_parser(sweep_arguments: bool = True) -> argparse.ArgumentParser:
     sample.add_argument("run_dir", nargs="?")
     sample.add_argument("overrides", nargs="*", help="the task's sample options, e.g. num_samples=64 out=x.fasta")
     sample.add_argument("-h", "--help", action="store_true", help="list the task's sample options")
+    sample.add_argument("--nproc", type=int, default=None,
+                        help="sample on N local processes (as `trainer train --nproc`); ignored under a launcher")
     sample.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sample.set_defaults(func=_sample)
 
@@ -237,21 +265,48 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("accelerate", "deepspeed", "DeepSpeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    if os.environ.get("TRAINER_FRONT_END") == "1" and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the front end ignores Ctrl-C for its launcher only
+    main_rank = int(os.environ.get("RANK", "0") or 0) == 0
     try:
+        if os.environ.get("TRAINER_RANK_STATUS_DIR"):
+            from trainer.core.launch import register_rank
+
+            register_rank()
         args = parse_args(argv)
         return args.func(args)
     except BrokenPipeError:  # `trainer config-help | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:
+        # Ctrl-C outside training's step boundaries (set-up, export, sampling, plots): outputs are written whole
+        # or not at all, so stopping here leaves nothing that looks complete.
+        if debug:
+            raise
+        if main_rank:
+            print("trainer: interrupted by Ctrl-C before its work was complete: nothing more written (a run's last "
+                  "complete checkpoint is intact)", file=sys.stderr)
+        return _rank_status(128 + signal.SIGINT)
     except TrainerError as err:
         if debug:
             raise
+        if getattr(err, "reported", False):  # the ranks have said it
+            return err.exit_code
         kind = "config error" if isinstance(err, ConfigError) else "error"
         # A config error is the same on every rank of a launch: the main one says it. Other errors may be a
         # rank's own (its data, its disk), so every rank prints those.
-        if not (isinstance(err, ConfigError) and int(os.environ.get("RANK", "0") or 0) > 0):
+        if not (isinstance(err, ConfigError) and not main_rank):
             print(f"trainer: {kind}: {err}", file=sys.stderr)
-        return 2
+        return _rank_status(getattr(err, "exit_code", 2))
+
+
+def _rank_status(code: int) -> int:
+    """Record a front-end rank's status (core/launch.py reads it) and return it."""
+    if os.environ.get("TRAINER_RANK_STATUS_DIR"):
+        from trainer.core.launch import write_rank_status
+
+        write_rank_status(code)
+    return code
 
 
 if __name__ == "__main__":

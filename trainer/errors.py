@@ -24,4 +24,12 @@ class CheckpointError(TrainerError, RuntimeError):
 
 
 class LaunchError(TrainerError, RuntimeError):
-    """A run started on several local processes (`trainer.api.train`) that exited with an error status."""
+    """A run started on several local processes (`trainer.api.train`) that exited with an error status.
+
+    `exit_code`: the status the command line exits with; `reported`: a rank has already said why in one line
+    (the command line then adds nothing)."""
+
+    def __init__(self, message: str, exit_code: int = 2, reported: bool = False):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.reported = reported

@@ -46,7 +46,8 @@ def test_under_launcher_over_environments(environ, expected, monkeypatch, plain_
 
 
 class FakeRun:
-    """Stands in for subprocess.run: records the command and environment, writes what ranks would."""
+    """Stands in for the front end (`launch._FrontEnd`): records the launcher's command and environment, writes what
+    ranks would."""
 
     def __init__(self, code: int = 0, preempted: bool = False):
         self.code, self.preempted, self.calls = code, preempted, []
@@ -58,13 +59,16 @@ class FakeRun:
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         if self.preempted:
             (run_dir / "preempted.json").write_text('{"step": 2, "signal": "SIGTERM"}')
-        return subprocess.CompletedProcess(cmd, self.code)
+        return self
+
+    def run(self) -> tuple[int, int]:
+        return self.code, 0
 
 
 def test_launch_command_environment_and_errors(tmp_path, monkeypatch, plain_process):
     cfg = load_config(TINY, [f"run.output_dir={tmp_path / 'run'}"])
     fake = FakeRun()
-    monkeypatch.setattr(launch.subprocess, "run", fake)
+    monkeypatch.setattr(launch, "_FrontEnd", fake)
     monkeypatch.setenv("MASTER_PORT", "29500")
     result = train(cfg, num_processes=3, deepspeed_config="ds.json")
     cmd, env = fake.calls[-1]
@@ -82,13 +86,13 @@ def test_launch_command_environment_and_errors(tmp_path, monkeypatch, plain_proc
     with pytest.raises(ConfigError, match=r"num_processes=3 but 2 gpu_ids"):
         train(cfg, num_processes=3, gpu_ids=[0, 1])
 
-    monkeypatch.setattr(launch.subprocess, "run", FakeRun(code=1))
+    monkeypatch.setattr(launch, "_FrontEnd", FakeRun(code=1))
     with pytest.raises(LaunchError) as err:
         train(cfg, num_processes=2)
     message = str(err.value)
     assert "\n" not in message and "status 1" in message and str(tmp_path / "run" / "metrics.jsonl") in message
     assert isinstance(err.value, RuntimeError)  # what the families raised before
-    monkeypatch.setattr(launch.subprocess, "run", FakeRun(code=1, preempted=True))
+    monkeypatch.setattr(launch, "_FrontEnd", FakeRun(code=1, preempted=True))
     assert train(cfg, num_processes=2).status == "preempted"
 
 
@@ -96,7 +100,7 @@ def test_under_a_launcher_every_rank_trains_in_place(tmp_path, monkeypatch, plai
     cfg = load_config(TINY, [f"run.output_dir={tmp_path / 'run'}"])
     here = []
     monkeypatch.setattr(launch, "_train_here", lambda c, ds: here.append((c, ds)) or RunResult("completed", tmp_path))
-    monkeypatch.setattr(launch.subprocess, "run", lambda *a, **k: pytest.fail("nothing is launched under a launcher"))
+    monkeypatch.setattr(launch, "_FrontEnd", lambda *a, **k: pytest.fail("nothing is launched under a launcher"))
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with caplog.at_level(logging.WARNING, logger="trainer"):
@@ -153,3 +157,15 @@ def test_config_error_is_said_once_per_launch(monkeypatch, capsys):
         assert main(["train", TINY, "train.max_step=3"]) == 2
         err = capsys.readouterr().err
         assert ("Did you mean: train.max_steps?" in err) is printed
+
+
+def test_deepspeed_op_cache_is_this_environments(tmp_path, monkeypatch):
+    """Set-up's build of DeepSpeed's CPU op is the one runs load: the cache is keyed to the Python environment."""
+    from trainer.core import deepspeed_ops
+
+    monkeypatch.setattr(deepspeed_ops.sys, "prefix", str(tmp_path / "venv"))
+    environ: dict[str, str] = {}
+    folder = deepspeed_ops.use_environment_op_cache(environ)
+    assert folder == tmp_path / "venv" / "var" / "torch_extensions" and folder.is_dir()
+    assert environ["TORCH_EXTENSIONS_DIR"] == str(folder)
+    assert deepspeed_ops.use_environment_op_cache({"TORCH_EXTENSIONS_DIR": "/elsewhere"}) == Path("/elsewhere")

@@ -23,6 +23,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin, In
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, ProjectConfiguration, is_compiled_module
 
 from trainer.config import Config, ConfigError
+from trainer.core.deepspeed_ops import use_environment_op_cache
 from trainer.core.run_lock import RunLockedError, acquire_run_lock
 from trainer.core.watchdog import guard_against_orphaning
 from trainer.task import CompilableModel
@@ -183,7 +184,9 @@ def _agree(where: str, given: dict, implied: dict) -> None:
 
 def announce_deepspeed_cpu_op_build() -> None:
     """DeepSpeed on CPU compiles its shared-memory communication op on first use, silently, for a minute
-    or two: say so once (main process) when it is not in torch's extension cache yet. `make setup` builds it."""
+    or two: say so once (main process) when it is not in torch's extension cache yet. `make setup` builds it,
+    into this environment's own cache (deepspeed_ops.py), which every rank uses."""
+    use_environment_op_cache()
     if not _is_first_rank():
         return
     try:

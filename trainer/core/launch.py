@@ -16,6 +16,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import Config, save_config
+from trainer.core.command_line import FRONT_END_ENV, resume_command
 from trainer.core.watchdog import started_by_launcher
 from trainer.errors import ConfigError, LaunchError
 from trainer.rundir import RunDir
@@ -47,7 +49,8 @@ class RunResult:
     `status`, `run_dir` and `main_process=False` are filled (the main process writes the metrics)."""
 
     status: str
-    """`completed`, or `preempted` (stopped by SIGTERM/SIGUSR1 after a checkpoint; train again to resume)."""
+    """`completed`, `preempted` (stopped by SIGTERM/SIGUSR1 after a checkpoint) or `interrupted` (by Ctrl-C, after
+    a checkpoint); train again to resume a stopped run."""
     run_dir: Path
     main_process: bool = True
     world_size: int | None = None
@@ -64,7 +67,7 @@ class RunResult:
 
     @classmethod
     def read(cls, run_dir: str | Path, status: str | None = None) -> RunResult:
-        """The results of a run directory (`status` default: `preempted` if its marker is there)."""
+        """The results of a run directory (`status` default: `interrupted` or `preempted` if its marker is there)."""
         from trainer.core import checkpoint as ckpt
 
         run = RunDir(run_dir)
@@ -75,7 +78,10 @@ class RunResult:
         best = ckpt.best_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
         latest = ckpt.latest_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
         step = ckpt.STEP_DIR.match(best.name) if best is not None else None
-        return cls(status=status or ("preempted" if run.preempted.is_file() else "completed"), run_dir=run.root,
+        if status is None:
+            stopped_by = _stop_marker(run, since=0)
+            status = "completed" if stopped_by is None else "interrupted" if stopped_by == "SIGINT" else "preempted"
+        return cls(status=status, run_dir=run.root,
                    world_size=start.get("world_size"),
                    eval_metrics={k[5:]: v for k, v in last_eval.items() if k.startswith("eval/")},
                    test_metrics={k[5:]: v for k, v in last_test.items()
@@ -122,9 +128,54 @@ def _train_here(cfg: Config, deepspeed_config: str | None) -> RunResult:
 
 def launch_command(config_file: str | Path, num_processes: int, deepspeed_config: str | None = None) -> list[str]:
     """The command line `train` starts: torch.distributed.run on a free port, `trainer train` in each process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
-           "-m", "trainer", "train", str(config_file)]
+    cmd = ranks_command(num_processes, ["train", str(config_file)])
     return cmd + (["--deepspeed", str(deepspeed_config)] if deepspeed_config else [])
+
+
+def ranks_command(num_processes: int, trainer_args: Sequence[str]) -> list[str]:
+    """torch.distributed.run on a free port, `trainer <trainer_args>` in each of `num_processes` processes."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
+            "-m", "trainer", *trainer_args]
+
+
+@dataclass(frozen=True)
+class RanksEnded:
+    """How the ranks a front end started ended."""
+
+    code: int
+    """The launcher's exit status."""
+    interrupts: int
+    """Ctrl-C presses passed on to the ranks."""
+    statuses: frozenset[int]
+    """The exit statuses the ranks' command lines reported (2: an input error they said in one line)."""
+
+
+def run_ranks(cmd: list[str], num_processes: int, gpu_ids: Sequence[int] | None = None) -> RanksEnded:
+    """Run a launcher command (`ranks_command`) through the front end: a clean environment for the launch, Ctrl-C
+    passed to the ranks, and the launcher's own report of what the ranks already said left out (`_FrontEnd`)."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    for key in ("MASTER_ADDR", "MASTER_PORT"):  # --standalone picks a free port; a stale one must not leak in
+        env.pop(key, None)
+    if gpu_ids is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+    logger.info("launching %d processes%s: %s", num_processes, f" on GPUs {env['CUDA_VISIBLE_DEVICES']}"
+                if gpu_ids is not None else "", " ".join(cmd))
+    with tempfile.TemporaryDirectory(prefix="trainer-ranks-") as status_dir:
+        env.update({FRONT_END_ENV: "1", RANK_STATUS_ENV: status_dir,
+                    # The agent (torchrun's --signals-to-handle) leaves Ctrl-C to the front end, which passes it on.
+                    "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGHUP,SIGQUIT"})
+        code, interrupts = _FrontEnd(cmd, env).run()
+        return RanksEnded(code, interrupts, frozenset(read_rank_statuses(status_dir)))
+
+
+def raise_for_ranks(ended: RanksEnded, what: str, hint: str = "") -> None:
+    """The error for ranks that did not end well (an input error or a Ctrl-C they reported: already said)."""
+    if 2 in ended.statuses:
+        raise LaunchError(f"{what}: a rank stopped on an error in the input", exit_code=2, reported=True)
+    if ended.interrupts:
+        raise LaunchError(f"{what}: stopped by Ctrl-C", exit_code=130, reported=128 + 2 in ended.statuses)
+    if ended.code != 0:
+        raise LaunchError(f"{what} exited with status {ended.code}; see the output above{hint}")
 
 
 def _launch(cfg: Config, num_processes: int, deepspeed_config: str | None, gpu_ids: list[int] | None) -> RunResult:
@@ -132,21 +183,176 @@ def _launch(cfg: Config, num_processes: int, deepspeed_config: str | None, gpu_i
     run.root.mkdir(parents=True, exist_ok=True)
     config_file = run.root / LAUNCH_CONFIG
     save_config(cfg, config_file)
-    cmd = launch_command(config_file, num_processes, deepspeed_config)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    for key in ("MASTER_ADDR", "MASTER_PORT"):  # --standalone picks a free port; a stale one must not leak in
-        env.pop(key, None)
-    if gpu_ids is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
-    logger.info("launching %d processes%s: %s", num_processes, f" on GPUs {env['CUDA_VISIBLE_DEVICES']}" if gpu_ids
-                is not None else "", " ".join(cmd))
     started = time.time()
-    code = subprocess.run(cmd, env=env).returncode
-    if code != 0:
-        # torch elastic replaces a rank's exit status (75 after a preemption checkpoint): the marker tells
-        if run.preempted.is_file() and run.preempted.stat().st_mtime >= started - 1:
+    ended = run_ranks(launch_command(config_file, num_processes, deepspeed_config), num_processes, gpu_ids)
+    stopped_by = _stop_marker(run, started)
+    if ended.interrupts and stopped_by is None:  # before training started, or pressed twice before the checkpoint
+        latest = _latest(run)
+        raise LaunchError(f"stopped by Ctrl-C{' pressed twice' if ended.interrupts > 1 else ''} without a new "
+                          f"checkpoint" + (f"; the last complete one is {latest}" if latest else ""), exit_code=130,
+                          reported=128 + 2 in ended.statuses)  # a rank said it (interrupted outside training's steps)
+    if stopped_by is not None and 2 not in ended.statuses:
+        status = "interrupted" if stopped_by == "SIGINT" else "preempted"
+        if status == "interrupted":
+            print(f"trainer: interrupted by Ctrl-C at step {_marker_step(run)} of {cfg.train.max_steps}: checkpoint "
+                  f"{_latest(run)} written; resume with: {resume_command(cfg)}", file=sys.stderr, flush=True)
+        else:
             logger.warning("the %d-process run was preempted; train again to resume from its checkpoint", num_processes)
-            return RunResult.read(run.root, "preempted")
-        raise LaunchError(f"the {num_processes}-process run exited with status {code}; see the output above and "
-                          f"{run.metrics} (train again to resume from the latest checkpoint)")
+        return RunResult.read(run.root, status)
+    raise_for_ranks(ended, f"the {num_processes}-process run",
+                    f" and {run.metrics} (train again to resume from the latest checkpoint)")
     return RunResult.read(run.root)
+
+
+RANK_STATUS_ENV = "TRAINER_RANK_STATUS_DIR"
+"""Set by the front end for the ranks it starts: each rank's command line writes its exit status there."""
+
+
+def write_rank_status(code: int, environ: Mapping[str, str] = os.environ) -> None:
+    """In a rank started by the front end: record the status this rank's command ends with."""
+    folder = environ.get(RANK_STATUS_ENV)
+    if folder and os.path.isdir(folder):
+        Path(folder, f"rank{environ.get('RANK', '0')}").write_text(str(code))
+
+
+def register_rank(environ: Mapping[str, str] = os.environ) -> None:
+    """In a rank started by the front end, once it can take Ctrl-C as a clean stop: tell the front end its pid."""
+    folder = environ.get(RANK_STATUS_ENV)
+    if folder and os.path.isdir(folder):
+        Path(folder, f"pid{environ.get('RANK', '0')}").write_text(str(os.getpid()))
+
+
+def read_rank_statuses(folder: str | Path) -> set[int]:
+    codes = set()
+    for path in Path(folder).glob("rank[0-9]*"):
+        try:
+            codes.add(int(path.read_text()))
+        except ValueError:
+            continue
+    return codes
+
+
+def _stop_marker(run: RunDir, since: float) -> str | None:
+    """The signal that stopped this launch after a checkpoint (its marker), None if none did."""
+    if not run.preempted.is_file() or run.preempted.stat().st_mtime < since - 1:
+        return None
+    import json
+
+    try:
+        return json.loads(run.preempted.read_text()).get("signal") or "SIGTERM"
+    except (OSError, ValueError):
+        return "SIGTERM"
+
+
+def _marker_step(run: RunDir) -> int | str:
+    import json
+
+    try:
+        return json.loads(run.preempted.read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return "?"
+
+
+def _latest(run: RunDir) -> Path | None:
+    from trainer.core import checkpoint as ckpt
+
+    return ckpt.latest_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
+
+
+class _FrontEnd:
+    """Runs the launcher and stands between it and the terminal.
+
+    Ctrl-C reaches this process and the launcher (one process group); the launcher ignores it (started with
+    SIGINT ignored, and told not to handle it), this process passes it to the ranks, which stop at a step
+    boundary with a checkpoint (a second Ctrl-C: at once). Their output is relayed as it comes; once every
+    rank has ended after a Ctrl-C or on an input error they reported, the launcher's own account of it (a
+    traceback naming the ranks' exit statuses) is left out: the ranks' `trainer:` lines said it.
+    """
+
+    def __init__(self, cmd: list[str], env: dict[str, str]):
+        self.cmd, self.env = cmd, env
+        self.interrupts = 0
+        self.ranks_seen = False
+        self.status_dir = Path(env[RANK_STATUS_ENV])
+        self.told: dict[int, int] = {}  # rank pid -> Ctrl-Cs passed on to it
+
+    def run(self) -> tuple[int, int]:
+        """The launcher's exit status and the number of Ctrl-C presses."""
+        import signal
+        import threading
+
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None  # inherited by the launcher
+        try:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        finally:
+            if in_main:
+                signal.signal(signal.SIGINT, self._on_interrupt)
+        relays = [threading.Thread(target=self._relay, args=(pipe, out), daemon=True)
+                  for pipe, out in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr))]
+        for relay in relays:
+            relay.start()
+        try:
+            while True:
+                try:
+                    code = self.proc.wait(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    self._pass_on_interrupts()
+        finally:
+            for relay in relays:
+                relay.join(timeout=10)
+            if in_main:
+                signal.signal(signal.SIGINT, previous)
+        return code, self.interrupts
+
+    def _ranks(self) -> list:
+        import psutil
+
+        try:
+            return psutil.Process(self.proc.pid).children()
+        except psutil.Error:
+            return []
+
+    def _on_interrupt(self, signum, frame) -> None:  # noqa: ARG002
+        self.interrupts += 1
+        self._pass_on_interrupts()
+
+    def _pass_on_interrupts(self) -> None:
+        """Each Ctrl-C to each rank that registered (a rank still importing would die with a traceback: it gets
+        the Ctrl-C once it has registered)."""
+        import signal
+
+        for path in self.status_dir.glob("pid*"):
+            try:
+                pid = int(path.read_text())
+            except ValueError:  # being written
+                continue
+            while self.told.get(pid, 0) < self.interrupts:
+                self.told[pid] = self.told.get(pid, 0) + 1
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except ProcessLookupError:
+                    break
+
+    def _launcher_speaks(self) -> bool:
+        """True once the ranks ended after a Ctrl-C or a reported input error: what follows is the launcher's."""
+        ranks = self._ranks()
+        if ranks:
+            self.ranks_seen = True
+            return False
+        return self.ranks_seen and (self.interrupts > 0 or 2 in read_rank_statuses(self.status_dir))
+
+    def _relay(self, pipe, out) -> None:
+        target = out.buffer if hasattr(out, "buffer") else None
+        for chunk in iter(lambda: pipe.read1(65536), b""):
+            if self._launcher_speaks():
+                chunk = b"".join(line for line in chunk.splitlines(keepends=True) if line.startswith(b"trainer:"))
+            if not chunk:
+                continue
+            if target is not None:
+                target.write(chunk)
+                target.flush()
+            else:
+                out.write(chunk.decode(errors="replace"))
+                out.flush()

@@ -1,7 +1,9 @@
-"""Preemption: SIGTERM/SIGUSR1 become a stop at a step boundary that every rank agrees on.
+"""Stop signals: SIGTERM/SIGUSR1 (preemption) and SIGINT (Ctrl-C) become a stop at a step boundary that
+every rank agrees on.
 
 The Trainer asks `PreemptionWatcher.should_stop()` at each step boundary; on a stop it writes a
-checkpoint and the process exits with `PREEMPTED_EXIT_CODE`, which batch systems read as "requeue".
+checkpoint and the process exits with `PREEMPTED_EXIT_CODE` after SIGTERM/SIGUSR1, which batch systems
+read as "requeue", or `INTERRUPTED_EXIT_CODE` after Ctrl-C, the shell's status for SIGINT.
 A rank that cannot reach a boundary exits without a checkpoint instead of hanging (see the class).
 """
 
@@ -18,6 +20,8 @@ import torch
 
 PREEMPTED_EXIT_CODE = 75
 """Exit status after a SIGTERM/SIGUSR1 checkpoint (EX_TEMPFAIL: try again, i.e. requeue)."""
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+"""Exit status after a Ctrl-C checkpoint (and after a second Ctrl-C, which stops without one)."""
 PREEMPT_GRACE_S = float(os.environ.get("TRAINER_PREEMPT_GRACE_S", "60"))
 """After SIGTERM/SIGUSR1, the longest wait for the next step boundary (environment variable
 `TRAINER_PREEMPT_GRACE_S`). A rank stuck in a collective or in its data never reaches one: it then
@@ -25,13 +29,22 @@ exits with status 128 + signal and no checkpoint, as it does at once on a second
 DUPLICATE_SIGNAL_S = 2.0
 """A second signal this soon after the first is the same request delivered twice (the batch system
 signals every process and the launcher forwards its own copy), not a request to stop at once."""
+DOUBLE_PRESS_S = 0.5
+"""A second Ctrl-C counts once this much time has passed since the first: a person pressing twice
+means "stop now", whereas a copy forwarded by a launcher arrives within milliseconds."""
+
+
+def stop_exit_code(signal_name: str | None) -> int:
+    """The exit status of a run stopped by `signal_name` after its checkpoint."""
+    return INTERRUPTED_EXIT_CODE if signal_name == "SIGINT" else PREEMPTED_EXIT_CODE
 
 
 class PreemptionWatcher:
-    """Turns SIGTERM/SIGUSR1 into a stop request that all ranks agree on at the same step.
+    """Turns SIGTERM/SIGUSR1/SIGINT into a stop request that all ranks agree on at the same step.
 
-    With several processes the local flags are OR-reduced over a gloo group, asynchronously: the
-    reduction started at step k is read at step k+1, so no step waits on the device.
+    With several processes the local flags are max-reduced over a gloo group, asynchronously: the
+    reduction started at step k is read at step k+1, so no step waits on the device. A Ctrl-C on any
+    rank outranks a preemption signal, so every rank agrees on the reason too (`stop_signal`).
 
     A rank that never reaches a step boundary (stuck in a collective, or in data that yields nothing)
     would wait for one forever, so a listener thread, woken by the signal itself through
@@ -40,15 +53,19 @@ class PreemptionWatcher:
     on a second signal. Once the ranks agreed to stop, the checkpoint may take as long as it needs.
     """
 
-    signals = (signal.SIGTERM, signal.SIGUSR1)
+    signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     _active: PreemptionWatcher | None = None  # the one whose listener owns the wakeup fd
 
-    def __init__(self, world_size: int, grace_s: float = PREEMPT_GRACE_S):
+    def __init__(self, world_size: int, grace_s: float = PREEMPT_GRACE_S, announce: bool = True):
+        """announce: say on stderr that a signal arrived (the main process; the other ranks stay quiet)."""
         if PreemptionWatcher._active is not None:  # left open by a fit() that raised
             PreemptionWatcher._active._release()
         self.requested = False
         self.received: str | None = None
+        self.stop_signal: str | None = None
+        """Once the ranks agreed to stop: SIGINT if any rank had a Ctrl-C, else the preemption signal."""
         self.grace_s = grace_s
+        self.announce = announce
         self._world_size = world_size
         self._pending = None
         self._flag = torch.zeros(1)
@@ -116,9 +133,12 @@ class PreemptionWatcher:
                 name = signal.Signals(signum).name
                 if first_at is None:
                     first_at, self.requested, self.received = time.monotonic(), True, name
-                    sys.stderr.write(f"trainer: {name} received: stopping after the current step "
-                                     f"(a second {name} stops at once, without a checkpoint)\n")
-                    sys.stderr.flush()
+                    if self.announce:
+                        sys.stderr.write(_first_signal_message(name))
+                        sys.stderr.flush()
+                elif name == "SIGINT" and self.received == "SIGINT":
+                    if time.monotonic() - first_at > DOUBLE_PRESS_S:
+                        self._give_up("Ctrl-C pressed again: stopping at once")
                 elif time.monotonic() - first_at > DUPLICATE_SIGNAL_S:
                     self._give_up(f"second {name} received before the step ended")
             if not data:
@@ -138,17 +158,22 @@ class PreemptionWatcher:
         self._boundary_at = time.monotonic()
         if self._world_size == 1:
             self._stopping = self.requested
+            self.stop_signal = self.received if self.requested else None
             return self.requested
         import torch.distributed as dist
 
-        agreed = False
+        agreed = 0.0
         if self._pending is not None:
             self._pending.wait()
-            agreed = bool(self._flag.item() > 0)
-        self._flag = torch.tensor([1.0 if self.requested else 0.0])
-        self._pending = dist.all_reduce(self._flag, group=self._group, async_op=True)
-        self._stopping = agreed
-        return agreed
+            agreed = self._flag.item()
+        # 2: a Ctrl-C here, 1: a preemption signal, 0: nothing
+        local = (2.0 if self.received == "SIGINT" else 1.0) if self.requested else 0.0
+        self._flag = torch.tensor([local])
+        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._stopping = agreed > 0
+        if self._stopping:
+            self.stop_signal = "SIGINT" if agreed >= 2 else (self.received if self.received != "SIGINT" else "SIGTERM")
+        return self._stopping
 
     def close(self) -> None:
         if self._pending is not None:
@@ -173,6 +198,14 @@ class PreemptionWatcher:
             self._listener = None
         if PreemptionWatcher._active is self:
             PreemptionWatcher._active = None
+
+
+def _first_signal_message(name: str) -> str:
+    if name == "SIGINT":
+        return ("trainer: Ctrl-C: stopping after the current step with a checkpoint "
+                "(Ctrl-C again stops at once, without one)\n")
+    return (f"trainer: {name} received: stopping after the current step "
+            f"(a second {name} stops at once, without a checkpoint)\n")
 
 
 def _forget_wakeup_fd_in_child() -> None:

@@ -15,6 +15,7 @@ import datetime
 import json
 import logging
 import math
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from trainer.config import Config, save_config
 from trainer.core import checkpoint as ckpt
 from trainer.core.batch_plan import plan_batch
 from trainer.core.checkpointer import Checkpointer, TrainState
+from trainer.core.command_line import resume_command, started_by_front_end
 from trainer.core.distributed import build_accelerator, compile_model, scale_factor, unwrap_model
 from trainer.core.ema import EMA
 from trainer.core.engine import build_engine, check_backend_supports
@@ -35,7 +37,7 @@ from trainer.core.generation import generate_distributed
 from trainer.core.host_memory import HeapTrimmer
 from trainer.core.loaders import MicroBatch, TrainBatches, agreed_start, build_eval_loader, resolve_epochs
 from trainer.core.optim import build_optimizer, build_scheduler
-from trainer.core.preemption import PREEMPTED_EXIT_CODE, PreemptionWatcher
+from trainer.core.preemption import PreemptionWatcher, stop_exit_code
 from trainer.core.run_lock import release_run_lock
 from trainer.core.run_logger import RunLogger, StepWindow
 from trainer.core.step_guard import NonFiniteLossError
@@ -132,11 +134,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> str:
-        """Train to train.max_steps; returns `completed` or `preempted`."""
+        """Train to train.max_steps; returns `completed`, `preempted` (SIGTERM/SIGUSR1) or `interrupted` (Ctrl-C)."""
         acc, cfg, t = self.accelerator, self.cfg, self.cfg.train
         if self.already_complete:
             return self._say_already_complete()
-        watcher = PreemptionWatcher(acc.num_processes)
+        watcher = PreemptionWatcher(acc.num_processes, announce=acc.is_main_process)
         micro = agreed_start(self.data.micro_batches(self.state.step * t.grad_accum_steps), acc)
         bar = tqdm(total=t.max_steps, initial=self.state.step, desc="train", dynamic_ncols=True,
                    disable=not (acc.is_main_process and cfg.log.progress_bar))
@@ -160,14 +162,15 @@ class Trainer:
                 self.save(best=improved)
                 saved_at = step
             if watcher.should_stop():
-                status = "preempted"
+                status = "interrupted" if watcher.stop_signal == "SIGINT" else "preempted"
                 break
         bar.close()
         self._finish(status, saved_at, watcher)
         watcher.close()
         acc.wait_for_everyone()
         acc.end_training()
-        self.log.summary(status, self.state.step, self.state.best_step, self.state.nonfinite_skipped)
+        if status != "interrupted":  # a Ctrl-C ends with its one line (_finish)
+            self.log.summary(status, self.state.step, self.state.best_step, self.state.nonfinite_skipped)
         self.log.close()
         if acc.is_main_process:
             release_run_lock(cfg.run.output_dir)  # now, not at exit: a notebook may start another run here
@@ -312,7 +315,7 @@ class Trainer:
         return self.checkpointer.save(best=best)
 
     def _finish(self, status: str, saved_at: int, watcher: PreemptionWatcher) -> None:
-        """Final eval, test and checkpoint of a completed run, or the checkpoint and marker of a preempted one."""
+        """Final eval, test and checkpoint of a completed run, or the checkpoint and marker of a stopped one."""
         improved = False
         if status == "completed":
             improved = self._track_best(self.evaluate())
@@ -323,12 +326,20 @@ class Trainer:
             self.evaluate("test")
         if self.accelerator.is_main_process:
             self.run_dir.preempted.unlink(missing_ok=True)
-            if status == "preempted":
+            if status != "completed":
                 # Launchers (torchrun's agent) replace our exit status; batch scripts look for this file.
-                atomic_write_text(self.run_dir.preempted,
-                                  json.dumps({"step": self.state.step, "signal": watcher.received}))
-                logger.warning("stop requested by %s: checkpoint at step %d written, exiting with status %d",
-                               watcher.received or "another rank", self.state.step, PREEMPTED_EXIT_CODE)
+                signal_name = watcher.stop_signal or watcher.received
+                atomic_write_text(self.run_dir.preempted, json.dumps({"step": self.state.step, "signal": signal_name}))
+                if status == "interrupted":
+                    if started_by_front_end():  # it says so itself, with the command that started it
+                        return
+                    latest = ckpt.latest_checkpoint(self.run_dir.checkpoints)
+                    print(f"trainer: interrupted by Ctrl-C at step {self.state.step} of {self.cfg.train.max_steps}: "
+                          f"checkpoint {latest} written; resume with: {resume_command(self.cfg)}", file=sys.stderr,
+                          flush=True)
+                else:
+                    logger.warning("stop requested by %s: checkpoint at step %d written, exiting with status %d",
+                                   signal_name or "another rank", self.state.step, stop_exit_code(signal_name))
 
     def _load_test_weights(self) -> None:
         """eval.test_weights=best: load the best checkpoint's weights (and EMA) for the test pass."""
