@@ -2,6 +2,7 @@
 #   make train   set up .venv, train the main job (protein SEDD, 2 processes), evaluate, export,
 #                sample 64 sequences and plot
 #   make test    set up .venv and run the test suite (the command CI runs)
+#   make docs    build the documentation site (mkdocs, --strict: a broken link or reference fails) into site/
 PYTHON     ?= python3
 VENV       ?= .venv
 PY         := $(VENV)/bin/python
@@ -19,7 +20,7 @@ PYTEST_ARGS ?=
 # Every family's extra, so the main job and the whole test suite run from one environment.
 EXTRAS     ?= test,protein_sedd,crystals,molecules_edm,molecules_mlff,perturbation_gears
 
-.PHONY: setup train test test-all lint bench readme-config clean
+.PHONY: setup train test test-all lint bench docs docs-config clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	@echo "set-up 1/4: a virtual environment in $(VENV) and pip itself..."
@@ -55,7 +56,7 @@ train: setup
 lint: setup
 	$(VENV)/bin/ruff check trainer tests benchmarks scripts
 
-# CI's suite: everything but the `extended` repeats (README, Tests: how long it takes); test-all adds them.
+# CI's suite: everything but the `extended` repeats (docs/testing.md; its time: BENCHMARKS.md); test-all adds them.
 # TEST_WORKERS pytest-xdist workers share the machine (most tests wait on launchers and interpreter start-ups,
 # so 2 workers fill 2 cores; 0: one process). Each test file goes whole to one worker, so a module fixture is
 # built once (xdist's loadgroup does not group under pytest 9.2); the regression runs are shared (conftest.py).
@@ -73,8 +74,14 @@ bench: setup
 	$(PY) benchmarks/ingest.py --out BENCHMARKS.md
 	$(PY) benchmarks/throughput.py --device cpu --out BENCHMARKS.md
 
-readme-config: setup
-	$(PY) scripts/update_readme_config.py
+# The documentation site: the docs extra (mkdocs-material, mkdocstrings) into the venv, then a strict build.
+docs: setup
+	$(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS),docs]"
+	$(VENV)/bin/mkdocs build --strict
+
+# The config key tables of docs/configuration.md, from the dataclass docstrings.
+docs-config: setup
+	$(PY) scripts/update_docs_config.py
 
 clean:
-	rm -rf runs build *.egg-info
+	rm -rf runs build site *.egg-info

@@ -1,8 +1,9 @@
 """GFN2-xTB guidance at force-field speed (issue 22): the guidance ladder against plain tblite single points.
 
-For each checkpoint (an early one and a trained one) and each guidance scale of the README, guided
-sampling of `--molecules` molecules (T = 1000, the default noise threshold: 632 guided steps) with
-`XTBForceField(workers=1).for_guidance()` (the ladder of forcefields/xtb.py), in this process on one core.
+For each checkpoint (an early one and a trained one) and each guidance scale of the guided sampling command
+(docs/families/molecules_edm.md), guided sampling of `--molecules` molecules (T = 1000, the default noise
+threshold: 632 guided steps) with `XTBForceField(workers=1).for_guidance()` (the ladder of forcefields/xtb.py),
+in this process on one core.
 Every `--every` guided steps the same number of QM9 molecules (the bundled sample, cycled) get a plain
 tblite single point (`compute`: tblite's defaults, 250 cycles): both rates are measured in the same run,
 interleaved, so machine load hits both alike. Reported per set: guidance evaluations, the share of each rung,

@@ -4,9 +4,10 @@ For each checkpoint (an early and a trained tiny EDM), one process, `trainer sam
 project's thread policy: OMP_NUM_THREADS is not set), the default sampling batch (32 molecules), T = 1000 with
 632 guided steps:
 
-1. `gfn2`: GFN2-xTB guidance (its worker pool) at the first README scale: the baseline rate.
+1. `gfn2`: GFN2-xTB guidance (its worker pool) at the first scale of the guided sampling command
+   (docs/families/molecules_edm.md): the baseline rate.
 2. `ani1x, types=forcefield`: ANI-1x guidance (one network pushes, the default) with the atom types decoded
-   among H C N O, at the README's three scales; the final molecules scored by GFN2-xTB (the strict check, a
+   among H C N O, at that command's three scales; the final molecules scored by GFN2-xTB (the strict check, a
    force field that did not guide) and by the ANI-1x ensemble (its own view and spread).
 3. The same at the first scale with the ensemble mean pushing (`guidance_network: null`).
 4. `ani1x, types=argmax`: the seed's type decoding; molecules holding an F on a step go to the GFN2 fallback.

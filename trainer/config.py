@@ -1,8 +1,8 @@
 """Typed run configuration: dataclass sections, YAML file, dotted CLI overrides.
 
 Precedence is CLI > YAML > task preset > dataclass defaults. Every field carries a
-docstring (the string literal under it), which `trainer config-help` prints and the README
-reference table is generated from. Unknown keys and wrong types are errors that name the key
+docstring (the string literal under it), which `trainer config-help` prints and the key tables
+of docs/configuration.md are generated from. Unknown keys and wrong types are errors that name the key
 and, for unknown keys, the closest valid names.
 """
 

@@ -60,7 +60,7 @@ That sign is used for the lattice cosines, and the spherical harmonics use ``edg
 (receiver -> sender, as in the official TP layer that gathers from ``edge_index[1]`` and
 scatters to ``edge_index[0]``). Both are therefore exactly the official quantities.
 
-Deviations and additions (all documented in ``docs/comformer.md``):
+Deviations and additions (all documented in ``docs/families/crystals.md``, ComFormer):
 
 * Ties in the lattice-vector choice (equal lengths, exactly orthogonal vectors, as in cubic or
   orthorhombic cells) are broken deterministically with relative tolerance ``1e-6`` by the

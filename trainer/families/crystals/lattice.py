@@ -20,7 +20,7 @@ deterministically, with relative tolerance `LATTICE_TOL`, by the integer coeffic
 basis: among vectors of equal length the lexicographically largest coefficient tuple wins, and an
 orthogonal lat2 / lat3 keeps that sign. On cells without ties the result is the official one
 (tested against a restatement of the official code); it is exactly rotation and translation
-invariant always, and basis independent when the lattice has no ties (docs/comformer.md).
+invariant always, and basis independent when the lattice has no ties (docs/families/crystals.md).
 
 Candidates: every lattice vector no longer than the longest cell row (the three successive minima
 are never longer, so this set is complete), enumerated in the given basis when that takes few
