@@ -16,6 +16,8 @@ import contextlib
 import json
 import logging
 import math
+import os
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -143,7 +145,7 @@ def sample_run(run_dir: str | Path, options: SampleConfig | Sequence[str] = ()) 
     summary = None
     if state.is_main_process:
         out = Path(options.out) if options.out else run_dir / "samples" / "samples"
-        summary = task.write_samples(samples, options, out)
+        summary = _write_whole(task, samples, options, out)
         summary.update(num_samples=options.num_samples, world_size=state.num_processes, seed=options.seed,
                        checkpoint=str(source), options=_jsonable(options), sampling_seconds=round(sampling_s, 3))
         stats_path = out.with_name(out.name + ".stats.json")  # beside the samples, never over them
@@ -155,6 +157,25 @@ def sample_run(run_dir: str | Path, options: SampleConfig | Sequence[str] = ()) 
     state.wait_for_everyone()
     state.destroy_process_group()
     return summary
+
+
+def _write_whole(task: GenerativeTask, samples: Any, options: Any, out: Path) -> dict[str, Any]:
+    """`task.write_samples` into a hidden sibling of `out`, moved into place once complete: samples interrupted
+    while written (Ctrl-C, a full disk) never sit at `out` looking like a finished set."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".partial-{out.name}")
+    _remove(partial)
+    summary = task.write_samples(samples, options, partial)
+    _remove(out)
+    os.replace(partial, out)
+    return json.loads(json.dumps(summary).replace(str(partial), str(out)))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _log_to_trackers(run_dir: Path, summary: dict[str, Any]) -> None:
