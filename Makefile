@@ -31,7 +31,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	# deepspeed's setup imports torch: build it against the torch installed above. setuptools' notice on every
 	# editable install (a folder named like the package may shadow it) is moot here: that folder is the package.
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS)]"
-	# DeepSpeed compiles its CPU communication op on first use (1-2 min, silent): do it here, once.
+	# DeepSpeed compiles its CPU communication op on first use (slowly and silently): do it here, once.
 	@echo "set-up 4/4: DeepSpeed's CPU communication op (built once, about 1-2 minutes) and ANI-1x's parameters..."
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as g; b = g().create_op_builder('ShareMemCommBuilder'); b and b.load()" > /dev/null \
 		|| echo "(not prebuilt: DeepSpeed builds it on first use)"
