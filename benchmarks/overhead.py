@@ -28,9 +28,9 @@ core) and the wall clock (what a user waits; on an otherwise idle machine both a
 configs, from a step where the math dominates (`compute`) to a small model and batch where the
 frameworks' per-step Python work dominates (`overhead`, the tiny one), with `medium` between.
 
-Separate runs of a shared machine differ by more than the guard costs; so the guard is also
-measured on its own (`--guard-steps`): two of our Trainers, with and without it, in one process,
-their `train_step`s alternating one by one, each timed by the thread's CPU time.
+Separate runs of a shared machine differ by more than the guard costs; so b/a and the guard are also
+measured in one process (`--guard-steps`): the plain loop's step and two of our Trainers, with and
+without the guard, their steps taking turns one by one, each timed by the thread's CPU time.
 
 Paired mode (`--paired N`) ranks versions on a noisy machine. Each measurement is a fresh process
 that times one (config, method): the thread CPU time of each step alone (for (b) and (b0) the
@@ -205,27 +205,37 @@ def time_ours(c: dict, steps: int, warmup: int, workdir: str,
     return rates(steps, clock["start"], clock["end"]), per_step
 
 
-def guard_cost(c: dict, steps: int, workdir: str) -> tuple[float, float, list[float]]:
-    """(us a `train_step` with the non-finite guard, without it, on/off of each block of GUARD_BLOCK
-    steps): two Trainers in this process whose steps alternate one by one, each timed by the thread's
-    CPU time; medians. Both sides see the same machine at the same moments, which separate runs of a
-    shared machine do not."""
-    trainers = [our_trainer(c, 10**9, f"{workdir}/guard-{k}", extra)
-                for k, extra in (("on", ()), ("off", ("train.skip_nonfinite=false",)))]
-    batches = [t.data.micro_batches(0) for t in trainers]
-    times: list[list[int]] = [[], []]
+def alternating_cost(c: dict, steps: int, workdir: str) -> dict[str, list[int]]:
+    """Thread CPU ns of each step of (a) the plain loop's step, (b) our `train_step` and (b0) ours without the
+    non-finite guard, in this process, their steps taking turns one by one (the order rotating): all sides
+    see the same machine at the same moments, which separate runs of a shared machine do not."""
+    trainers = {k: our_trainer(c, 10**9, f"{workdir}/alternating-{k}", extra)
+                for k, extra in (("b", ()), ("b0", ("train.skip_nonfinite=false",)))}
+    batches = {k: t.data.micro_batches(0) for k, t in trainers.items()}
+    plain_batches, plain_step = plain_loop(c)
+    sides = ["a", *trainers]
+    times: dict[str, list[int]] = {k: [] for k in sides}
     for i in range(steps + 20):
-        for k in (0, 1) if i % 2 else (1, 0):
-            batch = [next(batches[k])]
-            t0 = time.thread_time_ns()
-            trainers[k].train_step(batch)
+        for k in sides[i % 3:] + sides[:i % 3]:
+            if k == "a":
+                batch = next(plain_batches)
+                t0 = time.thread_time_ns()
+                plain_step(batch)
+            else:
+                batch = [next(batches[k])]
+                t0 = time.thread_time_ns()
+                trainers[k].train_step(batch)
             if i >= 20:  # warm-up
                 times[k].append(time.thread_time_ns() - t0)
-            if i % LOG_EVERY == 0:
+            if k != "a" and i % LOG_EVERY == 0:
                 trainers[k].engine.guard.read()  # what a logging step does; the flags do not pile up
-    blocks = [statistics.median(times[0][i:i + GUARD_BLOCK]) / statistics.median(times[1][i:i + GUARD_BLOCK])
-              for i in range(0, len(times[0]), GUARD_BLOCK)]
-    return statistics.median(times[0]) / 1e3, statistics.median(times[1]) / 1e3, blocks
+    return times
+
+
+def block_ratios(times: dict[str, list[int]], x: str, y: str) -> list[float]:
+    """Median time of y over median time of x in each block of GUARD_BLOCK alternating steps."""
+    return [statistics.median(times[y][i:i + GUARD_BLOCK]) / statistics.median(times[x][i:i + GUARD_BLOCK])
+            for i in range(0, len(times[x]), GUARD_BLOCK)]
 
 
 def run_hf(c: dict, steps: int, warmup: int, workdir: str) -> dict[str, float]:
@@ -311,8 +321,8 @@ def spread(values: list[float], fmt: str = ".3f") -> str:
     if len(values) < 2:
         return f"{values[0]:{fmt}}"
     q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return (f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}}; "
-            f"IQR {q1:{fmt}}-{q3:{fmt}})")
+    return (f"{statistics.median(values):{fmt}} ({min(values):{fmt}} to {max(values):{fmt}}; "
+            f"IQR {q1:{fmt}} to {q3:{fmt}})")
 
 
 def paired(names: list[str], a: argparse.Namespace) -> tuple[str, str]:
@@ -346,7 +356,7 @@ def paired(names: list[str], a: argparse.Namespace) -> tuple[str, str]:
              f"{a.warmup} warm-up; the order of the sides alternates ({' '.join(sides)}, then reversed). "
              "Step: median thread CPU time of `train_step` (of the plain loop's step for (a)). Whole loop: process CPU "
              "time per step of fit's loop window (data, bookkeeping and logging steps included). Ratios: steps/s over "
-             "steps/s within each pair, median (min-max; IQR); guard: b over b0 of the step, in per cent.")
+             "steps/s within each pair, median (min to max; IQR q1 to q3); guard: b over b0 of the step, in per cent.")
     if a.versus:
         notes += f" (v): (b) with `trainer` imported from {trees['v']}; b/v > 1: this tree's step is cheaper."
     return "\n".join(rows), notes
@@ -385,17 +395,22 @@ def interleaved(names: list[str], a: argparse.Namespace) -> tuple[str, str]:
     return "\n".join(rows), notes
 
 
-def guard_line(names: list[str], a: argparse.Namespace) -> str:
-    """The non-finite guard's cost per config, two Trainers in this process, steps alternating."""
-    guard = []
+def alternating_line(names: list[str], a: argparse.Namespace) -> str:
+    """b/a and the guard's cost per config, a, b and b0 in this process, steps alternating."""
+    parts = []
     with tempfile.TemporaryDirectory(prefix="overhead-") as workdir:
         for name in names:
             torch.set_num_threads(a.threads)
-            on, off, blocks = guard_cost(CONFIGS[name], a.guard_steps, workdir)
-            guard.append(f"{name} {on - off:+.1f} us on {off:.0f} us ({on / off - 1:+.1%}; blocks of "
-                         f"{GUARD_BLOCK} steps {min(blocks) - 1:+.1%} to {max(blocks) - 1:+.1%})")
-    return ("Cost of the non-finite guard, `train_step` alone with and without it, two Trainers in one process, "
-            f"steps alternating ({a.guard_steps} each, medians of the thread's CPU time): " + "; ".join(guard) + ".")
+            times = alternating_cost(CONFIGS[name], a.guard_steps, workdir)
+            med = {k: statistics.median(v) / 1e3 for k, v in times.items()}
+            ba, guard = block_ratios(times, "b", "a"), block_ratios(times, "b0", "b")
+            parts.append(f"{name}: a {med['a']:.0f} us, b {med['b']:.0f} us, b0 {med['b0']:.0f} us; "
+                         f"b/a {med['a'] / med['b']:.3f} (blocks {min(ba):.3f} to {max(ba):.3f}); guard "
+                         f"{med['b'] - med['b0']:+.1f} us ({med['b'] / med['b0'] - 1:+.1%}; blocks "
+                         f"{min(guard) - 1:+.1%} to {max(guard) - 1:+.1%})")
+    return (f"In one process, steps alternating (a's step, b's and b0's `train_step` in turn, {a.guard_steps} each; "
+            f"medians of the thread's CPU time; blocks of {GUARD_BLOCK} steps give the spread): "
+            + "; ".join(parts) + ".")
 
 
 def main() -> None:
@@ -406,7 +421,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for stable numbers")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {list(CONFIGS)}")
     p.add_argument("--guard-steps", type=int, default=2000,
-                   help="steps of the step-interleaved guard measurement per config (0: skip it)")
+                   help="steps per side of the in-process measurement (a, b, b0 steps alternating: b/a and the "
+                        "guard's cost) per config (0: skip it)")
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="paired mode: N pairs of processes per config, a, b and b0 alternating, train_step's CPU time "
                         "(instead of --repeats in this process; no (c))")
@@ -439,7 +455,7 @@ def main() -> None:
     started, load_before = time.perf_counter(), load()
     table, notes = paired(names, a) if a.paired else interleaved(names, a)
     if a.guard_steps:
-        notes += "\n\n" + guard_line(names, a)
+        notes += "\n\n" + alternating_line(names, a)
     elapsed = time.perf_counter() - started
     print(table)
     how = (f"{a.paired} pairs" if a.paired else f"median of {a.repeats}")
