@@ -60,8 +60,8 @@ NORMAN_DATA: dict[str, Any] = {"num_genes": 5000, "num_perturbed_genes": 105, "n
                                "num_control_cells": 11000, "counts_per_gene": 1.0, "scale_sd": 1.5, "seed": 0}
 """Norman et al. 2019's shape (88,880 cells x 5,000 genes); counts_per_gene 1 gives a Norman-like sparsity."""
 NORMAN_EVAL_CELLS = 128
-"""Validation/test cells per condition in the memory run (one forward chunk; all 330 take ~10 min on one thread
-and change only the eval batch's dense x/y, ~2 x 8 x 200 x 5,000 x 4 B = 64 MB)."""
+"""Validation/test cells per condition in the memory run (one forward chunk; all 330 would multiply the run's
+time and change only the eval batch's dense x/y, ~2 x 8 x 200 x 5,000 x 4 B = 64 MB)."""
 PREDICTORS = ("model", "no_change", "train_mean", "additive", "linear")
 
 
@@ -377,7 +377,7 @@ def side_by_side(ours: dict[str, Any], original: dict[str, Any]) -> tuple[str, s
     for key, label in (("wall_s", "epoch, wall s"), ("cpu_s", "epoch, CPU s"), ("train_wall_s", "training steps, wall s"),
                        ("train_cpu_s", "training steps, CPU s"), ("eval_wall_s", "its evaluation passes, wall s")):
         rows.append(f"| {label} | {ep_ours[key]:.1f} | {ep_orig[key]:.1f} | {ep_orig[key] / ep_ours[key]:.2f} |")
-    # The mean keeps the first epoch, which carries one-off costs (ours: train.compile's compile, ~15 s cold).
+    # The mean keeps the first epoch, which carries one-off costs (ours: train.compile's compile, cold cache).
     mean_ours, mean_orig = (statistics.fmean(e["wall_s"] for e in r["epochs"]) for r in (ours, original))
     rows.append(f"| epoch, wall s, mean with the first (compile) | {mean_ours:.1f} | {mean_orig:.1f} | "
                 f"{mean_orig / mean_ours:.2f} |")
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="JSON file(s) of gears_original.py --json (one per seed): add the side-by-side (means over seeds)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="run.seed of our runs (metrics: their mean)")
     p.add_argument("--norman-steps", type=int, default=20, help="training steps of the Norman-size memory run")
-    p.add_argument("--skip-norman", action="store_true", help="leave out the Norman-size memory run (~5 min)")
+    p.add_argument("--skip-norman", action="store_true", help="leave out the Norman-size memory run (the longest part)")
     p.add_argument("--work", type=Path, default=None, help="working folder (default: a temp dir)")
     p.add_argument("--out", help="replace this benchmark's section in this markdown file")
     p.add_argument("--smoke", action="store_true", help="a tiny set, 1 epoch, a tiny 'Norman' set, nothing written")

@@ -56,8 +56,8 @@ TORCH_PIN = "torch==2.13.0"
 GEARS_PINS = ("cell-gears==0.1.2", "torch-geometric==2.8.1", "scipy==1.14.1")
 BENCH_DATA: dict[str, Any] = {"num_genes": 500, "num_perturbed_genes": 100, "num_doubles": 100, "cells_per_condition": 50,
                               "num_control_cells": 600, "counts_per_gene": 10.0, "seed": 0}
-"""The simulated set both scripts train on (10,600 cells x 500 genes, 100 singles, 100 doubles; GEARS needs
-~20 s an epoch on it, so both runs of 10 epochs take well under 15 minutes on 2 cores)."""
+"""The simulated set both scripts train on (10,600 cells x 500 genes, 100 singles, 100 doubles): sized so that
+both runs of 10 epochs fit one sitting on 2 CPU cores."""
 SMOKE_DATA: dict[str, Any] = {"num_genes": 60, "num_perturbed_genes": 12, "num_doubles": 10, "cells_per_condition": 8,
                               "num_control_cells": 40, "counts_per_gene": 10.0, "seed": 0}
 SPLIT = {"mode": "simulation", "seed": 1, "train_gene_set_size": 0.75, "combo_seen2_train_frac": 0.75}

@@ -7,7 +7,7 @@
 5. The guidance sweep (baseline and `--scales`) with GFN2-xTB on that model: the metric table, the
    share of sampling time spent in the force field, and the worker pool's speed-up over one worker.
 
-    python benchmarks/molecules.py --out BENCHMARKS.md            # about 25 minutes on 2 CPU cores
+    python benchmarks/molecules.py --out BENCHMARKS.md            # the whole benchmark (long on CPU)
     python benchmarks/molecules.py --smoke                         # seconds; writes nothing
 """
 

@@ -25,3 +25,13 @@ def test_smoke_mode_runs(script):
     proc = run_cmd([sys.executable, str(ROOT / "benchmarks" / script), "--smoke"], timeout=300)
     assert "smoke run: nothing written" in proc.stdout + proc.stderr
     assert (ROOT / "BENCHMARKS.md").read_bytes() == before
+
+
+def test_overhead_paired_mode_runs_against_another_checkout():
+    """`overhead.py --paired --versus`: child processes per side, one importing `trainer` from the other tree (this
+    one here), per-pair ratios in the table."""
+    proc = run_cmd([sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--smoke", "--paired", "1",
+                    "--versus", str(ROOT)], timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "smoke run: nothing written" in out
+    assert "| b/a step |" in out and "| b/v step |" in out and f"imported from {ROOT}" in out

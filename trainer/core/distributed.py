@@ -111,9 +111,9 @@ _DS_SCHEDULERS = {"warmuplr": "constant_with_warmup", "warmupdecaylr": "linear",
 def share_cores_among_local_processes() -> int | None:
     """Several processes on one node with OMP_NUM_THREADS unset (the `deepspeed` launcher leaves it unset unless
     --bind_cores_to_rank; torchrun and accelerate set it for several processes): each process's torch would start
-    one thread per physical core and together they oversubscribe the cores (ComFormer tiny under the `deepspeed`
-    launcher on 2 cores: 32.1 s against 18.8 s; BENCHMARKS.md). Give each process its share of the physical cores
-    it may run on instead; returns the threads set, None when nothing was changed."""
+    one thread per physical core and together they oversubscribe the cores (BENCHMARKS.md, "Threads per process
+    under the `deepspeed` launcher on CPU"). Give each process its share of the physical cores it may run on
+    instead; returns the threads set, None when nothing was changed."""
     import psutil
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)

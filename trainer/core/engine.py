@@ -165,8 +165,8 @@ class DeepSpeedEngine(Engine):
                                advice=nonfinite_advice(_peak_lr(optimizer), t.grad_clip_norm))
         self._engine_skipped = 0  # the engine's cumulative counter at the last read
         # DeepSpeed's fp16/bf16 modes hold the module's weights in that dtype and cast no input, so the batch's
-        # floats and the task's fp32 draws (SampleRandom) met half weights ("mat1 and mat2 must have the same
-        # dtype"). HF Trainer casts the batch alone; a task computes more inputs than that, so the module's
+        # floats and the task's fp32 draws (SampleRandom) would meet half weights: every float input must be cast.
+        # HF Trainer casts the batch alone; a task computes more inputs than that, so the module's
         # forward autocasts, as accelerate's prepare does for native AMP. Inside its own forward the DeepSpeed
         # engine turns an outer CUDA autocast off: hence the module's forward, not a context around the loss.
         self.half = (torch.float16 if model.fp16_enabled() else torch.bfloat16 if model.bfloat16_enabled()

@@ -101,7 +101,7 @@ def generate_distributed(task: Task, model: torch.nn.Module, options: SampleConf
     desc = "sample" if world_size == 1 else f"sample (rank 0's share of {options.num_samples})"
     bar = tqdm(total=sum(map(len, mine)), desc=desc, unit="sample", dynamic_ncols=True,
                disable=not (progress and rank == 0))
-    # A task's log lines go through tqdm, which lifts the bar off its line first (they were glued onto it).
+    # A task's log lines go through tqdm, which lifts the bar off its line first (else they land glued onto it).
     with logging_redirect_tqdm() if not bar.disable else contextlib.nullcontext():
         for block in mine:
             chunk = list(block)

@@ -60,7 +60,12 @@ class StepGuard:
         """
         if not self.active:
             return None
-        norm = norm.detach().float()  # found_inf must be fp32; a no-op for the usual fp32 norm
+        # found_inf must be fp32 and outside autograd. The engine hands over a detached fp32 norm: checking costs
+        # less than the two dispatcher calls of detach().float(), and this runs every step.
+        if norm.requires_grad:
+            norm = norm.detach()
+        if norm.dtype != torch.float32:
+            norm = norm.float()
         if self._zero is None:
             self._zero = torch.zeros((), device=norm.device)
         # x - x is 0 for finite x and NaN otherwise; ne_ turns that into a 0./1. flag in place.

@@ -73,7 +73,8 @@ Deviations and additions (all documented in ``docs/families/crystals.md``, ComFo
   ``ComformerConv_edge`` (74,080 parameters at the paper size).
 * The first ``Linear`` of the key/message MLPs is applied in pieces (node-only terms per node,
   lattice-only terms per graph, then gathered; see :func:`_split3`). This is the same function
-  with the same parameters as the official per-edge ``cat`` + ``Linear``, and about 2x cheaper.
+  with the same parameters as the official per-edge ``cat`` + ``Linear``, with fewer multiplies: the
+  node and lattice terms are computed once per node and per graph, not once per edge.
 * ``edge_layers`` generalises the single official edge/equivariant layer: edge layer ``l`` runs
   after node layer ``l``. ``edge_layers=1`` is the official model.
 * Options not in the official code: ``pooling="sum"``, ``dropout`` on node features after each

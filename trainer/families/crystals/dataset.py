@@ -327,8 +327,8 @@ class _ChunkColumn:
 class CrystalRows(torch.utils.data.Dataset):
     """Rows of a crystal dataset as dicts of numpy views straight from the memory-mapped Arrow data.
 
-    `datasets`' numpy formatter spends ~100 µs per nested column per row on [n][3] lists; this
-    slices the Arrow buffers (about 1-2 µs per column per row) and gives shaped arrays
+    `datasets`' numpy formatter builds Python objects for each nested [n][3] list of each row; this
+    slices the Arrow buffers instead (no per-element Python work) and gives shaped arrays
     (`positions` [n, 3], `edge_shift` [E, 3], `cell` [3, 3]), ready for `collate_graphs`. Honors
     `select`ed / shuffled datasets; pickles as the underlying dataset. With `row_index`, each row
     also has `row`: its position in this dataset (the task maps test predictions back to ids by it).

@@ -388,8 +388,8 @@ def training_smiles(dataset: datasets.Dataset | MoleculeRows | Sequence[Molecule
 
     Always EDM's SMILES of the geometry (`metrics.molecule_smiles`, as EDM's own `compute_qm9_smiles`):
     the stored `edm_smiles` column when the dataset has it, else computed here. QM9's own `smiles`
-    property is not used: on the 10k shared QM9 molecules it differs from the geometry's SMILES for
-    2.6 % of the valid ones (EDM's bond table perceives some rings and charges differently), and a
+    property is not used: for some valid QM9 molecules it differs from the geometry's SMILES (EDM's bond
+    table perceives some rings and charges differently), and a
     generated copy of a training molecule would then count as novel.
     """
     if isinstance(dataset, MoleculeRows):

@@ -88,8 +88,8 @@ class MaxNormEmbedding(nn.Embedding):
 
     Same rule as torch's ``embedding_renorm_``: each distinct looked-up row whose p-norm exceeds ``max_norm`` is
     scaled by ``max_norm / (norm + 1e-7)``, in place and outside autograd, before the lookup. Torch's CPU kernel
-    does this row by row (a norm, an ``.item()`` and a multiply per row): GEARS looks up every row of its three
-    tables each step, 1,500 rows at 500 genes, which was 8 % of a training step.
+    does this row by row (a norm, an ``.item()`` and a multiply per row), and GEARS looks up every row of its three
+    tables each step (three times the gene count), so that loop is a visible share of a CPU training step.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float = 1.0, norm_type: float = 2.0) -> None:
@@ -319,8 +319,8 @@ class GEARSModel(nn.Module):
 
         Only that region: the sparse graph products and the data-dependent perturbation sum stay eager (dynamo
         cannot trace sparse COO construction), and evaluation stays eager (its varying chunk sizes would each
-        compile). On 2 CPU cores it makes a GEARS training step ~1.6x faster (BatchNorm, ReLU and the
-        gene-specific products fuse) for a one-off compile of ~15 s (cold cache). Parameter names and checkpoints are
-        unchanged. The compiled function is unbound (``self`` is an argument), so a deep copy (EMA) stays right.
+        compile). BatchNorm, ReLU and the gene-specific products fuse, which pays for the one-off compile over a
+        run (BENCHMARKS.md, "Figures moved from code comments"). Parameter names and checkpoints are unchanged.
+        The compiled function is unbound (``self`` is an argument), so a deep copy (EMA) stays right.
         """
         self._compiled_decode = torch.compile(GEARSModel._decode, dynamic=False)

@@ -161,7 +161,7 @@ def simulate_perturbation_data(out_dir: str | Path, num_genes: int = 200, num_pe
     noise of ordinary genes / of the likely regulators (their variation drives co-expression).
     library_sd: sd of log library size; 0 gives every cell the same depth (multinomial counts).
     scale_sd: sd of the log per-gene expression scale (wider: more lowly expressed genes, sparser X).
-    gears_fields: write GEARS' obs/uns DE fields (False: X/var/obs only, 2-3x smaller; the reader
+    gears_fields: write GEARS' obs/uns DE fields (False: X/var/obs only, a much smaller file; the reader
     computes them on load). compression: of the h5ad ("gzip", "lzf" or None).
     """
     if not 2 <= num_perturbed_genes <= num_genes:

@@ -11,8 +11,8 @@ the energy and forces are the members' mean, and the same forward gives the spre
 (`energy_spread`: their standard deviation divided by the atom count, eV/atom; torchani's QBC divides by the
 square root instead); `force_spread` (members' forces, one backward each) is computed by `compute`, the
 evaluation path, and by `compute_tensors(..., force_spread=True)`. `model_index=k` evaluates network k alone
-(no spread). Guided sampling pushes with one network (`guidance_network`, default 0: 2-3x faster than the
-ensemble mean, with molecules of the same quality in the benchmark) unless it needs the spread
+(no spread). Guided sampling pushes with one network (`guidance_network`, default 0: one network's work instead
+of the ensemble's 8, with molecules of the same quality in the MLFF guidance benchmark) unless it needs the spread
 (`max_uncertainty`); the members are evaluated together, one batched matmul per element and layer
 (`FusedEnsemble`).
 
@@ -147,7 +147,8 @@ class ANIForceField:
         cache: the data cache holding `ani1x` (default: $TRAINER_DATA_CACHE or the user cache).
         dtype: `float32` (the model's own precision) or `float64` (for numerical checks).
         guidance_network: the network whose forces push guided molecules (`for_guidance()`; 0-7), or None for the
-            ensemble mean (2-3x the cost); guidance with `max_uncertainty` always uses the ensemble (its spread).
+            ensemble mean (all 8 networks' work); guidance with `max_uncertainty` always uses the ensemble (its
+            spread).
             Evaluation (`compute`) always uses the ensemble.
         repulsion_cutoff: Angstrom; > 0 adds the ZBL screened nuclear repulsion below it (smoothly cut off), which
             ANI-1x lacks (0: the published model alone). The default leaves every bond of QM9 (>= 0.96 Å) unchanged.

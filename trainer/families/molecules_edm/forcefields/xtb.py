@@ -9,8 +9,8 @@ Electronic state: total charge 0; unpaired electrons from the parity of the elec
 (`uhf = sum(Z) % 2`: 1 for an odd count, as a generated molecule with a missing hydrogen has, else 0;
 core shells are full, so the parity of sum(Z) is that of tblite's valence electron count).
 
-Threads: xTB on one small molecule is fastest on one thread (OpenMP threads cost more than they give:
-5-25 ms per QM9 molecule on one thread, up to 20x that with default threads on a busy machine), so
+Threads: xTB on one small molecule is fastest on one thread (OpenMP threads cost more than they give, and far
+more on a busy machine, where they wait for each other), so
 each worker process runs one thread and the pool parallelises over molecules. Workers are started
 with `spawn` (the parent may hold torch's threads, which `fork` would copy in a broken state) and set
 OMP_NUM_THREADS=1 before tblite is imported there; they import this package (and so the family's
@@ -24,9 +24,9 @@ Two kinds of evaluation share one pool:
   fail fast on the distorted geometries of a denoising trajectory: an electronic-temperature ladder
   (`guidance_temperatures`, default 9.5e-4 -> 0.01 -> 0.03 Hartree, i.e. 300 K -> 3,160 K -> 9,470 K;
   Fermi smearing of the occupations makes the SCF of small-gap geometries converge), each rung capped
-  at `guidance_max_iterations` cycles, converged to `guidance_accuracy` (tblite's thresholds x 10: forces
-  within ~0.002 eV/Angstrom median, 0.04 at most of the strict ones on a trained model's trajectory, ~30 % fewer
-  cycles); a warm start from the molecule's wavefunction of the previous
+  at `guidance_max_iterations` cycles, converged to `guidance_accuracy` (tblite's thresholds x 10: fewer cycles,
+  forces close to the strict ones; BENCHMARKS.md, "Guidance's own SCF accuracy"); a warm start from the molecule's
+  wavefunction of the previous
   guided step (tblite's result object itself with one worker; its saved form, ~5 KB, through a pool);
   and a sticky rung (a molecule starts at the rung that last converged for it and tries
   one rung lower every `guidance_probe_every` steps). A molecule that fails every rung gets no force
@@ -238,7 +238,8 @@ def xtb_guided_molecule(method: str, numbers: np.ndarray, positions: np.ndarray,
 
     Returns (energy eV, forces eV/Angstrom, None, rung, this wavefunction), or (NaN, zeros, the last reason,
     -1, None) when no rung converged. `keep_restart`: None keeps no wavefunction, "saved" its saved form (to
-    cross processes), "object" tblite's result (same process: no file round trip, ~10 % of a guided step)."""
+    cross processes), "object" tblite's result (same process: no file round trip, which would be a noticeable
+    share of a guided step)."""
     numbers = np.asarray(numbers, dtype=np.int64)
     positions = np.asarray(positions, dtype=np.float64)
     zeros = np.zeros_like(positions)
