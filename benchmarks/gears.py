@@ -152,7 +152,7 @@ def test_metrics_of(run_dir: Path, checkpoint: str) -> dict[str, float]:
     import torch
     from torch.utils.data import DataLoader
 
-    from trainer.families.perturbation_gears.api import load_gears_model
+    from trainer.frontends.perturbation import load_gears_model
 
     model, task = load_gears_model(run_dir, checkpoint=checkpoint)
     loader = DataLoader(task.build_data().test, batch_size=8, collate_fn=task.collate)
