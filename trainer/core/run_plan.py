@@ -62,13 +62,11 @@ class RunPlan:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
-        """One line for the start log (the batch and lr have their own lines)."""
+        """One line for the start log (the batch, the lr and the checkpoint resumed have their own lines)."""
         epochs = f" ({self.max_steps / self.steps_per_epoch:.3g} epochs of {self.steps_per_epoch} steps)" \
             if self.steps_per_epoch else ""
-        every = lambda n: f"every {n} steps" if n else "at the end"  # noqa: E731
-        return (f"plan: {self.max_steps} steps{epochs}, eval {every(self.eval_every_steps)}, checkpoint "
-                f"{every(self.ckpt_every_steps)}, best by {self.eval_metric}"
-                + (f", resuming {self.resume_from}" if self.resume_from else ""))
+        return (f"plan: {self.max_steps} steps{epochs}, eval {_cadence(self.eval_every_steps)}, checkpoint "
+                f"{_cadence(self.ckpt_every_steps)}, best by {self.eval_metric}")
 
     def write(self, path: Path) -> None:
         """plan.json in the run directory (beside config.yaml, the config as loaded)."""
@@ -89,15 +87,19 @@ def build_run_plan(cfg: Config, batch: BatchPlan, batches_per_epoch: int | None,
         raise ConfigError("train.epochs / *.every_epochs need map-style data: a stream has no epoch length")
     per_epoch = None if batches_per_epoch is None else max(1, batches_per_epoch // batch.grad_accum_steps)
 
-    def steps(epochs: float, steps: int, at_least: Any = round) -> int:
-        return max(1, at_least(epochs * per_epoch)) if epochs else steps
+    def in_steps(epochs: float, given_steps: int, rounding: Any = round) -> int:  # epochs, when given, win
+        return max(1, rounding(epochs * per_epoch)) if epochs else given_steps
 
     factor = scale_factor(o.scale_lr, batch.lr_world_size, o.base_world_size)
     return RunPlan(
         batch=batch, resume_from=None if resume_from is None else str(resume_from), steps_per_epoch=per_epoch,
-        max_steps=steps(cfg.train.epochs, cfg.train.max_steps, math.ceil),
-        eval_every_steps=steps(cfg.eval.every_epochs, cfg.eval.every_steps),
-        ckpt_every_steps=steps(cfg.ckpt.every_epochs, cfg.ckpt.every_steps),
-        decay_every_steps=steps(o.decay_every_epochs, o.decay_every_steps),
+        max_steps=in_steps(cfg.train.epochs, cfg.train.max_steps, math.ceil),
+        eval_every_steps=in_steps(cfg.eval.every_epochs, cfg.eval.every_steps),
+        ckpt_every_steps=in_steps(cfg.ckpt.every_epochs, cfg.ckpt.every_steps),
+        decay_every_steps=in_steps(o.decay_every_epochs, o.decay_every_steps),
         lr=o.lr * factor, warmup_steps=round(o.warmup_steps * (factor if o.scale_warmup else 1.0)),
         eval_metric=cfg.eval.metric or (metrics[0] if metrics else ""))
+
+
+def _cadence(every_steps: int) -> str:
+    return f"every {every_steps} steps" if every_steps else "at the end"
