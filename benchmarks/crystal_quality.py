@@ -66,7 +66,7 @@ def run_one(name: str, overrides: list[str], args: argparse.Namespace, work: Pat
     GradientState._reset_state()
     PartialState._reset_state()
     return {"name": name, "train": int(len(sizes)), "test": int(test["num_structures"]), "mae": test["mae"],
-            "baseline_mae": test["baseline_mae"], "steps": cfg.train.max_steps, "wall_s": wall,
+            "baseline_mae": test["baseline_mae"], "steps": trainer.plan.max_steps, "wall_s": wall,
             "atoms_per_s": statistics.median(rates) * float(sizes.mean())}
 
 

@@ -54,10 +54,9 @@ def main() -> None:
     # one folder for every rank (the launcher's port tells runs apart)
     work = Path(tempfile.gettempdir()) / f"fsdp-ckpt-bench-{os.environ.get('MASTER_PORT', '0')}"
     trainer = regression_trainer(args.hidden, args.depth, work / "run", per_device_batch_size=8)
-    cfg = trainer.cfg
     micro = trainer.data.micro_batches(0)  # 2 optimizer steps (not fit(): it ends the process group)
     for _ in range(2):
-        trainer.train_step([next(micro) for _ in range(cfg.train.grad_accum_steps)])
+        trainer.train_step([next(micro) for _ in range(trainer.plan.grad_accum_steps)])
         trainer.state.step += 1
     acc, backend = trainer.checkpointer.acc, trainer.checkpointer.backend
     assert backend.fsdp2, "launch with accelerate_configs/fsdp.yaml and 2 processes"

@@ -133,9 +133,9 @@ def run_ours(data_folder: Path, work: Path, epochs: int, seed: int = 0) -> dict[
     return {"prepare_wall_s": t1[0] - t0[0], "epochs": epochs_timed, "train_cells": train_cells,
             "cells_per_s_windows": statistics.median(windows) if windows else float("nan"),
             "model": test["model"], "model_final": final, "baselines": test["baselines"], "split": split,
-            "steps": cfg.train.max_steps, "tested_step": tested, "seed": seed, "torch": torch.__version__,
+            "steps": trainer.plan.max_steps, "tested_step": tested, "seed": seed, "torch": torch.__version__,
             "eval_controls": cfg.task.eval_controls,
-            "scheduler": f"{cfg.optim.scheduler}" + (f" x{cfg.optim.decay_gamma:g} every {cfg.optim.decay_every_steps} steps"
+            "scheduler": f"{cfg.optim.scheduler}" + (f" x{cfg.optim.decay_gamma:g} every {trainer.plan.decay_every_steps} steps"
                                                      if cfg.optim.scheduler == "step" else "")}
 
 
@@ -152,7 +152,7 @@ def test_metrics_of(run_dir: Path, checkpoint: str) -> dict[str, float]:
     import torch
     from torch.utils.data import DataLoader
 
-    from trainer.families.perturbation_gears.api import load_gears_model
+    from trainer.frontends.perturbation import load_gears_model
 
     model, task = load_gears_model(run_dir, checkpoint=checkpoint)
     loader = DataLoader(task.build_data().test, batch_size=8, collate_fn=task.collate)

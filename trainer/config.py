@@ -351,8 +351,6 @@ def _check_scheduler(name: str) -> None:
 def _check_metric(cfg: Config, spec: TaskSpec) -> None:
     """eval.metric must be one the task reports (a vector target adds _0, _1, ... suffixes)."""
     known = tuple(spec.metrics)
-    if not cfg.eval.metric:
-        cfg.eval.metric = known[0]
     metric = cfg.eval.metric
     base, _, suffix = metric.rpartition("_")
     if metric in known or (suffix.isdigit() and base in known):
@@ -413,6 +411,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         schema = _merge(schema, spec.presets[preset_name], f"preset {task_name}:{preset_name}")
     schema = _merge(schema, file_layer, str(path))
     schema = _merge(schema, cli_layer, "command line")
+    if not schema.eval.metric:  # the task's first metric, a default like the others (the config is never edited)
+        schema = _merge(schema, {"eval": {"metric": spec.metrics[0]}}, f"task {spec.name}'s first metric")
     try:
         cfg = OmegaConf.to_object(schema)
     except InterpolationResolutionError as err:  # a resolver's own error (e.g. `${fetch:NAME}`) as its one line

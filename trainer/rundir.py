@@ -2,7 +2,7 @@
 
 ```
 RUN_DIR/
-  config.yaml  metrics.jsonl  preempted.json  tb/  plots/  test/  samples/  export/
+  config.yaml  plan.json  metrics.jsonl  preempted.json  tb/  plots/  test/  samples/  export/
   checkpoints/  latest  best  step_00000040/ ...
 ```
 """
@@ -28,8 +28,13 @@ class RunDir:
 
     @property
     def config(self) -> Path:
-        """The resolved config of the run (`config.yaml`)."""
+        """The resolved config of the run (`config.yaml`), as loaded."""
         return self.root / "config.yaml"
+
+    @property
+    def plan(self) -> Path:
+        """What the run derived from its config for its last start: batch layout, steps, lr (`plan.json`)."""
+        return self.root / "plan.json"
 
     @property
     def metrics(self) -> Path:

@@ -28,11 +28,12 @@ def test_lookup_imports_only_the_family_asked_for():
 
 
 def test_core_imports_no_family():
-    """Nothing outside trainer/families (but the registry) names a family."""
+    """Nothing outside trainer/families (but the registry, and the front ends that sit above a family) names a
+    family."""
     offenders = []
     for path in (ROOT / "trainer").rglob("*.py"):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith("trainer/families/") or rel == "trainer/registry.py":
+        if rel.startswith(("trainer/families/", "trainer/frontends/")) or rel == "trainer/registry.py":
             continue
         if "trainer.families." in path.read_text():
             offenders.append(rel)
@@ -160,24 +161,40 @@ def test_a_spec_and_its_class_must_agree(scratch_registry):
         scratch_registry.register_spec(TaskSpec(name="regression", task="x:Y"))
 
 
-def test_families_import_neither_torch_distributed_nor_accelerate():
-    """Model and task code is single-device: ranks, gathering and sharding belong to the core."""
-    import ast
+FAMILY_MUST_NOT_IMPORT = ("trainer.api", "trainer.core", "trainer.frontends", "accelerate", "torch.distributed")
+"""Above a family in the import graph: the core that plugs it in (and its facade, `trainer.api`), the front ends
+built over both, and the distributed layers (model and task code is single-device)."""
 
+
+def test_families_import_neither_the_core_nor_its_api_nor_distributed_layers():
+    """Model and task code is single-device: ranks, gathering and sharding belong to the core, which plugs a family
+    in by task name; a family's Python API is a front end (trainer/frontends/) above both."""
     offenders = []
-    for path in (ROOT / "trainer" / "families").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            if any(n == "accelerate" or n.startswith(("accelerate.", "torch.distributed")) for n in names):
-                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not offenders
+    for path in sorted((ROOT / "trainer" / "families").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        offenders += [f"{rel}:{line}: {module}" for line, module in _imported_modules(rel, path.read_text())
+                      if any(module == m or module.startswith(m + ".") for m in FAMILY_MUST_NOT_IMPORT)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_front_ends_sit_above_the_core_and_the_families():
+    """The families' Python APIs (ComFormer's, GEARS') live in trainer/frontends and train through `trainer.api`;
+    the core imports no front end."""
+    from trainer.frontends import crystals, perturbation
+
+    assert callable(crystals.train_from_list) and callable(perturbation.train_multi_gpu)
+    for front_end in (crystals, perturbation):
+        rel = Path(front_end.__file__).relative_to(ROOT).as_posix()
+        assert "trainer.api" in {module for _, module in _imported_modules(rel, Path(front_end.__file__).read_text())}
+    for path in sorted((ROOT / "trainer" / "core").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        assert not [m for _, m in _imported_modules(rel, path.read_text()) if m.startswith("trainer.frontends")], rel
 
 
 FAMILY_MAY_IMPORT = ("trainer.task", "trainer.config", "trainer.errors", "trainer.atomic_io", "trainer.rundir",
-                     "trainer.seeding", "trainer.sample_random", "trainer.data", "trainer.registry", "trainer.api")
-"""The shared modules a family builds on (each also as a package prefix: `trainer.data.splits`); the core is
-reached only through the `trainer.api` facade (training, results, loading a trained model)."""
+                     "trainer.seeding", "trainer.sample_random", "trainer.data", "trainer.registry")
+"""The shared modules a family builds on (each also as a package prefix: `trainer.data.splits`); never the core
+or its `trainer.api` facade (FAMILY_MUST_NOT_IMPORT)."""
 
 
 def _imported_modules(rel_path: str, source: str) -> list[tuple[int, str]]:
@@ -215,10 +232,10 @@ def _family_may_import(module: str, family: str | None) -> bool:
     return module in ("trainer.families",) or any(module == a or module.startswith(a + ".") for a in allowed)
 
 
-def test_families_import_only_the_contract_shared_modules_and_the_api():
+def test_families_import_only_the_contract_and_shared_modules():
     """A family is single-device model code on the task contract: it imports the shared leaf modules
-    (trainer.task, config, errors, atomic_io, rundir, seeding, data, registry), the `trainer.api` facade
-    and its own package, never `trainer.core`, the sweep, the CLI or another family."""
+    (trainer.task, config, errors, atomic_io, rundir, seeding, data, registry) and its own package, never
+    `trainer.core` or its `trainer.api` facade, the front ends, the sweep, the CLI or another family."""
     offenders = []
     for path in sorted((ROOT / "trainer" / "families").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
@@ -235,7 +252,8 @@ def test_families_import_only_the_contract_shared_modules_and_the_api():
     ("from trainer import core", False), ("from trainer.families.crystals import task", False),
     ("import importlib\nimportlib.import_module('trainer.core.launch')", False),
     ("def f():\n    from ...core import checkpoint", False), ("from trainer.sweep import spec", False),
-    ("from trainer.api import train", True), ("from trainer.data.splits import split_indices", True),
+    ("from trainer.api import train", False), ("from trainer.frontends import crystals", False),
+    ("from trainer.data.splits import split_indices", True),
     ("from trainer import Task", True), ("from . import readers", True), ("import numpy", True),
     ("from trainer.families.regression.task import RegressionConfig", True),
 ])

@@ -12,16 +12,16 @@ def cfg(*overrides):
     return load_config(None, ["run.resume=none", *overrides])
 
 
-def layout(c):
-    return c.train.per_device_batch_size, c.train.grad_accum_steps
+def layout(plan):
+    return plan.per_device_batch_size, plan.grad_accum_steps
 
 
 def test_global_batch_size_sets_the_accumulation():
     c = cfg("train.per_device_batch_size=8", "train.global_batch_size=64")
-    assert plan_batch(c, world=2, saved={}).global_batch == 64 and layout(c) == (8, 4)
+    plan = plan_batch(c, world=2, saved={})
+    assert plan.global_batch == 64 and layout(plan) == (8, 4)
     c = cfg("train.per_device_batch_size=48", "train.global_batch_size=64")  # 48 does not divide 32 per rank
-    plan_batch(c, world=2, saved={})
-    assert layout(c) == (32, 1)
+    assert layout(plan_batch(c, world=2, saved={})) == (32, 1)
     with pytest.raises(ConfigError, match="global batch of 64 cannot be split evenly over 3 processes"):
         plan_batch(cfg("train.global_batch_size=64"), world=3, saved={})
 
@@ -30,12 +30,13 @@ def test_resume_on_another_world_size_keeps_the_global_batch():
     saved = {"per_device_batch_size": 8, "grad_accum_steps": 2, "world_size": 2, "lr_world_size": 2}
     c = cfg("train.per_device_batch_size=8", "train.grad_accum_steps=2")
     plan = plan_batch(c, world=1, saved=saved)
-    assert (plan.global_batch, plan.lr_world_size, layout(c)) == (32, 2, (8, 4))
+    assert (plan.global_batch, plan.lr_world_size, layout(plan)) == (32, 2, (8, 4))
     assert "train.grad_accum_steps 2 -> 4" in plan.changes[0] and "8 x 2 x 2 processes" in plan.changes[0]
-    c = cfg("train.per_device_batch_size=8", "train.grad_accum_steps=2")
-    assert plan_batch(c, world=4, saved=saved).changes and layout(c) == (8, 1)
-    c = cfg("train.per_device_batch_size=8", "train.grad_accum_steps=2")
-    assert plan_batch(c, world=2, saved=saved).changes == [] and layout(c) == (8, 2)  # nothing to change
+    plan = plan_batch(c, world=4, saved=saved)
+    assert plan.changes and layout(plan) == (8, 1)
+    plan = plan_batch(c, world=2, saved=saved)
+    assert not plan.changes and layout(plan) == (8, 2)  # nothing to change
+    assert layout(c.train) == (8, 2)  # the config stays as loaded
 
 
 def test_resume_refuses_what_cannot_keep_the_global_batch():

@@ -152,15 +152,19 @@ def test_step_scheduler_decays_every_epoch_like_steplr():
     """optim.scheduler=step (GEARS' StepLR per epoch): epochs resolve to steps, the lr halves at each."""
     import torch
 
-    from trainer.core.loaders import resolve_epochs
+    from trainer.core.batch_plan import plan_batch
     from trainer.core.optim import build_scheduler
+    from trainer.core.run_plan import build_run_plan
+
+    def plan(cfg, batches_per_epoch=None):
+        return build_run_plan(cfg, plan_batch(cfg, world=1, saved={}), batches_per_epoch)
 
     cfg = load_config(None, ["optim.scheduler=step", "optim.decay_every_epochs=1", "optim.decay_gamma=0.5",
                              "train.epochs=3", "optim.lr=1.0"])
-    resolve_epochs(cfg, batches_per_epoch=4)
-    assert cfg.optim.decay_every_steps == 4 and cfg.train.max_steps == 12
+    run = plan(cfg, batches_per_epoch=4)
+    assert run.decay_every_steps == 4 and run.max_steps == 12
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    scheduler = build_scheduler(cfg, optimizer, warmup_steps=0)
+    scheduler = build_scheduler(cfg, optimizer, run)
     lrs = []
     for _ in range(12):
         lrs.append(scheduler.get_last_lr()[0])
@@ -168,7 +172,8 @@ def test_step_scheduler_decays_every_epoch_like_steplr():
         scheduler.step()
     assert lrs == [1.0] * 4 + [0.5] * 4 + [0.25] * 4
     with pytest.raises(ConfigError, match="decay_every_steps"):
-        build_scheduler(load_config(None, ["optim.scheduler=step"]), optimizer, 0)
+        cfg = load_config(None, ["optim.scheduler=step"])
+        build_scheduler(cfg, optimizer, plan(cfg))
 
 
 @pytest.mark.parametrize("name", ["constant", "constant_with_warmup", "linear", "cosine"])

@@ -267,17 +267,26 @@ def test_hf_trainer_deepspeed_configs_are_accepted(caplog):
 
 @pytest.mark.usefixtures("fresh_accelerate")
 def test_epochs_resolve_to_steps_and_are_saved(tmp_path):
+    """Epochs become the plan's steps (plan.json); the config, and config.yaml, stay as loaded."""
+    import copy
+    import json
+
     import yaml
+
+    from trainer.config import config_to_dict
 
     cfg = load_config(None, ["task.preset=tiny", f"run.output_dir={tmp_path}", "train.epochs=2.5",
                              "eval.every_epochs=1", "ckpt.every_epochs=2", "train.per_device_batch_size=16",
                              "log.progress_bar=false"])
+    as_loaded = copy.deepcopy(cfg)
     trainer = Trainer(cfg)
-    per_epoch = trainer.data.batches_per_epoch
-    assert cfg.train.max_steps == math.ceil(2.5 * per_epoch)
-    assert (cfg.eval.every_steps, cfg.ckpt.every_steps) == (per_epoch, 2 * per_epoch)
+    per_epoch, plan = trainer.data.batches_per_epoch, trainer.plan
+    assert plan.max_steps == math.ceil(2.5 * per_epoch)
+    assert (plan.eval_every_steps, plan.ckpt_every_steps) == (per_epoch, 2 * per_epoch)
+    assert cfg == as_loaded  # the steps are the plan's, the config stays as loaded
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    assert saved["train"]["max_steps"] == cfg.train.max_steps
+    assert saved == config_to_dict(as_loaded)
+    assert json.loads((tmp_path / "plan.json").read_text())["max_steps"] == plan.max_steps
 
 
 def test_summary_at_the_end_of_a_run(tmp_path, caplog):
@@ -350,7 +359,8 @@ def test_sample_metrics_skipped_under_sharded_weights_are_announced_once_at_star
                       ["eval.sample_every=1", "eval.every_steps=2", "train.max_steps=4"])
     trainer = SimpleNamespace(cfg=cfg, task=Sampler(), engine=SimpleNamespace(may_sample_in_eval=False), accelerator=None,
                               data=SimpleNamespace(sampler=None), resumed_from=None,
-                              batch_plan=SimpleNamespace(changes=[]), state=SimpleNamespace(step=2))
+                              plan=SimpleNamespace(batch=SimpleNamespace(changes=()), eval_every_steps=2, max_steps=4),
+                              state=SimpleNamespace(step=2))
     notes = Trainer._start_notes(trainer)
     assert [n for n in notes if n.startswith("eval.sample_every: no sample metrics")] == notes and len(notes) == 1
     with caplog.at_level("INFO", logger="trainer"):

@@ -8,8 +8,9 @@ map-style data continues at the same global sample (samplers.py: an epoch is who
 the learning rate and warm-up keep the scaling the run started with.
 
 The plan is made before the Accelerator exists (its accumulation plugin and a DeepSpeed json's
-"auto" values are filled from the config), from the launcher's WORLD_SIZE and the checkpoint's
-`trainer_state.json`; it edits `cfg.train` in place, so config.yaml records what the run used.
+"auto" values are filled from it), from the config, the launcher's WORLD_SIZE and the checkpoint's
+`trainer_state.json`. The config is left as loaded: the layout lives in the frozen `BatchPlan`, part of the
+run's `RunPlan` (run_plan.py), which the components take.
 """
 
 from __future__ import annotations
@@ -26,14 +27,21 @@ from trainer.core import checkpoint as ckpt
 logger = logging.getLogger("trainer")
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchPlan:
     """What this run trains with, and what the checkpoint it resumes asked for."""
 
+    per_device_batch_size: int
+    """Micro-batch size per process (train.per_device_batch_size, or what keeps the global batch)."""
+    grad_accum_steps: int
+    """Micro-batches per optimizer step."""
+    world_size: int
+    """Processes the plan was made for."""
     global_batch: int
+    """per_device_batch_size x grad_accum_steps x world_size."""
     lr_world_size: int
     """The world size the lr / warm-up scaling refers to: the run's first (optim.scale_lr)."""
-    changes: list[str]
+    changes: tuple[str, ...] = ()
     """What was changed to keep the checkpoint's global batch, for the start log (empty: nothing)."""
 
 
@@ -42,7 +50,15 @@ def launch_world_size() -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
 
 
-def saved_batch(cfg: Config) -> dict | None:
+@dataclass(frozen=True)
+class SavedBatch:
+    """The batch layout a checkpoint recorded (its trainer_state.json), and that checkpoint."""
+
+    path: Path
+    state: dict
+
+
+def saved_batch(cfg: Config) -> SavedBatch | None:
     """The batch layout recorded by the checkpoint this run will resume (run.resume), or None.
 
     For run.resume=auto the newest checkpoint with a readable state is taken: the one resume() tries
@@ -64,7 +80,7 @@ def saved_batch(cfg: Config) -> dict | None:
             state["per_device_batch_size"] = _configured_per_device(path)
         if not all(isinstance(state.get(k), int) for k in ("world_size", "grad_accum_steps", "per_device_batch_size")):
             return None
-        return state
+        return SavedBatch(path, state)
     return None
 
 
@@ -79,46 +95,46 @@ def _configured_per_device(path: Path) -> int | None:
 
 
 def plan_batch(cfg: Config, world: int | None = None, saved: dict | None = None) -> BatchPlan:
-    """Fix `cfg.train`'s per-device batch and accumulation for `world` processes (see the module docstring).
+    """The per-device batch and accumulation for `world` processes (see the module docstring); `saved` is the
+    trainer state of the checkpoint this run resumes (`saved_batch`), None or empty for a fresh start.
 
     Raises a one-line ConfigError when the global batch cannot be kept, or the user asked for another one
     than the checkpoint's."""
     t = cfg.train
     world = launch_world_size() if world is None else world
-    saved = saved_batch(cfg) if saved is None else saved
+    per_device, accum = t.per_device_batch_size, t.grad_accum_steps
     if t.global_batch_size > 0:
-        _split(cfg, t.global_batch_size, world, "train.global_batch_size")
+        per_device, accum = _split(per_device, t.global_batch_size, world, "train.global_batch_size")
     if not saved:
-        return BatchPlan(t.per_device_batch_size * t.grad_accum_steps * world, world, [])
+        return BatchPlan(per_device, accum, world, per_device * accum * world, world)
     was = (saved["per_device_batch_size"], saved["grad_accum_steps"], saved["world_size"])
     kept = int(saved.get("global_batch_size") or was[0] * was[1] * was[2])
-    asked = t.per_device_batch_size * t.grad_accum_steps * world
+    asked = per_device * accum * world
     if t.global_batch_size > 0 and t.global_batch_size != kept:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size}, but the checkpoint this run resumes was "
                           f"trained with a global batch of {kept} ({was[0]} per device x {was[1]} accumulation x "
                           f"{was[2]} processes); resume with train.global_batch_size={kept}, or start over with "
                           f"run.resume=none")
-    changes = []
+    changes = ()
     if asked != kept:
-        before = (t.per_device_batch_size, t.grad_accum_steps)
-        _split(cfg, kept, world, f"the checkpoint's global batch ({was[0]} per device x {was[1]} accumulation x "
-                                 f"{was[2]} processes)")
-        changes.append(f"kept the checkpoint's global batch of {kept} on {world} process(es): "
-                       f"per-device batch {before[0]} -> {t.per_device_batch_size}, train.grad_accum_steps "
-                       f"{before[1]} -> {t.grad_accum_steps} (was {was[0]} x {was[1]} x {was[2]} processes)")
+        before = (per_device, accum)
+        per_device, accum = _split(per_device, kept, world, f"the checkpoint's global batch ({was[0]} per device x "
+                                                            f"{was[1]} accumulation x {was[2]} processes)")
+        changes = (f"kept the checkpoint's global batch of {kept} on {world} process(es): "
+                   f"per-device batch {before[0]} -> {per_device}, train.grad_accum_steps "
+                   f"{before[1]} -> {accum} (was {was[0]} x {was[1]} x {was[2]} processes)",)
     lr_world = int(saved.get("lr_world_size") or saved["world_size"])
-    return BatchPlan(kept, lr_world, changes)
+    return BatchPlan(per_device, accum, world, kept, lr_world, changes)
 
 
-def _split(cfg: Config, global_batch: int, world: int, source: str) -> None:
-    """Set the accumulation (keeping the per-device batch if it divides, else the nearest smaller one that
-    does) so that per-device x accumulation x world == `global_batch`."""
-    t = cfg.train
+def _split(per_device: int, global_batch: int, world: int, source: str) -> tuple[int, int]:
+    """(per-device batch, accumulation) with per-device x accumulation x world == `global_batch`: the
+    per-device batch kept if it divides, else the nearest smaller one that does."""
     if global_batch % world:
         raise ConfigError(f"{source}: a global batch of {global_batch} cannot be split evenly over {world} "
                           f"processes; use a number of processes that divides {global_batch}, or start over with "
                           f"another train.global_batch_size")
     per_rank = global_batch // world
-    per_device = t.per_device_batch_size if per_rank % t.per_device_batch_size == 0 else \
-        max(d for d in range(1, min(t.per_device_batch_size, per_rank) + 1) if per_rank % d == 0)
-    t.per_device_batch_size, t.grad_accum_steps = per_device, per_rank // per_device
+    if per_rank % per_device:
+        per_device = max(d for d in range(1, min(per_device, per_rank) + 1) if per_rank % d == 0)
+    return per_device, per_rank // per_device

@@ -390,11 +390,11 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path}: {EMA_FILE} {err.args[0]}") from None
 
     def _warn_changed_batch(self, path: Path, saved: dict[str, Any]) -> None:
-        accum, world = self.cfg.train.grad_accum_steps, self.acc.num_processes
+        accum, world = self.state.grad_accum_steps, self.acc.num_processes  # the run plan's layout
         saved_global = saved.get("global_batch_size") or (
             saved.get("per_device_batch_size", 0) * saved.get("grad_accum_steps", accum) * saved.get("world_size", 1))
-        now_global = self.cfg.train.per_device_batch_size * accum * world
-        if saved_global and saved_global != now_global:  # batch_plan keeps it; only a hand-built Config gets here
+        now_global = self.state.per_device_batch_size * accum * world
+        if saved_global and saved_global != now_global:  # batch_plan keeps it; only a hand-built plan gets here
             logger.warning("the global batch changed from %s to %s: the data position counts optimizer steps, so the "
                            "samples differ from the original run's", saved_global, now_global)
 

@@ -16,7 +16,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, DeepSpeedPlugin, InitProcessGroupKwargs, PartialState
@@ -27,6 +27,9 @@ from trainer.core.deepspeed_ops import use_environment_op_cache
 from trainer.core.run_lock import RunLockedError, acquire_run_lock
 from trainer.core.watchdog import guard_against_orphaning
 from trainer.task import CompilableModel
+
+if TYPE_CHECKING:
+    from trainer.core.batch_plan import BatchPlan
 
 logger = logging.getLogger("trainer")
 
@@ -55,15 +58,18 @@ def _deepspeed_config_from_accelerate_env() -> dict:
     return {"zero_optimization": zero, "zero_force_ds_cpu_optimizer": False}
 
 
-def fill_deepspeed_config(ds: dict, cfg: Config) -> dict:
-    """Replace DeepSpeed "auto" values by the trainer config's (batch, accumulation, clipping, lr, precision)."""
+def fill_deepspeed_config(ds: dict, cfg: Config, batch: BatchPlan | None = None) -> dict:
+    """Replace DeepSpeed "auto" values by the trainer config's (batch, accumulation, clipping, lr, precision);
+    the batch and accumulation are the run plan's `batch` (default: the config's, on WORLD_SIZE processes)."""
     ds = copy.deepcopy(ds)
     t = cfg.train
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_device, accum = (t.per_device_batch_size, t.grad_accum_steps) if batch is None else \
+        (batch.per_device_batch_size, batch.grad_accum_steps)
     values = {
-        "train_micro_batch_size_per_gpu": t.per_device_batch_size,
-        "gradient_accumulation_steps": t.grad_accum_steps,
-        "train_batch_size": t.per_device_batch_size * t.grad_accum_steps * world,
+        "train_micro_batch_size_per_gpu": per_device,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": per_device * accum * world,
         # DeepSpeed steps inside backward(), so it must do the clipping itself; 0 means off.
         "gradient_clipping": t.grad_clip_norm if t.grad_clip_norm > 0 else 0.0,
     }
@@ -212,8 +218,9 @@ def launched_with_deepspeed(deepspeed_config: str | None) -> bool:
     return bool(deepspeed_config) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
-def build_accelerator(cfg: Config, deepspeed_config: str | None = None) -> Accelerator:
-    """The Accelerator for this launch: DeepSpeed if a json or a DEEPSPEED yaml says so, else DDP/FSDP/single.
+def build_accelerator(cfg: Config, batch: BatchPlan, deepspeed_config: str | None = None) -> Accelerator:
+    """The Accelerator for this launch: DeepSpeed if a json or a DEEPSPEED yaml says so, else DDP/FSDP/single;
+    its accumulation (and a DeepSpeed json's batch "auto" values) are the run plan's `batch`.
 
     Also the process-level protections every Trainer gets before it builds data and model: a rank
     started by a launcher dies with it (watchdog.py), and the output directory is claimed (run_lock.py).
@@ -228,7 +235,7 @@ def build_accelerator(cfg: Config, deepspeed_config: str | None = None) -> Accel
     kwargs: dict[str, Any] = dict(
         mixed_precision=cfg.train.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=cfg.train.grad_accum_steps, sync_with_dataloader=False),
+            num_steps=batch.grad_accum_steps, sync_with_dataloader=False),
         # The trainer steps the schedule itself, once per optimizer step, whatever the world size.
         step_scheduler_with_optimizer=False,
         dataloader_config=DataLoaderConfiguration(even_batches=True),
@@ -240,7 +247,7 @@ def build_accelerator(cfg: Config, deepspeed_config: str | None = None) -> Accel
         env_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
         source = deepspeed_config or env_file
         ds = load_deepspeed_config(source) if source else _deepspeed_config_from_accelerate_env()
-        ds = fill_deepspeed_config(ds, cfg)
+        ds = fill_deepspeed_config(ds, cfg, batch)
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
         quiet_deprecated_collective_warnings()
         if not use_cuda:

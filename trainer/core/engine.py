@@ -57,12 +57,14 @@ class Engine:
     """The DeepSpeed ZeRO stage (0: not DeepSpeed)."""
     guard: StepGuard
 
-    def __init__(self, accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config):
+    def __init__(self, accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config,
+                 grad_accum_steps: int | None = None):
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer
         self.world = accelerator.num_processes
-        self.accum = cfg.train.grad_accum_steps
+        self.accum = cfg.train.grad_accum_steps if grad_accum_steps is None else grad_accum_steps
+        """Micro-batches per optimizer step: the run plan's (default: the config's)."""
 
     def sampling_context(self) -> contextlib.AbstractContextManager:
         """Where evaluation draws samples from the unwrapped model (its methods, not only `forward`): as it is,
@@ -104,8 +106,9 @@ class Engine:
 class TorchEngine(Engine):
     """Plain PyTorch, DDP and FSDP, with or without an fp16 GradScaler (see the module docstring)."""
 
-    def __init__(self, accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config):
-        super().__init__(accelerator, model, optimizer, cfg)
+    def __init__(self, accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config,
+                 grad_accum_steps: int | None = None):
+        super().__init__(accelerator, model, optimizer, cfg, grad_accum_steps)
         t = cfg.train
         self.plain = accelerator.scaler is None and accelerator.distributed_type in _PLAIN_TYPES
         self.may_sample_in_eval = accelerator.distributed_type != DistributedType.FSDP
@@ -154,8 +157,9 @@ class TorchEngine(Engine):
 class DeepSpeedEngine(Engine):
     """DeepSpeed ZeRO-1/2/3: its engine scales, clips, steps and skips overflowing steps itself."""
 
-    def __init__(self, accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config):
-        super().__init__(accelerator, model, optimizer, cfg)
+    def __init__(self, accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config,
+                 grad_accum_steps: int | None = None):
+        super().__init__(accelerator, model, optimizer, cfg, grad_accum_steps)
         plugin = accelerator.state.deepspeed_plugin
         self.zero_stage = int(plugin.zero_stage) if plugin is not None else 0
         self.may_sample_in_eval = self.zero_stage < 3  # ZeRO-3 partitions the weights themselves
@@ -258,8 +262,8 @@ def _peak_lr(optimizer: Any) -> float:
     return group.get("initial_lr", group["lr"])  # the schedule's base, not the warm-up's current value
 
 
-def build_engine(accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config) -> Engine:
-    """The engine for this run's backend; `model` and `optimizer` as `accelerator.prepare` returned them."""
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return DeepSpeedEngine(accelerator, model, optimizer, cfg)
-    return TorchEngine(accelerator, model, optimizer, cfg)
+def build_engine(accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config, grad_accum_steps: int) -> Engine:
+    """The engine for this run's backend; `model` and `optimizer` as `accelerator.prepare` returned them,
+    `grad_accum_steps` the run plan's."""
+    kind = DeepSpeedEngine if accelerator.distributed_type == DistributedType.DEEPSPEED else TorchEngine
+    return kind(accelerator, model, optimizer, cfg, grad_accum_steps)

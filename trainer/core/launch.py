@@ -194,7 +194,7 @@ def _launch(cfg: Config, num_processes: int, deepspeed_config: str | None, gpu_i
     if stopped_by is not None and 2 not in ended.statuses:
         status = "interrupted" if stopped_by == "SIGINT" else "preempted"
         if status == "interrupted":
-            print(f"trainer: interrupted by Ctrl-C at step {_marker_step(run)} of {cfg.train.max_steps}: checkpoint "
+            print(f"trainer: interrupted by Ctrl-C at step {_marker_step(run)} of {_planned_steps(run, cfg)}: checkpoint "
                   f"{_latest(run)} written; resume with: {resume_command(cfg)}", file=sys.stderr, flush=True)
         else:
             logger.warning("the %d-process run was preempted; train again to resume from its checkpoint", num_processes)
@@ -251,6 +251,16 @@ def _marker_step(run: RunDir) -> int | str:
         return json.loads(run.preempted.read_text())["step"]
     except (OSError, ValueError, KeyError):
         return "?"
+
+
+def _planned_steps(run: RunDir, cfg: Config) -> int:
+    """The run's steps as its ranks planned them (plan.json: epochs in steps), else the config's max_steps."""
+    import json
+
+    try:
+        return int(json.loads(run.plan.read_text())["max_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return cfg.train.max_steps
 
 
 def _latest(run: RunDir) -> Path | None:

@@ -25,7 +25,6 @@ f(run.seed, epoch, global index) for a stream, the same at any world size, accum
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -34,6 +33,7 @@ from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.config import Config, ConfigError
+from trainer.core.batch_plan import BatchPlan
 from trainer.core.samplers import BalancedBatchSampler, EpochSampler, KeyedSamples, RankBatchSampler, WorkerSeeder
 from trainer.errors import DataError, TrainerError
 from trainer.sample_random import SampleRandom
@@ -123,19 +123,21 @@ def loader_options(cfg: Config, task: Task) -> dict[str, Any]:
                 worker_init_fn=WorkerSeeder(), persistent_workers=cfg.data.num_workers > 0)
 
 
-def build_eval_loader(cfg: Config, task: Task, dataset: Any) -> DataLoader:
-    """An unshuffled loader over a whole eval/test set (to be `accelerator.prepare`d: it pads ranks evenly)."""
+def build_eval_loader(cfg: Config, task: Task, dataset: Any, per_device_batch_size: int) -> DataLoader:
+    """An unshuffled loader over a whole eval/test set (to be `accelerator.prepare`d: it pads ranks evenly), in
+    batches of eval.batch_size, else the training run's `per_device_batch_size`."""
     # Its own generator: a (re)created iterator would otherwise draw from the global RNG, which a
     # resumed run restores.
-    return DataLoader(dataset, batch_size=cfg.eval.batch_size or cfg.train.per_device_batch_size, shuffle=False,
+    return DataLoader(dataset, batch_size=cfg.eval.batch_size or per_device_batch_size, shuffle=False,
                       generator=torch.Generator().manual_seed(cfg.run.seed), **loader_options(cfg, task))
 
 
-def build_batch_sampler(cfg: Config, task: Task, dataset: Any, rank: int, world_size: int,
+def build_batch_sampler(cfg: Config, batch: BatchPlan, task: Task, dataset: Any, rank: int, world_size: int,
                         with_epoch: bool) -> tuple[EpochSampler | BalancedBatchSampler,
                                                    RankBatchSampler | BalancedBatchSampler]:
-    """(sampler, this rank's batch sampler): fixed counts, or balanced/budgeted by the task's unit sizes."""
-    t = cfg.train
+    """(sampler, this rank's batch sampler): fixed counts, or balanced/budgeted by the task's unit sizes; the
+    per-device batch and accumulation are the run plan's `batch`."""
+    t = batch
     global_batch = world_size * t.per_device_batch_size * t.grad_accum_steps
     if cfg.data.batching != "budget" and len(dataset) < global_batch:  # no batch at all: the loop would spin
         raise DataError(f"task '{cfg.task.name}', split train: {len(dataset)} samples, fewer than one global batch "
@@ -146,7 +148,7 @@ def build_batch_sampler(cfg: Config, task: Task, dataset: Any, rank: int, world_
         # (seed, epoch) order however G is split over ranks and micro-batches, so a run resumed on another
         # world size continues with exactly the samples the uninterrupted run would have read.
         sampler = EpochSampler(len(dataset), cfg.run.seed, cfg.data.shuffle, multiple_of=global_batch)
-        return sampler, RankBatchSampler(sampler, cfg.train.per_device_batch_size, rank, world_size,
+        return sampler, RankBatchSampler(sampler, t.per_device_batch_size, rank, world_size,
                                          with_epoch=with_epoch)
     sizes = task.unit_sizes(dataset)
     if sizes is None:
@@ -155,7 +157,7 @@ def build_batch_sampler(cfg: Config, task: Task, dataset: Any, rank: int, world_
     try:
         sampler = BalancedBatchSampler(
             sizes, mode=cfg.data.batching, seed=cfg.run.seed, rank=rank, world_size=world_size,
-            shuffle=cfg.data.shuffle, batch_size=cfg.train.per_device_batch_size,
+            shuffle=cfg.data.shuffle, batch_size=t.per_device_batch_size,
             max_units=cfg.data.max_units_per_batch, bucket_size=cfg.data.bucket_size, with_epoch=with_epoch)
     except ValueError as err:
         raise ConfigError(f"data.batching={cfg.data.batching}: {err}") from err
@@ -171,15 +173,16 @@ class TrainBatches:
     every rank, which a checkpoint saves.
     """
 
-    def __init__(self, cfg: Config, task: Task, dataset: Any, rank: int, world_size: int, device: torch.device):
+    def __init__(self, cfg: Config, batch: BatchPlan, task: Task, dataset: Any, rank: int, world_size: int,
+                 device: torch.device):
         self.seed, self.rank, self.world_size, self.device = cfg.run.seed, rank, world_size, device
         self.dataset = dataset  # the task's training set, as built
         # Its own generator, reseeded every epoch: iterators must not draw from the global RNG (which
         # a resumed run restores) and worker seeds must be a function of (seed, rank, epoch).
         self.generator = torch.Generator()
         self.position = (0, 0)  # a stream's (epoch, global samples of it read), the same on every rank
-        self.task_name, self.batch_size, self.accum = cfg.task.name, cfg.train.per_device_batch_size, \
-            cfg.train.grad_accum_steps  # for the error of an epoch without a batch
+        self.task_name, self.batch_size, self.accum = cfg.task.name, batch.per_device_batch_size, \
+            batch.grad_accum_steps  # for the error of an epoch without a batch
         self.epoch_samples: dict[int, int] = {}  # a stream's epoch -> its samples, once read to its end
         options = loader_options(cfg, task)
         options["collate_fn"] = KeyedCollate(task.collate, self.seed)
@@ -194,7 +197,7 @@ class TrainBatches:
             raise ConfigError(f"{type(dataset).__name__} is an IterableDataset without iter_global(wanted) "
                               f"(trainer.task.GlobalStream): the core shards a stream by global sample index")
         else:
-            self.sampler, self.batch_sampler = build_batch_sampler(cfg, task, dataset, rank, world_size, True)
+            self.sampler, self.batch_sampler = build_batch_sampler(cfg, batch, task, dataset, rank, world_size, True)
             self.loader = DataLoader(KeyedSamples(dataset), batch_sampler=self.batch_sampler, generator=self.generator,
                                      **options)
 
@@ -295,19 +298,3 @@ def agreed_start(batches: Iterator[Any], accelerator: Any) -> Iterator[Any]:
         raise failure
     yield first
     yield from batches
-
-
-def resolve_epochs(cfg: Config, batches_per_epoch: int | None) -> None:
-    """Turn train.epochs, eval.every_epochs and ckpt.every_epochs into steps, in `cfg` (saved in config.yaml)."""
-    if not (cfg.train.epochs or cfg.eval.every_epochs or cfg.ckpt.every_epochs or cfg.optim.decay_every_epochs):
-        return
-    if batches_per_epoch is None:
-        raise ConfigError("train.epochs / *.every_epochs need map-style data: a stream has no epoch length")
-    steps_per_epoch = max(1, batches_per_epoch // cfg.train.grad_accum_steps)
-    if cfg.train.epochs:
-        cfg.train.max_steps = max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
-    for section in (cfg.eval, cfg.ckpt):
-        if section.every_epochs:
-            section.every_steps = max(1, round(section.every_epochs * steps_per_epoch))
-    if cfg.optim.decay_every_epochs:
-        cfg.optim.decay_every_steps = max(1, round(cfg.optim.decay_every_epochs * steps_per_epoch))

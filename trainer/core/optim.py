@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from trainer.core.run_plan import RunPlan
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -52,23 +55,23 @@ def native_schedule(name: str, warmup_steps: int, total_steps: int) -> Callable[
     return factor
 
 
-def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, warmup_steps: int) -> Any:
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, plan: RunPlan) -> Any:
     """LambdaLR of linear/cosine/constant(_with_warmup), another `transformers.get_scheduler` schedule, or
-    `step`: linear warm-up, then StepLR's decay."""
-    o = cfg.optim
+    `step`: linear warm-up, then StepLR's decay. Steps, warm-up and decay interval are the run plan's."""
+    o, warmup_steps, decay_every = cfg.optim, plan.warmup_steps, plan.decay_every_steps
     if o.scheduler != "step":
-        factor = native_schedule(o.scheduler, warmup_steps, cfg.train.max_steps)
+        factor = native_schedule(o.scheduler, warmup_steps, plan.max_steps)
         if factor is not None:
             return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         from transformers import get_scheduler
 
         return get_scheduler(o.scheduler, optimizer, num_warmup_steps=warmup_steps,
-                             num_training_steps=cfg.train.max_steps)
-    if o.decay_every_steps < 1:
+                             num_training_steps=plan.max_steps)
+    if decay_every < 1:
         raise ConfigError("optim.scheduler=step needs optim.decay_every_steps (or decay_every_epochs) > 0")
 
     def factor(step: int) -> float:
         warm = step / warmup_steps if step < warmup_steps else 1.0
-        return warm * o.decay_gamma ** (step // o.decay_every_steps)
+        return warm * o.decay_gamma ** (step // decay_every)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

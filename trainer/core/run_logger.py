@@ -21,6 +21,8 @@ from trainer.rundir import RunDir
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+    from trainer.core.run_plan import RunPlan
+
 logger = logging.getLogger("trainer")
 
 
@@ -45,9 +47,10 @@ class StepWindow:
 class RunLogger:
     """The run's voice: one instance per process, writing on the main one."""
 
-    def __init__(self, accelerator: Accelerator, cfg: Config, run_dir: RunDir, unit: str):
+    def __init__(self, accelerator: Accelerator, cfg: Config, plan: RunPlan, run_dir: RunDir, unit: str):
         self.accelerator = accelerator
         self.cfg = cfg
+        self.plan = plan
         self.run = run_dir
         self.unit = unit
         self.is_main = accelerator.is_main_process
@@ -69,16 +72,17 @@ class RunLogger:
             scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
             self.accelerator.log(scalars, step=record["step"])
 
-    def start(self, step: int, lr: float, warmup_steps: int, lines: list[str]) -> None:
-        """The run's set-up in a few lines: backend, effective batch, schedule, and what the loop adds."""
-        acc, t, o = self.accelerator, self.cfg.train, self.cfg.optim
-        effective = t.per_device_batch_size * t.grad_accum_steps * acc.num_processes
+    def start(self, step: int, lines: list[str]) -> None:
+        """The run's set-up in a few lines: backend, the run plan (batch, lr, steps, cadence), what the loop adds."""
+        acc, plan, o = self.accelerator, self.plan, self.cfg.optim
+        lr, warmup_steps = plan.lr, plan.warmup_steps
+        effective = plan.per_device_batch_size * plan.grad_accum_steps * acc.num_processes
         head = [f"backend={acc.distributed_type.value} processes={acc.num_processes} device={acc.device} "
-                f"precision={t.mixed_precision}",
-                f"effective batch = {t.per_device_batch_size} per device x {t.grad_accum_steps} accum x "
+                f"precision={self.cfg.train.mixed_precision}",
+                f"effective batch = {plan.per_device_batch_size} per device x {plan.grad_accum_steps} accum x "
                 f"{acc.num_processes} processes = {effective}",
                 f"lr = {lr:.3g} (optim.lr {o.lr:.3g}, scale_lr={o.scale_lr}), warmup = {warmup_steps} steps, "
-                f"schedule={o.scheduler}"]
+                f"schedule={o.scheduler}", plan.describe()]
         if self.is_main:
             for line in head + lines:
                 logger.info(line)
@@ -107,23 +111,23 @@ class RunLogger:
         """Main process, end of fit: where the run stands and what to run next."""
         if not self.is_main:
             return
-        run, e = self.run, self.cfg.eval
+        run, metric, mode = self.run, self.plan.eval_metric, self.cfg.eval.mode
         records = run.read_metrics(missing_ok=True)
         evals = [r for r in records if any(k.startswith("eval/") for k in r)]
         tests = [r for r in records if any(k.startswith("test/") for k in r)]
         best_eval = next((r for r in evals if r["step"] == best_step), None)
-        lines = [f"run {status} at step {step} of {self.cfg.train.max_steps}"
+        lines = [f"run {status} at step {step} of {self.plan.max_steps}"
                  + (f" ({nonfinite_skipped} non-finite steps skipped)" if nonfinite_skipped else "")]
         if evals:
-            lines.append(f"  final eval (step {evals[-1]['step']}): {_format_metrics(evals[-1], 'eval/', e.metric)}")
+            lines.append(f"  final eval (step {evals[-1]['step']}): {_format_metrics(evals[-1], 'eval/', metric)}")
         if best_eval is not None:
-            lines.append(f"  best eval  (step {best_eval['step']}, {e.metric} {e.mode}): "
-                         + ("the final eval" if best_eval is evals[-1] else _format_metrics(best_eval, "eval/", e.metric)))
+            lines.append(f"  best eval  (step {best_eval['step']}, {metric} {mode}): "
+                         + ("the final eval" if best_eval is evals[-1] else _format_metrics(best_eval, "eval/", metric)))
         if tests:
-            lines.append(f"  test: {_format_metrics(tests[-1], 'test/', e.metric)}  (report in {run.test})")
+            lines.append(f"  test: {_format_metrics(tests[-1], 'test/', metric)}  (report in {run.test})")
         best = ckpt.read_pointer(run.checkpoints, "best")
         latest = ckpt.read_pointer(run.checkpoints, "latest")
-        lines.append(f"  run directory: {run.root}  (config.yaml, metrics.jsonl"
+        lines.append(f"  run directory: {run.root}  (config.yaml, plan.json, metrics.jsonl"
                      + (", tb/)" if self.cfg.log.tensorboard else ")"))
         lines.append(f"  checkpoints: best {best or '-'}, latest {latest or '-'}")
         if status == "preempted":

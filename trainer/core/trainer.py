@@ -27,19 +27,20 @@ from tqdm.auto import tqdm
 from trainer.atomic_io import atomic_write_text
 from trainer.config import Config, save_config
 from trainer.core import checkpoint as ckpt
-from trainer.core.batch_plan import plan_batch
+from trainer.core.batch_plan import plan_batch, saved_batch
 from trainer.core.checkpointer import Checkpointer, TrainState
 from trainer.core.command_line import resume_command, started_by_front_end
-from trainer.core.distributed import build_accelerator, compile_model, scale_factor, unwrap_model
+from trainer.core.distributed import build_accelerator, compile_model, unwrap_model
 from trainer.core.ema import EMA
 from trainer.core.engine import build_engine, check_backend_supports
 from trainer.core.generation import generate_distributed
 from trainer.core.host_memory import HeapTrimmer
-from trainer.core.loaders import MicroBatch, TrainBatches, agreed_start, build_eval_loader, resolve_epochs
+from trainer.core.loaders import MicroBatch, TrainBatches, agreed_start, build_eval_loader
 from trainer.core.optim import build_optimizer, build_scheduler
 from trainer.core.preemption import PreemptionWatcher, stop_exit_code
 from trainer.core.run_lock import release_run_lock
 from trainer.core.run_logger import RunLogger, StepWindow
+from trainer.core.run_plan import build_run_plan
 from trainer.core.step_guard import NonFiniteLossError
 from trainer.core.universal import optimizer_param_names
 from trainer.registry import get_task
@@ -55,9 +56,11 @@ class Trainer:
     """Train `cfg`'s task under whatever launcher and backend started this process (`fit`)."""
 
     def __init__(self, cfg: Config, deepspeed_config: str | None = None):
-        self.cfg = cfg
-        self.batch_plan = plan_batch(cfg)  # the global batch is kept across world sizes: before the Accelerator
-        self.accelerator = acc = build_accelerator(cfg, deepspeed_config)
+        self.cfg = cfg  # as loaded: what the run derives from it is `self.plan` (run_plan.py)
+        # The batch layout first (the Accelerator needs it): the checkpoint's global batch is kept on any world size.
+        resume = saved_batch(cfg)
+        batch = plan_batch(cfg, saved=resume.state if resume else None)
+        self.accelerator = acc = build_accelerator(cfg, batch, deepspeed_config)
         check_backend_supports(cfg, acc.distributed_type)
         self.is_main = acc.is_main_process
         self.run_dir = RunDir(cfg.run.output_dir)
@@ -72,31 +75,29 @@ class Trainer:
         model = self.task.build_model(data.stats)
         if t.compile:
             compile_model(model, acc.distributed_type)
-        self.data = TrainBatches(cfg, self.task, data.train, acc.process_index, world, acc.device)
+        self.data = TrainBatches(cfg, batch, self.task, data.train, acc.process_index, world, acc.device)
         self.train_loader, self.streaming = self.data.loader, self.data.streaming
-        resolve_epochs(cfg, self.data.batches_per_epoch)
+        self.plan = plan = build_run_plan(cfg, batch, self.data.batches_per_epoch, tuple(self.task.metrics),
+                                          resume.path if resume else None)
+        self.lr, self.warmup_steps = plan.lr, plan.warmup_steps  # scaled to the world size
 
-        # Optimizer and schedule, with lr and warm-up scaled to the world size.
-        factor = scale_factor(cfg.optim.scale_lr, self.batch_plan.lr_world_size, cfg.optim.base_world_size)
-        self.lr = cfg.optim.lr * factor
-        self.warmup_steps = round(cfg.optim.warmup_steps * (factor if cfg.optim.scale_warmup else 1.0))
         optimizer = build_optimizer(cfg, model, self.lr)
-        self.scheduler = build_scheduler(cfg, optimizer, self.warmup_steps)
+        self.scheduler = build_scheduler(cfg, optimizer, plan)
         param_names = optimizer_param_names(model, optimizer)  # names the optimizer state in any layout
 
         self.model, self.optimizer = acc.prepare(model, optimizer)
-        self.engine = build_engine(acc, self.model, self.optimizer, cfg)
+        self.engine = build_engine(acc, self.model, self.optimizer, cfg, plan.grad_accum_steps)
         self.eval_loader = self.test_loader = None
         if data.eval is not None:
-            self.eval_loader = acc.prepare(build_eval_loader(cfg, self.task, data.eval))
+            self.eval_loader = acc.prepare(build_eval_loader(cfg, self.task, data.eval, plan.per_device_batch_size))
         if data.test is not None:
-            self.test_loader = acc.prepare(build_eval_loader(cfg, self.task, data.test))
+            self.test_loader = acc.prepare(build_eval_loader(cfg, self.task, data.test, plan.per_device_batch_size))
         set_seed(cfg.run.seed + acc.process_index)  # dropout's stream per rank (loss noise: MicroBatch.rng, per sample)
 
         self.ema = EMA(unwrap_model(acc, self.model), t.ema_decay) if t.ema_decay > 0 else None
         self.state = TrainState(world_size=world, backend=str(acc.distributed_type.value),
-                                grad_accum_steps=t.grad_accum_steps, per_device_batch_size=t.per_device_batch_size,
-                                global_batch_size=self.batch_plan.global_batch, lr_world_size=self.batch_plan.lr_world_size,
+                                grad_accum_steps=batch.grad_accum_steps, per_device_batch_size=batch.per_device_batch_size,
+                                global_batch_size=batch.global_batch, lr_world_size=batch.lr_world_size,
                                 zero_stage=self.engine.zero_stage, task=cfg.task.name)
         self.last_eval: dict[str, float] = {}
         self.test_weights_step: int | None = None
@@ -109,16 +110,17 @@ class Trainer:
         self.resumed_from = resumed.path if resumed else None
         # A run resumed at its last step that was not stopped there has its final eval, test and checkpoint:
         # a rerun trains nothing and writes nothing (its results stay those of the run that made them).
-        self.already_complete = (self.resumed_from is not None and self.state.step >= t.max_steps
+        self.already_complete = (self.resumed_from is not None and self.state.step >= plan.max_steps
                                  and not self.run_dir.preempted.is_file())
-        self.log = RunLogger(acc, cfg, self.run_dir, self.task.unit)
+        self.log = RunLogger(acc, cfg, plan, self.run_dir, self.task.unit)
         if self.already_complete:
             return
         if self.is_main:
             self.run_dir.root.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir.config)
+            plan.write(self.run_dir.plan)
         self.log.open(self.state.step if self.resumed_from else None)
-        self.log.start(self.state.step, self.lr, self.warmup_steps, self._start_notes())
+        self.log.start(self.state.step, self._start_notes())
 
     def _start_notes(self) -> list[str]:
         sampler, notes = self.data.sampler, []
@@ -130,35 +132,35 @@ class Trainer:
         if self.cfg.eval.sample_every and isinstance(self.task, GenerativeTask) and not self.engine.may_sample_in_eval:
             notes.append("eval.sample_every: no sample metrics in evaluation under FSDP / ZeRO-3 (they need whole "
                          "weights on every rank); run `trainer sample` on a checkpoint instead")
-        return notes + self.batch_plan.changes
+        return [*notes, *self.plan.batch.changes]
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> str:
-        """Train to train.max_steps; returns `completed`, `preempted` (SIGTERM/SIGUSR1) or `interrupted` (Ctrl-C)."""
-        acc, cfg, t = self.accelerator, self.cfg, self.cfg.train
+        """Train to the plan's max_steps; returns `completed`, `preempted` (SIGTERM/SIGUSR1) or `interrupted` (Ctrl-C)."""
+        acc, cfg, plan = self.accelerator, self.cfg, self.plan
         if self.already_complete:
             return self._say_already_complete()
         watcher = PreemptionWatcher(acc.num_processes, announce=acc.is_main_process)
-        micro = agreed_start(self.data.micro_batches(self.state.step * t.grad_accum_steps), acc)
-        bar = tqdm(total=t.max_steps, initial=self.state.step, desc="train", dynamic_ncols=True,
+        micro = agreed_start(self.data.micro_batches(self.state.step * plan.grad_accum_steps), acc)
+        bar = tqdm(total=plan.max_steps, initial=self.state.step, desc="train", dynamic_ncols=True,
                    disable=not (acc.is_main_process and cfg.log.progress_bar))
         window = StepWindow()
         status = "completed"
         saved_at = self.state.step if self.resumed_from else -1  # that step is on disk already
         self.model.train()
-        while self.state.step < t.max_steps:
-            batches = [next(micro) for _ in range(t.grad_accum_steps)]
+        while self.state.step < plan.max_steps:
+            batches = [next(micro) for _ in range(plan.grad_accum_steps)]
             stats = self.train_step(batches)
             self.state.step += 1
             step = self.state.step
             window.add(stats["loss"], stats["units"], sum(self.task.batch_size(b.batch) for b in batches))
             bar.update(1)
-            if step % cfg.log.every_steps == 0 or step == t.max_steps:
+            if step % cfg.log.every_steps == 0 or step == plan.max_steps:
                 self._log_train(window, stats, bar)
             improved = False
-            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < t.max_steps:
+            if plan.eval_every_steps and step % plan.eval_every_steps == 0 and step < plan.max_steps:
                 improved = self._track_best(self.evaluate())
-            if step < t.max_steps and (improved or (cfg.ckpt.every_steps and step % cfg.ckpt.every_steps == 0)):
+            if step < plan.max_steps and (improved or (plan.ckpt_every_steps and step % plan.ckpt_every_steps == 0)):
                 self.save(best=improved)
                 saved_at = step
             if watcher.should_stop():
@@ -183,7 +185,7 @@ class Trainer:
             when = datetime.datetime.fromtimestamp(Path(self.resumed_from).stat().st_mtime).strftime("%Y-%m-%d %H:%M")
             logger.info("run already complete at step %d/%d: nothing to train; its results are from %s (%s, %s); "
                         "run.resume=none or another run.output_dir trains again", self.state.step,
-                        self.cfg.train.max_steps, when, self.run_dir.metrics, self.resumed_from)
+                        self.plan.max_steps, when, self.run_dir.metrics, self.resumed_from)
         acc.wait_for_everyone()
         acc.end_training()
         if acc.is_main_process:
@@ -234,7 +236,7 @@ class Trainer:
         self.state.nonfinite_skipped += self.engine.check_skips(self.state.step)
         extra = {"lr": self.scheduler.get_last_lr()[0], "grad_norm": self.engine.logged_grad_norm(stats["grad_norm"]),
                  "nonfinite_skipped": self.state.nonfinite_skipped,
-                 "epoch": self.data.epoch(self.state.step * self.cfg.train.grad_accum_steps),
+                 "epoch": self.data.epoch(self.state.step * self.plan.grad_accum_steps),
                  **{k: float(v) for k, v in stats.items() if k not in ("loss", "units", "grad_norm")}}
         record = self.log.train(window, self.state.step, extra)
         if self.is_main:
@@ -283,8 +285,8 @@ class Trainer:
         every, step = self.cfg.eval.sample_every, self.state.step
         if not every or not isinstance(self.task, GenerativeTask):
             return {}
-        index = math.ceil(step / self.cfg.eval.every_steps) if self.cfg.eval.every_steps else 1
-        if index % every and step < self.cfg.train.max_steps:
+        index = math.ceil(step / self.plan.eval_every_steps) if self.plan.eval_every_steps else 1
+        if index % every and step < self.plan.max_steps:
             return {}
         acc = self.accelerator
         if not self.engine.may_sample_in_eval:  # said once at the start (_start_notes)
@@ -298,7 +300,7 @@ class Trainer:
         return {f"sample_{k}": float(v) for k, v in scores.items()}
 
     def _track_best(self, metrics: dict[str, float]) -> bool:
-        name = self.cfg.eval.metric or self.task.metrics[0]  # load_config resolves it; a hand-built Config may not
+        name = self.plan.eval_metric
         if name not in metrics:
             if metrics:
                 logger.warning("eval.metric '%s' is not among the eval metrics %s", name, sorted(metrics))
@@ -334,7 +336,7 @@ class Trainer:
                     if started_by_front_end():  # it says so itself, with the command that started it
                         return
                     latest = ckpt.latest_checkpoint(self.run_dir.checkpoints)
-                    print(f"trainer: interrupted by Ctrl-C at step {self.state.step} of {self.cfg.train.max_steps}: "
+                    print(f"trainer: interrupted by Ctrl-C at step {self.state.step} of {self.plan.max_steps}: "
                           f"checkpoint {latest} written; resume with: {resume_command(self.cfg)}", file=sys.stderr,
                           flush=True)
                 else:
@@ -354,4 +356,4 @@ class Trainer:
         self.test_weights_step = self.state.best_step
         if self.is_main:
             logger.info("test with the best checkpoint's weights: %s (step %d, eval %s %.6g)", path.name,
-                        self.state.best_step, self.cfg.eval.metric, self.state.best_metric)
+                        self.state.best_step, self.plan.eval_metric, self.state.best_metric)

@@ -132,7 +132,7 @@ def test_train_from_list_launches_two_processes_from_plain_python(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
         import json, pickle
-        from trainer.families.crystals.api import train_from_list
+        from trainer.frontends.crystals import train_from_list
         atoms, labels = pickle.load(open({str(tmp_path / 'data.pkl')!r}, "rb"))
         res = train_from_list(atoms, labels, batch_size=8, n_epochs=2, learning_rate=2e-3, random_seed=1,
                               output_dir={str(tmp_path / 'out')!r}, num_processes=2, preset="tiny",
@@ -170,7 +170,7 @@ def test_train_from_extxyz_unchanged_under_accelerate_launch(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
         import json
-        from trainer.families.crystals.api import train_from_extxyz
+        from trainer.frontends.crystals import train_from_extxyz
         res = train_from_extxyz({str(tmp_path / 'mo.extxyz')!r}, "energy_per_atom", batch_size=8, n_epochs=2,
                                 output_dir={str(tmp_path / 'out')!r}, preset="tiny", test_fraction=0.2,
                                 variant="ecomformer", distributed=True)
@@ -262,8 +262,8 @@ def _si_atoms(split: str, n: int):
 
 
 def test_train_from_list_refuses_a_none_label(tmp_path):
-    from trainer.families.crystals.api import train_from_list
     from trainer.families.crystals.readers import CrystalDataError
+    from trainer.frontends.crystals import train_from_list
 
     atoms, labels = _si_atoms("training", 4)
     labels[2] = None
@@ -279,9 +279,9 @@ def test_train_from_list_refuses_a_none_label(tmp_path):
 def test_unknown_element_names_record_and_element(tmp_path):
     from pymatgen.core import Lattice, Structure
 
-    from trainer.families.crystals.api import train_from_list
     from trainer.families.crystals.dataset import build_crystal_dataset
     from trainer.families.crystals.readers import CrystalDataError
+    from trainer.frontends.crystals import train_from_list
 
     good = Structure(Lattice.cubic(4.0), ["Si", "Si"], [[0, 0, 0], [0.5, 0.5, 0.5]])
     bad = Structure(Lattice.cubic(4.0), ["Si", "Xx"], [[0, 0, 0], [0.5, 0.5, 0.5]])
@@ -301,7 +301,7 @@ def test_train_from_list_reads_test_files_in_the_training_formats(tmp_path):
     target under its own name, not only files written by train_from_list."""
     import ase.io
 
-    from trainer.families.crystals.api import train_from_list
+    from trainer.frontends.crystals import train_from_list
 
     atoms, labels = _si_atoms("training", 24)  # labels: energy per atom
     test_atoms, test_labels = _si_atoms("test", 25)

@@ -15,10 +15,9 @@ from conftest import ROOT, reset_accelerate, train_losses
 from torch.utils.data import DataLoader
 
 from trainer.errors import DataError
-from trainer.families.perturbation_gears import plot_condition, predict, train_multi_gpu
 from trainer.families.perturbation_gears.anndata_reader import bundled_perturbation_path
-from trainer.families.perturbation_gears.api import load_gears_model, plan_processes
 from trainer.families.perturbation_gears.spec import METRIC_NAMES
+from trainer.frontends.perturbation import load_gears_model, plan_processes, plot_condition, predict, train_multi_gpu
 
 EPOCHS = 10
 SHORT_EPOCHS = 2

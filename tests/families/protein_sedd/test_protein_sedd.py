@@ -158,7 +158,7 @@ def test_streaming_mode_trains_with_workers(tmp_path):
     trainer.fit()
     assert np.isfinite(trainer.last_eval["nelbo_per_token"])
     state = (tmp_path / "checkpoints" / "step_00000003" / "trainer_state.json").read_text()
-    batch = trainer.cfg.train.per_device_batch_size * trainer.cfg.train.grad_accum_steps
+    batch = trainer.plan.per_device_batch_size * trainer.plan.grad_accum_steps
     assert json.loads(state)["data_position"] == [0, 3 * batch]  # (epoch, global samples read)
 
 

@@ -1,7 +1,7 @@
 """`crystal_property`: crystal property regression with ComFormer (Yan et al., ICLR 2024).
 
 Data: any source `trainer.families.crystals.readers` reads (extxyz, a POSCAR/CIF folder with
-`id_prop.csv`, mlearn JSON, or structures saved by `trainer.crystals.train_from_list`), turned into
+`id_prop.csv`, mlearn JSON, or structures saved by `trainer.frontends.crystals.train_from_list`), turned into
 periodic k-NN (or radius) graphs cached in Arrow (`dataset.py`). The bundled default is mlearn Si
 (train + test files).
 
