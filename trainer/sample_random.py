@@ -50,21 +50,40 @@ def _sample_base(run_seed: int) -> int:
 class SampleRandom:
     """Per-row random draws of one micro-batch: one 63-bit seed per row (see the module docstring)."""
 
-    __slots__ = ("seeds",)
+    __slots__ = ("_seeds", "_rows_of")
 
     def __init__(self, seeds: Sequence[int] | np.ndarray):
-        self.seeds = np.asarray(seeds, dtype=np.int64).reshape(-1)
+        self._seeds: np.ndarray | None = np.asarray(seeds, dtype=np.int64).reshape(-1)
+        self._rows_of: tuple[int, np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def for_samples(cls, run_seed: int, epochs: Sequence[int] | np.ndarray | int,
                     indices: Sequence[int] | np.ndarray) -> SampleRandom:
         """The rows of training samples: sample `indices[k]` (its dataset index, or a stream's global index) read
-        in epoch `epochs[k]`."""
-        indices = np.asarray(indices, dtype=np.int64)
-        return cls(derive_seeds(_sample_base(run_seed), np.broadcast_to(epochs, indices.shape), indices))
+        in epoch `epochs[k]`. The seeds are derived on first use: a loss that draws nothing never pays for them."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        out = cls.__new__(cls)
+        out._seeds = None
+        out._rows_of = (run_seed, np.broadcast_to(epochs, indices.shape), indices)
+        return out
+
+    @property
+    def seeds(self) -> np.ndarray:
+        """One 63-bit seed per row (int64)."""
+        if self._seeds is None:
+            run_seed, epochs, indices = self._rows_of
+            self._seeds = derive_seeds(_sample_base(run_seed), epochs, indices)
+            self._rows_of = None
+        return self._seeds
+
+    def __getstate__(self) -> dict:
+        return {"_seeds": self.seeds}
+
+    def __setstate__(self, state: dict) -> None:
+        self._seeds, self._rows_of = state["_seeds"], None
 
     def __len__(self) -> int:
-        return int(self.seeds.size)
+        return int(self.seeds.size) if self._seeds is not None else int(self._rows_of[2].size)
 
     def __getitem__(self, rows: Any) -> SampleRandom:
         """The rows `rows` (a slice, index list or boolean mask) as their own SampleRandom."""
