@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from trainer.sweep.scheduler import run_experiments
-from trainer.sweep.spec import ExperimentsError, load_experiments
+from trainer.sweep.spec import ExperimentsError, load_experiments_file
 
 
 def _positive_int(text: str) -> int:
@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-experiment", type=_positive_int, metavar="K", default=None,
                         help="slots per experiment where an entry does not say (K > 1: accelerate launch, K processes)")
     parser.add_argument("--out", required=True, help="output folder: OUT/results.json, OUT/summary.csv, OUT/<name>/")
-    parser.add_argument("--resume", action="store_true", help="skip experiments already completed in OUT/results.json")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip experiments already completed in OUT/results.json; a study (search:) continues "
+                             "in its storage, re-running the trials that were running")
     parser.add_argument("--timeout", default=None, metavar="S",
                         help="per-experiment time limit (seconds, or 30m / 2h) where an entry does not say")
     parser.add_argument("--grace", type=float, default=10.0, metavar="S",
@@ -76,8 +78,10 @@ def detect_gpus() -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     cli_defaults = {"timeout": args.timeout, "gpus_per_experiment": args.gpus_per_experiment}
-    experiments = load_experiments(args.experiments_file, cli_defaults)
+    experiments, search = load_experiments_file(args.experiments_file, cli_defaults)
     out = Path(args.out)
+    if search is not None:
+        return _main_search(args, search, out)
 
     if args.dry_run:
         for exp in experiments:
@@ -111,11 +115,51 @@ def main(args: argparse.Namespace) -> int:
                      experiments_file=args.experiments_file)
         return 0
 
-    gpus = args.gpus
-    slots = args.slots
+    gpus, slots = _local_devices(args)
+    status, records = run_experiments(experiments, out, gpus=gpus, slots=slots, resume=args.resume, grace=args.grace,
+                                      stream=sys.stdout, experiments_file=args.experiments_file)
+    if any(exp.group is not None for exp in experiments):
+        _seed_statistics(records, out)
+    return status
+
+
+def _local_devices(args: argparse.Namespace) -> tuple[list[str] | None, int | None]:
+    gpus, slots = args.gpus, args.slots
     if gpus is None and slots is None:
         gpus = detect_gpus() or None
         slots = None if gpus else 1
-    status, _ = run_experiments(experiments, out, gpus=gpus, slots=slots, resume=args.resume, grace=args.grace,
-                                stream=sys.stdout, experiments_file=args.experiments_file)
-    return status
+    return gpus, slots
+
+
+def _seed_statistics(records: list[dict], out: Path) -> None:
+    """OUT/confirm.csv for entries with `repeats:`: the selection metric of the runs' own config."""
+    import yaml
+
+    from trainer.sweep.record import RunRecord
+    from trainer.sweep.stats import write_seed_statistics
+
+    runs = [RunRecord.from_dict(r) for r in records]
+    first = next((r for r in runs if r.extra.get("group") and (Path(r.out_dir) / "config.yaml").is_file()), None)
+    if first is None:
+        return
+    cfg = yaml.safe_load((Path(first.out_dir) / "config.yaml").read_text())
+    metric = f"eval/{cfg['eval']['metric']}"
+    direction = "maximize" if cfg["eval"].get("mode") == "max" else "minimize"
+    write_seed_statistics(runs, out / "confirm.csv", metric, direction, sys.stdout)
+
+
+def _main_search(args: argparse.Namespace, search, out: Path) -> int:
+    """A `search:` file: the search space (--dry-run), a SLURM array sharing a journal, or the study here."""
+    if args.dry_run:
+        print(search.describe())
+        return 0
+    if importlib.util.find_spec("optuna") is None:
+        raise ExperimentsError("search: needs optuna: pip install 'sciml-trainer[search]'")
+    if args.collect:
+        raise ExperimentsError("--collect merges SLURM array results of `experiments:`; a study's results are in "
+                               "its storage: rerun with --resume (and no --slurm) to write the summary and plots")
+    from trainer.sweep.study import run_search
+
+    gpus, slots = _local_devices(args)
+    return run_search(search, out, gpus=gpus, slots=slots, resume=args.resume, grace=args.grace, stream=sys.stdout,
+                      experiments_file=args.experiments_file)
