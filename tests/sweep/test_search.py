@@ -228,3 +228,33 @@ def test_runner_killed_with_sigkill_then_resume_counts_each_trial_once(tmp_path)
     rows = read_csv(out / "summary.csv")
     assert [row["state"] for row in rows].count("interrupted") == len(lost)
     assert [row["state"] for row in rows].count("complete") == 3
+
+
+def test_slurm_array_tasks_share_the_study_through_its_journal(tmp_path):
+    pytest.importorskip("submitit")
+    from trainer.cli import main
+
+    block = search(n_trials=3, sampler={"type": "random", "seed": 0}, pruner="none",
+                   overrides={"train.max_steps": 10, **TRIAL})
+    path = write_yaml(tmp_path / "study.yaml", {"search": block})
+    out = tmp_path / "out"
+    # submitit's LocalExecutor runs the two array tasks here; each runs trials until the study has three.
+    assert main(["run-experiments", path, "--out", str(out), "--slurm", "--slurm-executor", "local",
+                 "--slurm-array-parallelism", "2"]) == 0
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(out / "study.journal")))
+    deadline = time.time() + 300
+    while True:
+        trials = optuna.load_study(study_name="reg_lr", storage=storage).get_trials()
+        if sum(t.state.is_finished() for t in trials) >= 3 and all(
+                (out / f"trial_{t.number:04d}" / "result.json").is_file() for t in trials):
+            break
+        assert time.time() < deadline, "the array tasks did not finish the study"
+        time.sleep(0.5)
+    assert len(trials) == 3 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    assert len({t.params["optim.lr"] for t in trials}) == 3  # the tasks' samplers are seeded apart
+    assert main(["run-experiments", path, "--out", str(out), "--collect"]) == 0
+    rows = read_csv(out / "summary.csv")
+    assert [row["state"] for row in rows] == ["complete"] * 3
+    records = json.loads((out / "results.json").read_text())["experiments"]
+    assert len({r["slurm_job_id"] for r in records}) == 2  # both tasks ran trials
+    assert all(float(row["eval/loss"]) == last_value(out / row["name"]) for row in rows)

@@ -49,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="GPUs per array task (default: the largest gpus_per_experiment)")
     slurm.add_argument("--slurm-cpus-per-task", type=int, default=None)
     slurm.add_argument("--slurm-mem", default=None, help="memory per node, e.g. 64G")
-    slurm.add_argument("--slurm-array-parallelism", type=int, default=None, help="at most this many tasks at once")
+    slurm.add_argument("--slurm-array-parallelism", type=int, default=None,
+                       help="at most this many tasks at once (search: this many tasks, each running trials until the "
+                            "study has n_trials; default n_trials)")
     slurm.add_argument("--slurm-account", default=None)
     slurm.add_argument("--slurm-qos", default=None)
     slurm.add_argument("--slurm-constraint", default=None)
@@ -97,20 +99,10 @@ def main(args: argparse.Namespace) -> int:
         return status
 
     if args.slurm:
-        from trainer.sweep.slurm import make_executor, slurm_parameters, submit_slurm
+        from trainer.sweep.slurm import submit_slurm
 
-        if importlib.util.find_spec("submitit") is None:
-            raise ExperimentsError("--slurm needs submitit: pip install 'sciml-trainer[slurm]'")
-        params = slurm_parameters(experiments, job_name=Path(args.experiments_file).stem,
-                                  partition=args.slurm_partition, time=args.slurm_time,
-                                  gpus_per_task=args.slurm_gpus_per_task, cpus_per_task=args.slurm_cpus_per_task,
-                                  mem=args.slurm_mem, array_parallelism=args.slurm_array_parallelism,
-                                  account=args.slurm_account, qos=args.slurm_qos, constraint=args.slurm_constraint,
-                                  setup=args.slurm_setup, extra=args.slurm_extra)
-        try:
-            executor = make_executor(out, params, kind=args.slurm_executor)
-        except RuntimeError as err:  # submitit: "Could not detect srun"
-            raise ExperimentsError(f"--slurm: {err}") from None
+        executor = _slurm_executor(args, experiments, out, gpus_per_task=args.slurm_gpus_per_task,
+                                   array_parallelism=args.slurm_array_parallelism)
         submit_slurm(experiments, out, executor, resume=args.resume, grace=args.grace,
                      experiments_file=args.experiments_file)
         return 0
@@ -121,6 +113,25 @@ def main(args: argparse.Namespace) -> int:
     if any(exp.group is not None for exp in experiments):
         _seed_statistics(records, out)
     return status
+
+
+def _slurm_executor(args: argparse.Namespace, experiments: list, out: Path, gpus_per_task: int | None,
+                    array_parallelism: int | None = None):
+    """The submitit executor the --slurm-* options describe."""
+    from trainer.sweep.slurm import make_executor, slurm_parameters
+
+    if importlib.util.find_spec("submitit") is None:
+        raise ExperimentsError("--slurm needs submitit: pip install 'sciml-trainer[slurm]'")
+    params = slurm_parameters(experiments, job_name=Path(args.experiments_file).stem,
+                              partition=args.slurm_partition, time=args.slurm_time,
+                              gpus_per_task=gpus_per_task, cpus_per_task=args.slurm_cpus_per_task,
+                              mem=args.slurm_mem, array_parallelism=array_parallelism,
+                              account=args.slurm_account, qos=args.slurm_qos, constraint=args.slurm_constraint,
+                              setup=args.slurm_setup, extra=args.slurm_extra)
+    try:
+        return make_executor(out, params, kind=args.slurm_executor)
+    except RuntimeError as err:  # submitit: "Could not detect srun"
+        raise ExperimentsError(f"--slurm: {err}") from None
 
 
 def _local_devices(args: argparse.Namespace) -> tuple[list[str] | None, int | None]:
@@ -156,8 +167,16 @@ def _main_search(args: argparse.Namespace, search, out: Path) -> int:
     if importlib.util.find_spec("optuna") is None:
         raise ExperimentsError("search: needs optuna: pip install 'sciml-trainer[search]'")
     if args.collect:
-        raise ExperimentsError("--collect merges SLURM array results of `experiments:`; a study's results are in "
-                               "its storage: rerun with --resume (and no --slurm) to write the summary and plots")
+        from trainer.sweep.study import collect_search
+
+        return collect_search(search, out, experiments_file=args.experiments_file)
+    if args.slurm:
+        from trainer.sweep.study import submit_search
+
+        executor = _slurm_executor(args, [], out, gpus_per_task=args.slurm_gpus_per_task or search.gpus_per_experiment)
+        submit_search(search, out, executor, tasks=args.slurm_array_parallelism or search.n_trials, resume=args.resume,
+                      grace=args.grace, experiments_file=args.experiments_file)
+        return 0
     from trainer.sweep.study import run_search
 
     gpus, slots = _local_devices(args)

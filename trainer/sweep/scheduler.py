@@ -284,9 +284,11 @@ class Scheduler:
         stopping = False
         try:
             self._save()
-            if not self.pending:
-                self._refill()
-            while self.pending or self.running:
+            while True:
+                if self.stop_signal is None:
+                    self._refill()
+                if not (self.pending or self.running):
+                    break
                 if self.stop_signal is not None and not stopping:
                     stopping = True
                     name = signal.Signals(self.stop_signal).name
@@ -301,7 +303,6 @@ class Scheduler:
                     for run in self.running.values():
                         self._kill(run)
                 if not stopping:
-                    self._refill()
                     self._launch_ready()
                 self._reap()
                 self._check_deadlines()

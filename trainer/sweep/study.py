@@ -18,9 +18,12 @@ import io
 import json
 import logging
 import math
+import os
+import socket
 import sys
 import time
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -93,8 +96,10 @@ def build_pruner(spec: SearchSpec) -> optuna.pruners.BasePruner:
     return optuna.pruners.NopPruner()
 
 
-def open_study(spec: SearchSpec, storage: str, resume: bool) -> optuna.Study:
-    """The study in `storage`: created, or (resume) loaded; a new study never silently joins an old one."""
+def open_study(spec: SearchSpec, storage: str, resume: bool, seed_offset: int = 0) -> optuna.Study:
+    """The study in `storage`: created, or (resume) loaded; a new study never silently joins an old one.
+
+    seed_offset: added to a seeded sampler's seed, so that array tasks sampling side by side differ."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     store = open_storage(storage)
     summaries = {s.study_name: s for s in optuna.get_all_study_summaries(store)}
@@ -103,7 +108,7 @@ def open_study(spec: SearchSpec, storage: str, resume: bool) -> optuna.Study:
         raise ExperimentsError(f"study '{spec.name}' already exists in {storage}: --resume continues it; "
                                "another --out (or study name) starts a new one")
     try:
-        sampler = build_sampler(spec, summaries[spec.name].n_trials if exists else 0)
+        sampler = build_sampler(spec, (summaries[spec.name].n_trials if exists else 0) + seed_offset)
         pruner = build_pruner(spec)
     except (TypeError, ValueError, ImportError) as err:
         raise ExperimentsError(f"search: sampler {spec.sampler} / pruner {spec.pruner}: {err}") from None
@@ -153,10 +158,14 @@ class StudyScheduler(Scheduler):
     runner that --resume has re-run."""
 
     def __init__(self, spec: SearchSpec, study: optuna.Study, out_dir: Path, pool: SlotPool, *, resume: bool,
-                 grace: float, stream: TextIO | None, meta: dict[str, Any], max_new: int | None = None):
-        """max_new: ask at most this many trials (a SLURM array task); None: until the study has n_trials."""
-        super().__init__([], out_dir, pool, grace=grace, stream=stream, write_summary=True, meta=meta)
-        self.spec, self.study, self.max_new = spec, study, max_new
+                 grace: float, stream: TextIO | None, meta: dict[str, Any], record_extra: dict[str, Any] | None = None,
+                 max_new: int | None = None):
+        """record_extra: fields of every trial's record (a SLURM task's id and host); with it, the trials'
+        OUT/trial_NNNN/result.json are the only files written (array tasks share OUT; --collect merges).
+        max_new: ask at most this many trials; None: until the study has n_trials."""
+        super().__init__([], out_dir, pool, grace=grace, stream=stream, write_summary=record_extra is None,
+                         meta=meta, tty=False if record_extra is not None else None)
+        self.spec, self.study, self.max_new, self.record_extra = spec, study, max_new, record_extra or {}
         self.watched: dict[str, _Watch] = {}
         self.asked = 0
         self._last_watch = 0.0
@@ -216,7 +225,7 @@ class StudyScheduler(Scheduler):
             else:
                 params[p.key] = trial.suggest_float(p.key, p.low, p.high, log=p.log, step=p.step)
         name = trial_name(trial.number)
-        extra = {"trial": trial.number, "params": params, "value": None, "step_reached": None}
+        extra = {"trial": trial.number, "params": params, "value": None, "step_reached": None, **self.record_extra}
         if RERUN_OF in trial.user_attrs:
             extra[RERUN_OF] = trial.user_attrs[RERUN_OF]
         self._add(trial_experiment(self.spec, name, params), extra)
@@ -311,7 +320,8 @@ class StudyScheduler(Scheduler):
             from trainer.sweep.results import write_run_record
 
             write_run_record(record)
-        write_results(self.out_dir, self.records, self.meta, summary=study_summary_csv(self.spec, self.records))
+        if self.write_summary:
+            write_results(self.out_dir, self.records, self.meta, summary=study_summary_csv(self.spec, self.records))
         self.display.table(self.records, self._live_rss(), force=True)
 
 
@@ -408,7 +418,9 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, gpus: list[int | str] |
     """Run the study on GPU ids `gpus` or `slots` CPU slots, then confirm and plot; the exit status."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    storage = spec.storage or default_storage(out_dir)
+    # A study an array job ran lives in its journal file; --resume here continues it (and confirms).
+    journal = (out_dir / "study.journal").is_file() and not (out_dir / "study.db").is_file()
+    storage = spec.storage or default_storage(out_dir, journal=journal)
     study = open_study(spec, storage, resume)
     pool = SlotPool(gpus=gpus, slots=slots)
     meta = {"experiments_file": experiments_file, "out_dir": str(out_dir), "mode": "search", "study": spec.name,
@@ -442,3 +454,76 @@ def finish_study(spec: SearchSpec, study: optuna.Study, out_dir: Path, pool: Slo
             status = max(status, confirm_status)
     write_plots(spec, study, out_dir, confirm_rows, stream)
     return status
+
+
+# -- SLURM: array tasks sharing the study through a journal file --------------------------------------
+
+def run_search_task(spec: SearchSpec, out_dir: str, storage: str, grace: float = 10.0) -> int:
+    """Body of one array task: trials one after another on the task's devices until the study has n_trials."""
+    from trainer.sweep.slurm import _task_id
+
+    task_id = _task_id()
+    # Tasks start side by side: a seeded sampler gets a different seed in each.
+    study = open_study(spec, storage, resume=True, seed_offset=zlib.crc32(str(task_id or os.getpid()).encode()) % 10**6)
+    meta = {"out_dir": out_dir, "mode": "slurm", "study": spec.name, "storage": storage}
+    scheduler = StudyScheduler(spec, study, Path(out_dir), SlotPool(inherit=True), resume=False, grace=grace,
+                               stream=sys.stdout, meta=meta,
+                               record_extra={"slurm_job_id": task_id, "host": socket.gethostname()})
+    return scheduler.run()
+
+
+def submit_search(spec: SearchSpec, out_dir: str | Path, executor: Any, *, tasks: int, resume: bool = False,
+                  grace: float = 10.0, stream: TextIO | None = sys.stdout,
+                  experiments_file: str | None = None) -> list[Any]:
+    """Create (or, resume, continue) the study in its journal file and submit `tasks` array tasks that share it."""
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    storage = spec.storage or default_storage(out_dir, journal=True)
+    study = open_study(spec, storage, resume)
+    trials = study.get_trials(deepcopy=False)
+    done = sum(counted(t) for t in trials)
+    if resume:
+        # The earlier array job has ended: its trials still marked running were lost with their tasks.
+        for trial in trials:
+            if trial.state == TrialState.RUNNING:
+                study.tell(trial.number, state=TrialState.FAIL)
+        rerun = {t.user_attrs[RERUN_OF] for t in trials if RERUN_OF in t.user_attrs}
+        for trial in study.get_trials(deepcopy=False):
+            if (trial.state == TrialState.FAIL and OUTCOME not in trial.user_attrs and trial.number not in rerun
+                    and trial.params):
+                study.enqueue_trial(trial.params, user_attrs={RERUN_OF: trial.number})
+    tasks = max(0, min(tasks, spec.n_trials - done))
+    jobs = executor.map_array(run_search_task, [spec] * tasks, [str(out_dir)] * tasks, [storage] * tasks,
+                              [grace] * tasks) if tasks else []
+    if stream is not None:
+        array_id = str(jobs[0].job_id).split("_")[0] if jobs else None
+        stream.write(f"study {spec.name}: {done} of {spec.n_trials} trial(s) counted; "
+                     + (f"submitted {tasks} array task(s) as job {array_id}, sharing {storage}\n" if jobs
+                        else "nothing to submit\n"))
+        stream.write(f"when it has ended: trainer run-experiments {experiments_file or 'STUDY.yaml'} --out {out_dir} "
+                     "--collect  (summary and plots; --resume then runs the confirm stage here)\n")
+        stream.flush()
+    return jobs
+
+
+def collect_search(spec: SearchSpec, out_dir: str | Path, stream: TextIO | None = sys.stdout,
+                   experiments_file: str | None = None) -> int:
+    """After an array job: OUT/results.json and OUT/summary.csv from the trials' result.json files, and the plots."""
+    out_dir = Path(out_dir).resolve()
+    storage = spec.storage or default_storage(out_dir, journal=True)
+    study = open_study(spec, storage, resume=True)
+    records = sorted(read_results(out_dir).values(), key=lambda r: r.extra.get("trial", -1))
+    meta = {"experiments_file": experiments_file, "out_dir": str(out_dir), "mode": "slurm", "study": spec.name,
+            "storage": storage, "metric": spec.metric, "direction": spec.direction, "n_trials": spec.n_trials}
+    write_results(out_dir, records, meta, summary=study_summary_csv(spec, records))
+    trials = study.get_trials(deepcopy=False)
+    done = sum(counted(t) for t in trials)
+    if stream is not None:
+        stream.write(f"study {spec.name}: {done} of {spec.n_trials} trial(s) counted; {len(records)} trial folder(s); "
+                     f"summary in {out_dir / 'summary.csv'}\n")
+        if any(t.state == TrialState.COMPLETE for t in trials):
+            best = study.best_trial
+            stream.write(f"best: {trial_name(best.number)} {spec.metric}={best.value:.6g} "
+                         + " ".join(f"{k}={format_value(v)}" for k, v in best.params.items()) + "\n")
+    write_plots(spec, study, out_dir, [], stream)
+    return 0 if done >= spec.n_trials else 1
