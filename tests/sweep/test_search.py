@@ -20,6 +20,7 @@ from conftest import ROOT, TINY, child_env
 
 from trainer.sweep import ExperimentsError, parse_experiments
 from trainer.sweep.searchspec import parse_search
+from trainer.sweep.spec import load_experiments_file
 
 optuna = pytest.importorskip("optuna")
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -49,6 +50,13 @@ def last_value(run_dir: Path, key: str = "eval/loss") -> float:
     return [r[key] for r in lines if key in r][-1]
 
 
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def search(**changes) -> dict:
     block = {"name": "reg_lr", "config": TINY, "overrides": {"train.max_steps": 20, **TRIAL}, "n_trials": 4,
              "sampler": "tpe", "pruner": "median", "params": {"optim.lr": {"type": "float", "low": 1e-4, "high": 1.0,
@@ -59,7 +67,10 @@ def search(**changes) -> dict:
 
 # --- parsing ---------------------------------------------------------------------------------------
 
-def test_search_block_parsing_errors_repeats_and_dry_run(tmp_path):
+def test_search_block_parsing_errors_repeats_and_dry_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the worked example of docs/experiments.md names its config relative to the checkout
+    experiments, example = load_experiments_file("configs/sweep/search.yaml")
+    assert experiments == [] and example.n_trials == 12 and example.confirm_top == 2
     spec = parse_search(search(params={"optim.lr": {"type": "float", "low": 1e-4, "high": 1.0, "log": True},
                                        "task.hidden": {"type": "categorical", "choices": [32, 64]}},
                                pruner={"type": "median", "n_startup_trials": 1}, confirm={"top": 2, "seeds": 3}),
@@ -189,12 +200,15 @@ def test_runner_killed_with_sigkill_then_resume_counts_each_trial_once(tmp_path)
             time.sleep(0.1)
         os.kill(runner.pid, signal.SIGKILL)
         runner.wait(timeout=30)
-        # The trials run in their own sessions and outlive the runner; end them by their recorded pids.
+        # The trials run in sessions of their own; the kernel sends them SIGTERM when the runner dies
+        # (PR_SET_PDEATHSIG), so they checkpoint and exit rather than go on without it.
         results = json.loads((out / "results.json").read_text())["experiments"]
         orphans = [r["pid"] for r in results if r["status"] == "running" and r["pid"]]
         assert orphans
-        for pid in orphans:
-            os.killpg(pid, signal.SIGKILL)
+        deadline = time.time() + 90
+        while not all(gone(pid) for pid in orphans):
+            assert time.time() < deadline, [pid for pid in orphans if not gone(pid)]
+            time.sleep(0.2)
         before = optuna.load_study(study_name="reg_lr", storage=f"sqlite:///{out / 'study.db'}").get_trials()
         lost = {t.number: t.params for t in before if t.state == optuna.trial.TrialState.RUNNING}
         assert lost
@@ -207,11 +221,8 @@ def test_runner_killed_with_sigkill_then_resume_counts_each_trial_once(tmp_path)
             runner.kill()
             runner.wait()
         for pid in orphans:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    os.killpg(pid, signal.SIGKILL)
-            except (psutil.NoSuchProcess, ProcessLookupError):
-                pass
+            if not gone(pid):
+                os.killpg(pid, signal.SIGKILL)
 
     trials = optuna.load_study(study_name="reg_lr", storage=f"sqlite:///{out / 'study.db'}").get_trials()
     counted = [t for t in trials if "outcome" in t.user_attrs]
