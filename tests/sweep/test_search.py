@@ -269,3 +269,39 @@ def test_slurm_array_tasks_share_the_study_through_its_journal(tmp_path):
     records = json.loads((out / "results.json").read_text())["experiments"]
     assert len({r["slurm_job_id"] for r in records}) == 2  # both tasks ran trials
     assert all(float(row["eval/loss"]) == last_value(out / row["name"]) for row in rows)
+
+
+def test_repeats_seed_statistics_and_verdict(tmp_path, capsys):
+    # Two configs of a `repeats: 3` entry, as the runner leaves them: each run's config.yaml (the selection
+    # metric) and metrics.jsonl; the statistics must equal numpy/scipy's, the winner is the better mean.
+    from trainer.sweep.cli import _seed_statistics
+
+    values = {"good": [0.10, 0.12, 0.11], "bad": [0.30, 0.36, 0.33]}
+    records = []
+    for group, vals in values.items():
+        for seed, value in enumerate(vals):
+            run_dir = tmp_path / f"{group}_seed{seed}"
+            run_dir.mkdir()
+            (run_dir / "config.yaml").write_text(yaml.safe_dump({"eval": {"metric": "mae", "mode": "min"}}))
+            (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 5, "eval/mae": 9.0}) + "\n"
+                                                   + json.dumps({"step": 10, "eval/mae": value}) + "\n")
+            records.append({"name": run_dir.name, "entry": 0, "kind": "config", "status": "completed",
+                            "out_dir": str(run_dir), "group": group})
+    records.append({"name": "other", "entry": 1, "kind": "config", "status": "completed",
+                    "out_dir": str(tmp_path / "missing")})
+    _seed_statistics(records, tmp_path)
+    rows = read_csv(tmp_path / "confirm.csv")
+    assert [row["config"] for row in rows] == ["good", "bad"]
+    for row in rows:
+        vals = np.array(values[row["config"]])
+        sem = vals.std(ddof=1) / np.sqrt(3)
+        low, high = scipy_stats.t.interval(0.95, 2, loc=vals.mean(), scale=sem)
+        got = [float(row[k]) for k in ("mean", "std", "sem", "ci95_low", "ci95_high")]
+        assert np.allclose(got, [vals.mean(), vals.std(ddof=1), sem, low, high], rtol=1e-12, atol=0)
+    said = capsys.readouterr().out
+    assert "winner by mean eval/mae: good" in said and "beyond their 95 % intervals" in said
+
+    from trainer.sweep.stats import rank_configs, verdict
+    close = rank_configs({"a": [0.10, 0.14, 0.12], "b": [0.11, 0.15, 0.13]}, "minimize")
+    assert "overlap" in verdict(close, "eval/loss") and close[0]["config"] == "a"
+    assert rank_configs({"a": [1.0, 2.0], "b": [3.0, 4.0]}, "maximize")[0]["config"] == "b"

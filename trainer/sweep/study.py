@@ -511,6 +511,9 @@ def collect_search(spec: SearchSpec, out_dir: str | Path, stream: TextIO | None 
     """After an array job: OUT/results.json and OUT/summary.csv from the trials' result.json files, and the plots."""
     out_dir = Path(out_dir).resolve()
     storage = spec.storage or default_storage(out_dir, journal=True)
+    if spec.storage is None and not (out_dir / "study.journal").is_file():
+        raise ExperimentsError(f"--collect: no study journal {out_dir / 'study.journal'} (a study submitted with "
+                               "--slurm keeps one there; a local study's summary is written as it runs)")
     study = open_study(spec, storage, resume=True)
     records = sorted(read_results(out_dir).values(), key=lambda r: r.extra.get("trial", -1))
     meta = {"experiments_file": experiments_file, "out_dir": str(out_dir), "mode": "slurm", "study": spec.name,
