@@ -158,16 +158,13 @@ class StudyScheduler(Scheduler):
     runner that --resume has re-run."""
 
     def __init__(self, spec: SearchSpec, study: optuna.Study, out_dir: Path, pool: SlotPool, *, resume: bool,
-                 grace: float, stream: TextIO | None, meta: dict[str, Any], record_extra: dict[str, Any] | None = None,
-                 max_new: int | None = None):
+                 grace: float, stream: TextIO | None, meta: dict[str, Any], record_extra: dict[str, Any] | None = None):
         """record_extra: fields of every trial's record (a SLURM task's id and host); with it, the trials'
-        OUT/trial_NNNN/result.json are the only files written (array tasks share OUT; --collect merges).
-        max_new: ask at most this many trials; None: until the study has n_trials."""
+        OUT/trial_NNNN/result.json are the only files written (array tasks share OUT; --collect merges)."""
         super().__init__([], out_dir, pool, grace=grace, stream=stream, write_summary=record_extra is None,
                          meta=meta, tty=False if record_extra is not None else None)
-        self.spec, self.study, self.max_new, self.record_extra = spec, study, max_new, record_extra or {}
+        self.spec, self.study, self.record_extra = spec, study, record_extra or {}
         self.watched: dict[str, _Watch] = {}
-        self.asked = 0
         self._last_watch = 0.0
         if resume:
             self._take_over_previous()
@@ -184,13 +181,6 @@ class StudyScheduler(Scheduler):
     # -- resume ----------------------------------------------------------------------------------
     def _take_over_previous(self) -> None:
         """Keep the records of earlier trials; mark trials left running as interrupted and queue their re-runs."""
-        previous = read_results(self.out_dir)
-        for record in sorted(previous.values(), key=lambda r: r.extra.get("trial", -1)):
-            if record.status in ("running", "pending"):
-                record.status = "interrupted"
-                record.error = "the runner stopped while this trial ran; --resume re-runs its parameters"
-            self.records.append(record)
-            self.by_name[record.name] = record
         rerun = {t.user_attrs[RERUN_OF] for t in self.study.get_trials(deepcopy=False) if RERUN_OF in t.user_attrs}
         for trial in self.study.get_trials(deepcopy=False):
             if trial.state == TrialState.RUNNING:
@@ -200,13 +190,23 @@ class StudyScheduler(Scheduler):
                 continue
             if trial.number not in rerun and trial.params:
                 self.study.enqueue_trial(trial.params, user_attrs={RERUN_OF: trial.number})
+        # The storage decides: a record saved just before the runner died may say more than the study does.
+        lost = {t.number for t in self.study.get_trials(deepcopy=False) if t.state == TrialState.FAIL
+                and OUTCOME not in t.user_attrs}
+        previous = read_results(self.out_dir)
+        for record in sorted(previous.values(), key=lambda r: r.extra.get("trial", -1)):
+            if record.extra.get("trial") in lost and record.status != "interrupted":
+                record.status = "interrupted"
+                record.error = "the runner stopped while this trial ran; --resume re-runs its parameters"
+            self.records.append(record)
+            self.by_name[record.name] = record
 
     # -- feeding ---------------------------------------------------------------------------------
     def _active(self) -> int:
         return len(self.running) + len(self.pending)
 
     def _refill(self) -> None:
-        if self.pending or not self.pool.free or (self.max_new is not None and self.asked >= self.max_new):
+        if self.pending or not self.pool.free:
             return
         trials = self.study.get_trials(deepcopy=False)
         done = sum(counted(t) for t in trials)
@@ -215,7 +215,6 @@ class StudyScheduler(Scheduler):
         if done + self._active() >= self.spec.n_trials:
             return
         trial = self.study.ask()
-        self.asked += 1
         params = {}
         for p in self.spec.params:
             if p.type == "categorical":
@@ -248,7 +247,9 @@ class StudyScheduler(Scheduler):
                 record = json.loads(line)
             except ValueError:
                 continue
-            value, step = record.get(self.spec.metric) if isinstance(record, dict) else None, record.get("step")
+            if not isinstance(record, dict):
+                continue
+            value, step = record.get(self.spec.metric), record.get("step")
             if not isinstance(value, (int, float)) or not isinstance(step, int) or not math.isfinite(value):
                 continue
             if watch.last_step is not None and step <= watch.last_step:
