@@ -383,14 +383,16 @@ def write_plots(spec: SearchSpec, study: optuna.Study, out_dir: Path, confirm_ro
     makers = {"optimization_history": ov.plot_optimization_history, "slice": ov.plot_slice}
     if len(complete) >= 2 and len(spec.params) >= 2:
         makers["param_importances"] = ov.plot_param_importances
-    # Optuna marks its matplotlib plots experimental, and matplotlib notes category axes: neither helps here.
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    # Optuna marks its matplotlib plots experimental, and matplotlib notes category axes and one-point ranges:
+    # none of it helps a reader of the runner's output.
     logging.getLogger("matplotlib.category").setLevel(logging.WARNING)
     for name, make in makers.items():
         if not complete:
             break
         try:
-            axes = make(study)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                axes = make(study)
             figure = (axes.flat[0] if hasattr(axes, "flat") else axes).figure
             figure.savefig(plots / f"{name}.png", dpi=100, bbox_inches="tight")
             plt.close(figure)
