@@ -18,7 +18,7 @@ RUN_DIR    ?= runs/$(basename $(notdir $(CONFIG)))
 RESUME     ?= auto
 PYTEST_ARGS ?=
 # Every family's extra, so the main job and the whole test suite run from one environment.
-EXTRAS     ?= test,protein_sedd,crystals,molecules_edm,molecules_mlff,perturbation_gears
+EXTRAS     ?= test,search,protein_sedd,crystals,molecules_edm,molecules_mlff,perturbation_gears
 
 .PHONY: setup train test test-all lint bench docs docs-config clean
 

@@ -11,7 +11,7 @@ import sys
 from conftest import ROOT, TINY
 
 HEAVY = ("torch", "datasets", "accelerate", "deepspeed", "transformers", "scipy", "e3nn", "rdkit", "pandas",
-         "anndata", "scanpy", "matplotlib", "safetensors")
+         "anndata", "scanpy", "matplotlib", "safetensors", "optuna")
 
 CALLS = [
     ["--help"],

@@ -1,4 +1,4 @@
-"""`trainer run-experiments`: a grid of runs shared out over GPU / CPU slots, or one SLURM array job.
+"""`trainer run-experiments`: a grid of runs or a hyperparameter study over GPU / CPU slots, or a SLURM array.
 
 - spec: experiments files, grid expansion, names, command lines
 - devices: the pool of GPU / CPU slots, GPU memory per process
@@ -7,6 +7,8 @@
 - display: the live status table / event lines
 - record: `RunRecord`, one experiment's record; results: results.json / summary.csv / OUT/<name>/result.json
 - slurm: submitit array submission and --collect
+- searchspec: the `search:` block (no Optuna needed to parse it); study: the Optuna study on the scheduler
+  (ask-and-tell trials, pruning by SIGTERM, --resume, confirm, plots, SLURM journal); stats: seed statistics
 """
 
 from trainer.sweep.devices import SlotPool

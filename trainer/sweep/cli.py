@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from trainer.sweep.scheduler import run_experiments
-from trainer.sweep.spec import ExperimentsError, load_experiments
+from trainer.sweep.spec import ExperimentsError, load_experiments_file
 
 
 def _positive_int(text: str) -> int:
@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-experiment", type=_positive_int, metavar="K", default=None,
                         help="slots per experiment where an entry does not say (K > 1: accelerate launch, K processes)")
     parser.add_argument("--out", required=True, help="output folder: OUT/results.json, OUT/summary.csv, OUT/<name>/")
-    parser.add_argument("--resume", action="store_true", help="skip experiments already completed in OUT/results.json")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip experiments already completed in OUT/results.json; a study (search:) continues "
+                             "in its storage, re-running the trials that were running")
     parser.add_argument("--timeout", default=None, metavar="S",
                         help="per-experiment time limit (seconds, or 30m / 2h) where an entry does not say")
     parser.add_argument("--grace", type=float, default=10.0, metavar="S",
@@ -47,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="GPUs per array task (default: the largest gpus_per_experiment)")
     slurm.add_argument("--slurm-cpus-per-task", type=int, default=None)
     slurm.add_argument("--slurm-mem", default=None, help="memory per node, e.g. 64G")
-    slurm.add_argument("--slurm-array-parallelism", type=int, default=None, help="at most this many tasks at once")
+    slurm.add_argument("--slurm-array-parallelism", type=int, default=None,
+                       help="at most this many tasks at once (search: this many tasks, each running trials until the "
+                            "study has n_trials; default n_trials)")
     slurm.add_argument("--slurm-account", default=None)
     slurm.add_argument("--slurm-qos", default=None)
     slurm.add_argument("--slurm-constraint", default=None)
@@ -76,8 +80,10 @@ def detect_gpus() -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     cli_defaults = {"timeout": args.timeout, "gpus_per_experiment": args.gpus_per_experiment}
-    experiments = load_experiments(args.experiments_file, cli_defaults)
+    experiments, search = load_experiments_file(args.experiments_file, cli_defaults)
     out = Path(args.out)
+    if search is not None:
+        return _main_search(args, search, out)
 
     if args.dry_run:
         for exp in experiments:
@@ -93,29 +99,86 @@ def main(args: argparse.Namespace) -> int:
         return status
 
     if args.slurm:
-        from trainer.sweep.slurm import make_executor, slurm_parameters, submit_slurm
+        from trainer.sweep.slurm import submit_slurm
 
-        if importlib.util.find_spec("submitit") is None:
-            raise ExperimentsError("--slurm needs submitit: pip install 'sciml-trainer[slurm]'")
-        params = slurm_parameters(experiments, job_name=Path(args.experiments_file).stem,
-                                  partition=args.slurm_partition, time=args.slurm_time,
-                                  gpus_per_task=args.slurm_gpus_per_task, cpus_per_task=args.slurm_cpus_per_task,
-                                  mem=args.slurm_mem, array_parallelism=args.slurm_array_parallelism,
-                                  account=args.slurm_account, qos=args.slurm_qos, constraint=args.slurm_constraint,
-                                  setup=args.slurm_setup, extra=args.slurm_extra)
-        try:
-            executor = make_executor(out, params, kind=args.slurm_executor)
-        except RuntimeError as err:  # submitit: "Could not detect srun"
-            raise ExperimentsError(f"--slurm: {err}") from None
+        executor = _slurm_executor(args, experiments, out, gpus_per_task=args.slurm_gpus_per_task,
+                                   array_parallelism=args.slurm_array_parallelism)
         submit_slurm(experiments, out, executor, resume=args.resume, grace=args.grace,
                      experiments_file=args.experiments_file)
         return 0
 
-    gpus = args.gpus
-    slots = args.slots
+    gpus, slots = _local_devices(args)
+    status, records = run_experiments(experiments, out, gpus=gpus, slots=slots, resume=args.resume, grace=args.grace,
+                                      stream=sys.stdout, experiments_file=args.experiments_file)
+    if any(exp.group is not None for exp in experiments):
+        _seed_statistics(records, out)
+    return status
+
+
+def _slurm_executor(args: argparse.Namespace, experiments: list, out: Path, gpus_per_task: int | None,
+                    array_parallelism: int | None = None):
+    """The submitit executor the --slurm-* options describe."""
+    from trainer.sweep.slurm import make_executor, slurm_parameters
+
+    if importlib.util.find_spec("submitit") is None:
+        raise ExperimentsError("--slurm needs submitit: pip install 'sciml-trainer[slurm]'")
+    params = slurm_parameters(experiments, job_name=Path(args.experiments_file).stem,
+                              partition=args.slurm_partition, time=args.slurm_time,
+                              gpus_per_task=gpus_per_task, cpus_per_task=args.slurm_cpus_per_task,
+                              mem=args.slurm_mem, array_parallelism=array_parallelism,
+                              account=args.slurm_account, qos=args.slurm_qos, constraint=args.slurm_constraint,
+                              setup=args.slurm_setup, extra=args.slurm_extra)
+    try:
+        return make_executor(out, params, kind=args.slurm_executor)
+    except RuntimeError as err:  # submitit: "Could not detect srun"
+        raise ExperimentsError(f"--slurm: {err}") from None
+
+
+def _local_devices(args: argparse.Namespace) -> tuple[list[str] | None, int | None]:
+    gpus, slots = args.gpus, args.slots
     if gpus is None and slots is None:
         gpus = detect_gpus() or None
         slots = None if gpus else 1
-    status, _ = run_experiments(experiments, out, gpus=gpus, slots=slots, resume=args.resume, grace=args.grace,
-                                stream=sys.stdout, experiments_file=args.experiments_file)
-    return status
+    return gpus, slots
+
+
+def _seed_statistics(records: list[dict], out: Path) -> None:
+    """OUT/confirm.csv for entries with `repeats:`: the selection metric of the runs' own config."""
+    import yaml
+
+    from trainer.sweep.record import RunRecord
+    from trainer.sweep.stats import write_seed_statistics
+
+    runs = [RunRecord.from_dict(r) for r in records]
+    first = next((r for r in runs if r.extra.get("group") and (Path(r.out_dir) / "config.yaml").is_file()), None)
+    if first is None:
+        return
+    cfg = yaml.safe_load((Path(first.out_dir) / "config.yaml").read_text())
+    metric = f"eval/{cfg['eval']['metric']}"
+    direction = "maximize" if cfg["eval"].get("mode") == "max" else "minimize"
+    write_seed_statistics(runs, out / "confirm.csv", metric, direction, sys.stdout)
+
+
+def _main_search(args: argparse.Namespace, search, out: Path) -> int:
+    """A `search:` file: the search space (--dry-run), a SLURM array sharing a journal, or the study here."""
+    if args.dry_run:
+        print(search.describe())
+        return 0
+    if importlib.util.find_spec("optuna") is None:
+        raise ExperimentsError("search: needs optuna: pip install 'sciml-trainer[search]'")
+    if args.collect:
+        from trainer.sweep.study import collect_search
+
+        return collect_search(search, out, experiments_file=args.experiments_file)
+    if args.slurm:
+        from trainer.sweep.study import submit_search
+
+        executor = _slurm_executor(args, [], out, gpus_per_task=args.slurm_gpus_per_task or search.gpus_per_experiment)
+        submit_search(search, out, executor, tasks=args.slurm_array_parallelism or search.n_trials, resume=args.resume,
+                      grace=args.grace, experiments_file=args.experiments_file)
+        return 0
+    from trainer.sweep.study import run_search
+
+    gpus, slots = _local_devices(args)
+    return run_search(search, out, gpus=gpus, slots=slots, resume=args.resume, grace=args.grace, stream=sys.stdout,
+                      experiments_file=args.experiments_file)

@@ -73,6 +73,7 @@ class RunProcess:
             self.main, self.created = None, time.time() - 1.0
         self.seen: dict[int, psutil.Process] = {}
         self.signalled: dict[int, dict[str, Any]] = {}
+        self.cpu_by_pid: dict[int, float] = {}
 
     def poll(self) -> int | None:
         return self.popen.poll()
@@ -149,10 +150,16 @@ class RunProcess:
         for proc in self.tree():
             try:
                 rss += proc.memory_info().rss
+                times = proc.cpu_times()
+                self.cpu_by_pid[proc.pid] = times.user + times.system
                 pids.append(proc.pid)
             except psutil.Error:
                 continue
         return rss / 2**20, pids
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds of every process of the run, each at its last sample."""
+        return sum(self.cpu_by_pid.values())
 
     def killed_processes(self) -> list[dict[str, Any]]:
         """What the runner signalled to end this run, in the order it first did so."""

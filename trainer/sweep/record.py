@@ -15,9 +15,10 @@ from trainer.errors import DataError
 from trainer.rundir import RunDir
 from trainer.sweep.spec import Experiment
 
-# pending: not started (yet); running: started, not ended; the other four are final.
-STATUSES = ("pending", "running", "completed", "failed", "timeout", "interrupted")
-FINAL_STATUSES = ("completed", "failed", "timeout", "interrupted")
+# pending: not started (yet); running: started, not ended; the others are final (pruned: a study's
+# pruner stopped the trial early, see study.py).
+STATUSES = ("pending", "running", "completed", "pruned", "failed", "timeout", "interrupted")
+FINAL_STATUSES = ("completed", "pruned", "failed", "timeout", "interrupted")
 LOG_TAIL_LINES = 40
 OPTIONAL_FIELDS = ("slurm_job_id", "host")
 """Written only when set (SLURM array tasks), so local results files keep their fields."""
@@ -61,6 +62,8 @@ class RunRecord:
     signal: str | None = None
     peak_rss_mib: float | None = None
     peak_gpu_mib: float | None = None
+    cpu_s: float | None = None
+    """CPU seconds (user + system) of the run's processes, as last sampled."""
     metrics: dict[str, Any] | None = None
     final_eval: dict[str, Any] | None = None
     log_tail: str | None = None
@@ -108,7 +111,7 @@ class RunRecord:
         self.status, self.command, self.command_str, self.slots, self.gpus = "running", argv, command_str, slots, gpus
         self.start_epoch, self.start_time = now, iso(now)
         self.end_epoch = self.end_time = self.runtime_s = self.exit_code = self.signal = None
-        self.peak_rss_mib = self.peak_gpu_mib = self.metrics = self.final_eval = self.log_tail = None
+        self.peak_rss_mib = self.peak_gpu_mib = self.cpu_s = self.metrics = self.final_eval = self.log_tail = None
         self.error = self.pid = self.killed_processes = None
 
     def end(self, status: str, now: float, exit_code: int | None = None) -> None:

@@ -56,12 +56,13 @@ def summary_csv(records: Sequence[RunRecord]) -> str:
     return buf.getvalue()
 
 
-def write_results(out_dir: Path, records: Sequence[RunRecord], meta: Mapping[str, Any]) -> None:
-    """OUT/results.json (everything) and OUT/summary.csv, both replaced atomically."""
+def write_results(out_dir: Path, records: Sequence[RunRecord], meta: Mapping[str, Any],
+                  summary: str | None = None) -> None:
+    """OUT/results.json (everything) and OUT/summary.csv (`summary`, else `summary_csv`), replaced atomically."""
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     document = {**meta, "updated": now, "counts": counts(records), "experiments": [r.to_dict() for r in records]}
     write_atomic(out_dir / "results.json", json.dumps(document, indent=2) + "\n")
-    write_atomic(out_dir / "summary.csv", summary_csv(records))
+    write_atomic(out_dir / "summary.csv", summary_csv(records) if summary is None else summary)
 
 
 def write_run_record(record: RunRecord) -> None:

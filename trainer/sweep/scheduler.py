@@ -42,7 +42,14 @@ class _Run:
 
 
 class Scheduler:
-    """Runs experiments on a slot pool, isolating failures, and keeps the result files current."""
+    """Runs experiments on a slot pool, isolating failures, and keeps the result files current.
+
+    A subclass may add experiments while it runs (`_refill`) and watch the running ones (`_watch`): the
+    study runner (study.py) asks its sampler for a trial whenever a slot is free and prunes from metrics.
+    """
+
+    OK_STATUSES: tuple[str, ...] = ("completed",)
+    """Final statuses that leave the exit status 0."""
 
     def __init__(self, experiments: Sequence[Experiment], out_dir: Path, pool: SlotPool, *, resume: bool = False,
                  grace: float = 10.0, stream: TextIO | None = sys.stdout, tty: bool | None = None,
@@ -109,6 +116,30 @@ class Scheduler:
         if self.write_summary:
             write_results(self.out_dir, self.records, self.meta)
         self.display.table(self.records, self._live_rss(), force=True)
+
+    # -- hooks for subclasses ----------------------------------------------------------------------
+    def _intro(self) -> str:
+        """The first line printed."""
+        skipped = len(self.records) - len(self.pending)
+        return (f"run-experiments: {len(self.records)} experiment(s) on {self.pool.describe()}"
+                + (f", {skipped} already completed (--resume)" if skipped else "")
+                + f"; results in {self.out_dir / 'results.json'}")
+
+    def _refill(self) -> None:
+        """Add experiments to `pending` (called each turn of the loop while not stopping)."""
+
+    def _watch(self) -> None:
+        """Look at the running experiments (called each turn of the loop while not stopping)."""
+
+    def _add(self, exp: Experiment, record_extra: dict[str, Any] | None = None) -> RunRecord:
+        """Queue one more experiment (a subclass's `_refill`)."""
+        record = RunRecord.pending(exp, self.out_dir)
+        record.update(record_extra or {})
+        self.experiments.append(exp)
+        self.records.append(record)
+        self.by_name[exp.name] = record
+        self.pending.append(exp)
+        return record
 
     # -- launching -------------------------------------------------------------------------------
     def _environment(self, exp: Experiment, run_dir: Path, gpus: list[int | str], port: int | None,
@@ -225,6 +256,7 @@ class Scheduler:
         record.read_metrics()
         record.peak_rss_mib = round(run.peak_rss, 1) if run.peak_rss else None
         record.peak_gpu_mib = round(run.peak_gpu, 1) if run.peak_gpu else None
+        record.cpu_s = round(run.proc.cpu_seconds(), 2)
         record.log_tail = None if status == "completed" else log_tail(record.log)
         record.killed_processes = run.proc.killed_processes()
         if leftovers:
@@ -248,14 +280,15 @@ class Scheduler:
         """Run everything pending; returns 0 (all completed), 1 (some did not) or 128+signal (stopped)."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         restore = self._install_signal_handlers()
-        skipped = len(self.records) - len(self.pending)
-        self.display.message(f"run-experiments: {len(self.records)} experiment(s) on {self.pool.describe()}"
-                             + (f", {skipped} already completed (--resume)" if skipped else "")
-                             + f"; results in {self.out_dir / 'results.json'}")
+        self.display.message(self._intro())
         stopping = False
         try:
             self._save()
-            while self.pending or self.running:
+            while True:
+                if self.stop_signal is None:
+                    self._refill()
+                if not (self.pending or self.running):
+                    break
                 if self.stop_signal is not None and not stopping:
                     stopping = True
                     name = signal.Signals(self.stop_signal).name
@@ -274,6 +307,8 @@ class Scheduler:
                 self._reap()
                 self._check_deadlines()
                 self._sample()
+                if not stopping:
+                    self._watch()
                 self.display.table(self.records, self._live_rss())
                 if self.running:
                     time.sleep(POLL_S)
@@ -295,7 +330,7 @@ class Scheduler:
         self.display.message("run-experiments: " + count_line(self.records))
         if self.stop_signal is not None:
             return 128 + self.stop_signal
-        return 0 if all(r.status == "completed" for r in self.records) else 1
+        return 0 if all(r.status in self.OK_STATUSES for r in self.records) else 1
 
 
 def run_experiments(experiments: Sequence[Experiment], out_dir: str | Path, *, gpus: Sequence[int | str] | None = None,

@@ -17,13 +17,14 @@ import yaml
 
 from trainer.config import ConfigError
 
-TOP_KEYS = ("experiments", "defaults")
+TOP_KEYS = ("experiments", "defaults", "search")
 DEFAULT_KEYS = ("timeout", "env", "gpus_per_experiment", "accelerate_config")
-ENTRY_KEYS = ("name", "config", "overrides", "command", "grid") + DEFAULT_KEYS
+ENTRY_KEYS = ("name", "config", "overrides", "command", "grid", "repeats") + DEFAULT_KEYS
 # Filled when an experiment starts; everything else in a template must be a grid key.
 RUNTIME_PLACEHOLDERS = ("name", "out_dir", "gpus", "port", "python")
 # Files the runner itself writes into the output folder; an experiment folder must not shadow them.
-RESERVED_NAMES = ("results.json", "summary.csv", ".submitit")
+RESERVED_NAMES = ("results.json", "summary.csv", ".submitit", "confirm.csv", "confirm", "plots", "study.db",
+                  "study.journal")
 
 _NAME_OK = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.,=+\-]{0,199}$")
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
@@ -51,6 +52,8 @@ class Experiment:
     env: dict[str, str] = field(default_factory=dict)
     gpus_per_experiment: int = 1
     accelerate_config: str | None = None
+    group: str | None = None
+    """Name shared by the seed repeats of one config (`repeats: N`); None for a single run."""
 
     @property
     def kind(self) -> str:
@@ -97,7 +100,8 @@ class Experiment:
         return {"name": self.name, "entry": self.entry, "kind": self.kind, "grid": dict(self.grid),
                 "config": self.config, "overrides": list(self.overrides) if self.config is not None else None,
                 "command_template": list(self.command) if self.command is not None else None,
-                "timeout_s": self.timeout, "gpus_per_experiment": self.gpus_per_experiment}
+                "timeout_s": self.timeout, "gpus_per_experiment": self.gpus_per_experiment,
+                **({"group": self.group} if self.group is not None else {})}
 
 
 def default_accelerate_config() -> str | None:
@@ -229,6 +233,13 @@ def _parse_grid(raw: Any, where: str) -> dict[str, list[Any]]:
     return {str(k): v for k, v in raw.items()}
 
 
+def _with_repeats(combos: list[dict[str, Any]], name: str, repeats: int | None):
+    """(grid values, group name template) per run: each combination once, or with run.seed 0..repeats-1."""
+    if not repeats:
+        return [(values, None) for values in combos]
+    return [({**values, "run.seed": seed}, name) for values in combos for seed in range(repeats)]
+
+
 def _entry_label(index: int, entry: Mapping) -> str:
     name = entry.get("name") if isinstance(entry, Mapping) else None
     return f"experiments[{index}]" + (f" (name {name!r})" if name else "")
@@ -243,6 +254,15 @@ def _expand_entry(index: int, entry: Mapping, defaults: dict[str, Any]) -> list[
         raise ExperimentsError(f"{where}: give exactly one of `config` (a trainer config) or `command`")
     settings = _parse_settings(entry, where, defaults)
     grid = _parse_grid(entry.get("grid"), where)
+    repeats = entry.get("repeats")
+    if repeats is not None:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 2:
+            raise ExperimentsError(f"{where}: repeats must be an integer >= 2 (seeds 0..N-1), got {repeats!r}")
+        if "config" not in entry:
+            raise ExperimentsError(f"{where}: repeats applies to `config` entries (it sets run.seed)")
+        if "run.seed" in grid or any(item.split("=", 1)[0].strip() == "run.seed"
+                                     for item in _parse_overrides(entry.get("overrides"), where)):
+            raise ExperimentsError(f"{where}: run.seed is set by repeats; remove it from grid and overrides")
 
     config = None
     overrides: list[str] = []
@@ -268,9 +288,12 @@ def _expand_entry(index: int, entry: Mapping, defaults: dict[str, Any]) -> list[
             raise ExperimentsError(f"{where}: command is empty")
 
     runs = []
-    for values in expand_grid(grid):
+    for values, group in _with_repeats(expand_grid(grid), entry["name"], repeats):
         formatted = {key: format_value(value) for key, value in values.items()}
         name = fill(entry["name"], formatted, f"{where} name")
+        if group is not None:
+            group = fill(group, formatted, f"{where} name")
+            name = f"{group}_seed{values['run.seed']}"
         run_overrides = list(overrides)
         if config is not None:
             # Dotted grid keys are trainer config keys; plain ones only feed placeholders.
@@ -278,7 +301,7 @@ def _expand_entry(index: int, entry: Mapping, defaults: dict[str, Any]) -> list[
         exp = Experiment(name=name, entry=index, grid=dict(values), config=config, overrides=run_overrides,
                          command=command, timeout=settings.get("timeout"), env=dict(settings.get("env", {})),
                          gpus_per_experiment=settings.get("gpus_per_experiment", 1),
-                         accelerate_config=settings.get("accelerate_config"))
+                         accelerate_config=settings.get("accelerate_config"), group=group)
         if not _NAME_OK.match(name) or name in RESERVED_NAMES:
             raise ExperimentsError(f"{where}: name {name!r} is not a safe folder name (letters, digits and "
                                    "_ . , = + - only, at most 200 characters)")
@@ -289,14 +312,8 @@ def _expand_entry(index: int, entry: Mapping, defaults: dict[str, Any]) -> list[
     return runs
 
 
-def parse_experiments(data: Any, source: str = "<experiments>",
-                      cli_defaults: Mapping[str, Any] | None = None) -> list[Experiment]:
-    """Experiments from an already-loaded YAML document.
-
-    Settings resolve as: entry > command line (`cli_defaults`, e.g. --timeout) > file `defaults:`.
-    """
-    if not isinstance(data, dict) or "experiments" not in data:
-        raise ExperimentsError(f"{source}: expected a mapping with an `experiments:` list")
+def _parse_defaults(data: Any, source: str, cli_defaults: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The settings every entry starts from: command line (`cli_defaults`) over the file's `defaults:`."""
     _check_keys(data, TOP_KEYS, source)
     raw_defaults = data.get("defaults") or {}
     if not isinstance(raw_defaults, dict):
@@ -304,7 +321,20 @@ def parse_experiments(data: Any, source: str = "<experiments>",
     _check_keys(raw_defaults, DEFAULT_KEYS, f"{source} defaults")
     defaults = _parse_settings(raw_defaults, f"{source} defaults", {"env": {}, "gpus_per_experiment": 1})
     cli = {k: v for k, v in (cli_defaults or {}).items() if v is not None}
-    defaults = _parse_settings(cli, "command line", defaults)
+    return _parse_settings(cli, "command line", defaults)
+
+
+def parse_experiments(data: Any, source: str = "<experiments>",
+                      cli_defaults: Mapping[str, Any] | None = None) -> list[Experiment]:
+    """Experiments from an already-loaded YAML document.
+
+    Settings resolve as: entry > command line (`cli_defaults`, e.g. --timeout) > file `defaults:`.
+    """
+    if not isinstance(data, dict) or "experiments" not in data:
+        raise ExperimentsError(f"{source}: expected a mapping with an `experiments:` list (or a `search:` block)")
+    if "search" in data:
+        raise ExperimentsError(f"{source}: give `experiments:` or `search:`, not both (one file per study)")
+    defaults = _parse_defaults(data, source, cli_defaults)
 
     entries = data["experiments"]
     if not isinstance(entries, list) or not entries:
@@ -325,13 +355,26 @@ def parse_experiments(data: Any, source: str = "<experiments>",
     return experiments
 
 
-def load_experiments(path: str | Path, cli_defaults: Mapping[str, Any] | None = None) -> list[Experiment]:
-    """Read, validate and expand an experiments YAML file into runs, in a stable order."""
+def _read_yaml(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise ExperimentsError(f"experiments file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ExperimentsError(f"experiments file {path} is not valid YAML: {err}") from None
-    return parse_experiments(data, str(path), cli_defaults)
+
+
+def load_experiments(path: str | Path, cli_defaults: Mapping[str, Any] | None = None) -> list[Experiment]:
+    """Read, validate and expand an experiments YAML file into runs, in a stable order."""
+    return parse_experiments(_read_yaml(path), str(path), cli_defaults)
+
+
+def load_experiments_file(path: str | Path, cli_defaults: Mapping[str, Any] | None = None) -> tuple[list[Experiment], Any]:
+    """(experiments, None) for a file of runs, or ([], SearchSpec) for a file with a `search:` block."""
+    data = _read_yaml(path)
+    if isinstance(data, dict) and "search" in data and "experiments" not in data:
+        from trainer.sweep.searchspec import parse_search  # it imports this module
+
+        return [], parse_search(data["search"], str(path), _parse_defaults(data, str(path), cli_defaults))
+    return parse_experiments(data, str(path), cli_defaults), None
