@@ -38,7 +38,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from trainer.core.export import export_run
+    from trainer.core.checkpoint.export import export_run
 
     out = export_run(args.run_dir, out=args.out, checkpoint=args.checkpoint, weights=args.weights)
     from safetensors import safe_open
@@ -247,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         kind = "config error" if isinstance(err, ConfigError) else "error"
-        # A config error is the same on every rank of a launch: the main one says it. Other errors may be a
-        # rank's own (its data, its disk), so every rank prints those.
-        if not (isinstance(err, ConfigError) and int(os.environ.get("RANK", "0") or 0) > 0):
+        # A config error is the same on every rank of a launch, as is an error the ranks agreed on: the main one
+        # says it. Other errors may be a rank's own (its data, its disk), so every rank prints those.
+        if not ((isinstance(err, ConfigError) or err.everywhere) and int(os.environ.get("RANK", "0") or 0) > 0):
             print(f"trainer: {kind}: {err}", file=sys.stderr)
         return 2
 

@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from trainer import cli
 from trainer.atomic_io import disk_bytes, format_bytes, no_space_reason
 from trainer.config import load_config
-from trainer.core import checkpoint as ckpt
-from trainer.core import checkpointer, export
+from trainer.core.checkpoint import export, manager
+from trainer.core.checkpoint import store as ckpt
 from trainer.core.trainer import Trainer
 from trainer.errors import CheckpointError
 
@@ -147,7 +147,7 @@ def safetensors_full(monkeypatch) -> None:
     def save_file(tensors, filename, metadata=None):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(checkpointer, "save_file", save_file)
+    monkeypatch.setattr(manager, "save_file", save_file)
 
 
 def python_full(monkeypatch) -> None:
@@ -294,7 +294,7 @@ def test_saving_over_a_step_folder_without_manifest_keeps_it_aside(tmp_path, cap
         tmp.mkdir()
         (tmp / "weights.bin").write_text(step_content)
         (tmp / ckpt.MANIFEST).write_text("{}")
-        with caplog.at_level(logging.WARNING, logger="trainer.core.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="trainer.core.checkpoint.store"):
             ckpt.finalize(tmp, root / "step_00000004", root, best=False)
     kept = [p for p in root.iterdir() if p.name.startswith("step_00000004.replaced-")]
     assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "mine"

@@ -36,7 +36,7 @@ from conftest import (
 )
 
 from trainer.core.checkpoint import latest_checkpoint
-from trainer.core.export import load_model_weights
+from trainer.core.checkpoint.export import load_model_weights
 
 pytestmark = [pytest.mark.slow]
 

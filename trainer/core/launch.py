@@ -65,16 +65,16 @@ class RunResult:
     @classmethod
     def read(cls, run_dir: str | Path, status: str | None = None) -> RunResult:
         """The results of a run directory (`status` default: `preempted` if its marker is there)."""
-        from trainer.core import checkpoint as ckpt
+        from trainer.core.checkpoint import store
 
         run = RunDir(run_dir)
         records = run.read_metrics()
         last_eval = next((r for r in reversed(records) if any(k.startswith("eval/") for k in r)), {})
         last_test = next((r for r in reversed(records) if any(k.startswith("test/") for k in r)), {})
         start = next((r for r in reversed(records) if r.get("event") == "start"), {})
-        best = ckpt.best_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
-        latest = ckpt.latest_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
-        step = ckpt.STEP_DIR.match(best.name) if best is not None else None
+        best = store.best_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
+        latest = store.latest_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
+        step = store.STEP_DIR.match(best.name) if best is not None else None
         return cls(status=status or ("preempted" if run.preempted.is_file() else "completed"), run_dir=run.root,
                    world_size=start.get("world_size"),
                    eval_metrics={k[5:]: v for k, v in last_eval.items() if k.startswith("eval/")},

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from trainer.core.safe_load import weights_only_loading
-from trainer.errors import CheckpointError
+from trainer.atomic_io import no_space_reason
+from trainer.core.checkpoint.safe_load import weights_only_loading
+from trainer.errors import CheckpointError, first_line
 
 DEEPSPEED = "DEEPSPEED"
 FSDP = "FSDP"
@@ -178,8 +179,10 @@ def _from_deepspeed(path: Path, out: Path) -> None:
         raise CheckpointError(f"checkpoint {path}: the optimizer state cannot be converted (DeepSpeed's "
                               f"ds_to_universal found no {err} in it: it converts Adam/AdamW moments only)") from err
     except Exception as err:  # noqa: BLE001 - whatever DeepSpeed raises, one line naming the part
+        if no_space_reason(err) is not None:  # the disk's fault, not the checkpoint's: said by the caller
+            raise
         raise CheckpointError(f"checkpoint {path}: its DeepSpeed files cannot be converted to the universal form "
-                              f"({_first_line(err)})") from err
+                              f"({first_line(err)})") from err
     zero = out / "zero"
     with weights_only_loading():
         state = torch.load(zero / OPTIMIZER_STATE, map_location="cpu", weights_only=True)
@@ -287,7 +290,7 @@ def _into_deepspeed(zero: Path, engine: Any, groups: list[dict]) -> None:
         raise
     except Exception as err:  # noqa: BLE001 - DeepSpeed's loader asserts; name the part
         raise CheckpointError(f"the universal checkpoint could not be loaded into DeepSpeed's optimizer "
-                              f"({_first_line(err)})") from err
+                              f"({first_line(err)})") from err
     if not engine.zero_optimization_partition_weights():
         zero_optimizer.update_lp_params()  # fp32 master -> the model's weights (ZeRO-3 copies them itself)
     for group, saved in zip(zero_optimizer.optimizer.param_groups, groups):  # ZeRO-3 applies group 0's to all
@@ -343,7 +346,7 @@ def is_fsdp2(model: torch.nn.Module) -> bool:
 
 def read_dcp_metadata(folder: Path) -> Any:
     """The metadata of a DCP folder (tensor names and shapes), unpickled by safe_load's restricted unpickler."""
-    from trainer.core.safe_load import load_dcp_metadata
+    from trainer.core.checkpoint.safe_load import load_dcp_metadata
 
     file = folder / ".metadata"
     if not file.is_file():
@@ -369,7 +372,7 @@ def read_dcp(folder: Path) -> dict[str, Any]:
     except CheckpointError:
         raise
     except Exception as err:  # noqa: BLE001 - DCP raises its own exception types; one line naming the folder
-        raise CheckpointError(f"checkpoint {folder.parent}: {folder.name}/ cannot be read ({_first_line(err)})") from err
+        raise CheckpointError(f"checkpoint {folder.parent}: {folder.name}/ cannot be read ({first_line(err)})") from err
     return state
 
 
@@ -407,7 +410,7 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, we
                        options=StateDictOptions(full_state_dict=True))
     except (ValueError, KeyError, IndexError, RuntimeError) as err:
         raise CheckpointError(f"the checkpoint's weights or optimizer state could not be loaded into this run's "
-                              f"model and optimizer ({_first_line(err)})") from err
+                              f"model and optimizer ({first_line(err)})") from err
 
 
 def load_torch_files(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -420,11 +423,6 @@ def load_torch_files(path: Path, model: torch.nn.Module, optimizer: torch.optim.
     with weights_only_loading():
         optim_state = torch.load(path / OPTIMIZER, map_location="cpu", weights_only=True)
     load_full_state(model, optimizer, weights, optim_state, param_names)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def describe(saved: dict[str, Any], backend: str, world: int, zero_stage: int) -> str:
