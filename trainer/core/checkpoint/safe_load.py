@@ -90,11 +90,11 @@ def weights_only_loading() -> Iterator[None]:
                                   f"allow, so loading it could run code ({reason})") from None
         except CheckpointError:
             raise
-        except (RuntimeError, EOFError, UnicodeDecodeError, ValueError) as err:
+        except (RuntimeError, EOFError, UnicodeDecodeError, ValueError, OSError) as err:
             # Garbled or truncated bytes: torch's reader names no file, and a caller several frames up
             # (DeepSpeed's converter) does not know which one it was reading.
             name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
-            if name is None:
+            if name is None or (isinstance(err, OSError) and err.filename):  # an OSError naming its file says it
                 raise
             raise CheckpointError(f"checkpoint file {name} cannot be read ({first_line(err)}): it is damaged, "
                                   f"or not what its name says") from err
