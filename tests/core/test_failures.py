@@ -394,3 +394,18 @@ def test_falling_back_from_a_corrupt_checkpoint_names_the_cause_and_sets_it_asid
     assert any("failed verification" in r.getMessage() and kept[0].name in r.getMessage() for r in caplog.records)
     assert (root / "step_00000006").is_dir(), sorted(p.name for p in root.iterdir())
     ckpt.verify_checkpoint(root / "step_00000006")  # the new one, complete
+
+
+def test_an_error_every_rank_raised_alike_is_printed_once(monkeypatch, capsys):
+    """Ranks that agreed on a checkpoint error all raise it: the main process says it, the others exit quietly."""
+    from trainer.core.checkpoint.agreement import everywhere
+
+    def train(args):
+        raise everywhere(CheckpointError("checkpoint step_00000004 could not be converted for this run: no space"))
+
+    monkeypatch.setattr(cli, "_train", train)
+    for rank, said in (("0", "trainer: error: checkpoint step_00000004 could not be converted for this run: no space\n"),
+                       ("1", "")):
+        monkeypatch.setenv("RANK", rank)
+        assert cli.main(["train", "config.yaml"]) == 2
+        assert capsys.readouterr().err == said
