@@ -117,10 +117,8 @@ def main() -> None:
     rows.append(("resume, same layout: native load", timed(lambda: backend.load(path, saved, out.with_name("x")),
                                                           args.repeats), None))
     rows.append(("resume, other layout: convert DDP/plain -> topology-free", convert_s, folder_bytes(out)))
-    unwrapped = trainer.model
     rows.append(("resume, other layout: load the topology-free form", timed(
-        lambda: convert.load_into(out, trainer.model, trainer.optimizer, unwrapped, backend.param_names,
-                                    backend.state.backend), args.repeats), None))
+        lambda: backend.engine.load_universal(out, saved, backend.param_names), args.repeats), None))
     if args.zero is not None:
         zsaved = json.loads((args.zero / "trainer_state.json").read_text())
         zout = work / "universal_zero"

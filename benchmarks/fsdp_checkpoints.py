@@ -50,6 +50,7 @@ def main() -> None:
 
     from trainer.core.checkpoint import convert
     from trainer.core.distributed import unwrap_model
+    from trainer.core.engine import FSDPEngine
 
     # one folder for every rank (the launcher's port tells runs apart)
     work = Path(tempfile.gettempdir()) / f"fsdp-ckpt-bench-{os.environ.get('MASTER_PORT', '0')}"
@@ -60,8 +61,8 @@ def main() -> None:
         trainer.train_step([next(micro) for _ in range(cfg.train.grad_accum_steps)])
         trainer.state.step += 1
     acc, backend = trainer.checkpointer.acc, trainer.checkpointer.backend
-    assert backend.fsdp2, "launch with accelerate_configs/fsdp.yaml and 2 processes"
-    model, optimizer = unwrap_model(acc, trainer.model), backend.optimizer.optimizer
+    assert isinstance(backend.engine, FSDPEngine), "launch with accelerate_configs/fsdp.yaml and 2 processes"
+    model, optimizer = unwrap_model(acc, trainer.model), backend.engine.torch_optimizer
     params = sum(p.numel() for p in model.parameters())
 
     def before(folder: Path) -> None:  # commit 11fdf1a's BackendState.save (universal.full_state + accelerate's writer)

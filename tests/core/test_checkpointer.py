@@ -128,7 +128,7 @@ def test_plain_checkpoint_round_trips_through_the_topology_free_form(tmp_path):
         ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]
     fresh, fresh_opt = model_and_optimizer(1)
     convert.check_same_model(tmp_path / "ckpt", {"backend": "MULTI_CPU"}, fresh)
-    convert.load_into(out, fresh, SimpleNamespace(optimizer=fresh_opt), fresh, names, "NO")
+    convert.load_into_torch(out, fresh, fresh_opt, names)
     for key, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
     want, got = opt.state_dict(), fresh_opt.state_dict()

@@ -102,7 +102,7 @@ class Trainer:
         self.test_weights_step: int | None = None
         """The step whose weights the test pass used (eval.test_weights), None: the current step."""
 
-        parts = {"train": self.state, "backend": BackendState(acc, self.model, self.optimizer, param_names, self.state),
+        parts = {"train": self.state, "backend": BackendState(acc, self.engine, param_names, self.state),
                  "data": DataPosition(self.data, acc), "scheduler": self.scheduler, "step_guard": self.engine,
                  "task_stats": TaskStats(self.task)}
         if self.ema is not None:

@@ -7,10 +7,11 @@ form (Lian et al. 2024): one folder per parameter name with the fp32 weights, th
 (`zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`, each tensor whole), and the optimizer's
 hyper-parameters per group (`zero/optimizer_state.pt`). A ZeRO checkpoint is converted by DeepSpeed's
 `ds_to_universal` (`--inject_missing_state`), a plain or DDP one (`model.safetensors`, `optimizer.bin`)
-by naming the optimizer's parameters with the names the checkpoint recorded. `load_into` fills the
-running backend from that folder: DeepSpeed's own universal loader under ZeRO-1/2/3 at any number of
-processes, `load_state_dict` of the model and the torch optimizer under one process or DDP, and under
-FSDP2 torch.distributed.checkpoint's `set_state_dict` with whole tensors (each rank keeps its shards).
+by naming the optimizer's parameters with the names the checkpoint recorded. The running backend's engine
+(engine.py) fills itself from that folder: `load_into_deepspeed` (DeepSpeed's own universal loader under
+ZeRO-1/2/3 at any number of processes) or `load_into_torch` (`load_state_dict` of the model and the torch
+optimizer under one process or DDP, and under FSDP2 torch.distributed.checkpoint's `set_state_dict` with
+whole tensors, each rank keeping its shards).
 An FSDP2 run writes accelerate's sharded checkpoint (torch.distributed.checkpoint, DCP: every rank writes
 its own shards, `pytorch_model_fsdp_0/` and `optimizer_0/`), which FSDP reads back at any number of
 processes (DCP reshards); one process, DDP and DeepSpeed resume it through `convert`, which reads the
@@ -265,20 +266,30 @@ def _write_common_state(zero: Path, groups: list[dict], step: Any, base: dict) -
 
 
 # ------------------------------------------------------------------ out of it, into this run
-def load_into(folder: Path, model: Any, optimizer: Any, unwrapped: torch.nn.Module, param_names: list[list[str]],
-              backend: str) -> None:
-    """Fill this run's model and optimizer from the universal form in `folder` (every rank)."""
-    zero = folder / "zero"
+def read_common_state(folder: Path, param_names: list[list[str]]) -> dict[str, Any]:
+    """The universal form's `optimizer_state.pt` in `folder`, checked against this run's parameter groups."""
     with weights_only_loading():
-        common = torch.load(zero / OPTIMIZER_STATE, map_location="cpu", weights_only=True)
-        groups = common.get("param_groups") or []
-        if len(groups) != len(param_names):
-            raise CheckpointError(f"the optimizer of the checkpoint has {len(groups)} parameter groups, this run's "
-                                  f"{len(param_names)} (did optim.weight_decay or optim.decay_all_parameters change?)")
-        if backend == DEEPSPEED:
-            _into_deepspeed(zero, model, groups)
-        else:
-            _into_torch(zero, unwrapped, optimizer.optimizer, param_names, groups, common)
+        common = torch.load(folder / "zero" / OPTIMIZER_STATE, map_location="cpu", weights_only=True)
+    groups = common.get("param_groups") or []
+    if len(groups) != len(param_names):
+        raise CheckpointError(f"the optimizer of the checkpoint has {len(groups)} parameter groups, this run's "
+                              f"{len(param_names)} (did optim.weight_decay or optim.decay_all_parameters change?)")
+    return common
+
+
+def load_into_deepspeed(folder: Path, engine: Any, param_names: list[list[str]]) -> None:
+    """Fill a DeepSpeed engine (any ZeRO stage, any number of processes) from the universal form in `folder`."""
+    common = read_common_state(folder, param_names)
+    with weights_only_loading():
+        _into_deepspeed(folder / "zero", engine, common.get("param_groups") or [])
+
+
+def load_into_torch(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    param_names: list[list[str]]) -> None:
+    """Fill a plain, DDP or FSDP2 model (unwrapped) and its torch optimizer from the universal form in `folder`."""
+    common = read_common_state(folder, param_names)
+    with weights_only_loading():
+        _into_torch(folder / "zero", model, optimizer, param_names, common.get("param_groups") or [], common)
 
 
 def _into_deepspeed(zero: Path, engine: Any, groups: list[dict]) -> None:

@@ -81,64 +81,41 @@ class TrainState:
 
 
 class BackendState:
-    """Model and optimizer (and every rank's RNG), in the backend's own files; another layout's checkpoint
-    is converted to the topology-free form and loaded from it (convert.py)."""
+    """Model and optimizer (and every rank's RNG), in the backend's own files, which its engine writes and reads
+    (engine.py); another layout's checkpoint is converted to the topology-free form (convert.py), which the engine
+    fills itself from."""
 
-    def __init__(self, acc: Any, model: Any, optimizer: Any, param_names: list[list[str]], state: TrainState):
-        self.acc, self.model, self.optimizer, self.param_names, self.state = acc, model, optimizer, param_names, state
-
-    @property
-    def fsdp2(self) -> bool:
-        return convert.is_fsdp2(unwrap_model(self.acc, self.model))
+    def __init__(self, acc: Any, engine: Any, param_names: list[list[str]], state: TrainState):
+        self.acc, self.engine, self.param_names, self.state = acc, engine, param_names, state
 
     def state_dict(self) -> dict[str, Any]:
         """The layout a conversion needs: the optimizer's parameter names by group (the tensors are in files)."""
-        return {"param_names": self.param_names, **({convert.SHARDED: True} if self.fsdp2 else {})}
+        return {"param_names": self.param_names, **self.engine.checkpoint_layout()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing: the layout is read with the files (`load`), which the Checkpointer loads before the other parts."""
 
-    def _sharded_state_dicts(self) -> None:
-        """FSDP2 saves and loads accelerate's sharded form (DCP), whatever the accelerate config's
-        fsdp_state_dict_type: FULL_STATE_DICT would gather the whole state onto one process and pickle it."""
-        plugin = self.acc.state.fsdp_plugin
-        if plugin.state_dict_type is None or plugin.state_dict_type.name != "SHARDED_STATE_DICT":
-            plugin.state_dict_config = plugin.optim_state_dict_config = None  # the sharded defaults
-            plugin.set_state_dict_type("SHARDED_STATE_DICT")
-
     def save(self, directory: Path) -> None:
-        # FSDP2: accelerate's sharded save, every rank writing its own shards with torch.distributed.checkpoint
-        # (nothing is gathered); another layout converts them on demand at resume (convert.convert).
-        if self.fsdp2:
-            self._sharded_state_dicts()
-        self.acc.save_state(str(directory), safe_serialization=True)
+        self.engine.save_checkpoint(directory)
 
     def load(self, path: Path, saved: dict[str, Any], scratch: Path) -> str | None:
         """Load `path` (its `trainer_state.json` is `saved`); returns the conversion made ('ZeRO-2 x 2 ->
         DDP x 2'), or None when the backend's own loader read it. `scratch`: where a conversion is written."""
-        s, unwrapped = self.state, unwrap_model(self.acc, self.model)
+        s, engine = self.state, self.engine
         saved = {**saved, "zero_stage": convert.saved_zero_stage(path, saved)}
         if not convert.needs_conversion(saved, s.backend, s.world_size, s.zero_stage):
-            if saved.get("backend") != convert.DEEPSPEED and s.backend != convert.DEEPSPEED:
-                convert.check_same_model(path, saved, unwrapped)
+            if engine.checks_same_model:
+                convert.check_same_model(path, saved, engine.unwrapped)
             try:
-                if self.fsdp2 and (path / convert.WEIGHTS).is_file():  # whole tensors: each rank takes its shards
-                    convert.load_torch_files(path, unwrapped, self.optimizer.optimizer,
-                                               saved.get("param_names") or self.param_names)
-                else:
-                    if self.fsdp2:  # DCP's shards, resharded to this world size by DCP
-                        self._sharded_state_dicts()
-                    # DeepSpeed unpickles its own files with weights_only=False, DCP its metadata with pickle
-                    with weights_only_loading():
-                        self.acc.load_state(str(path))
-            except CheckpointError:  # a pickle that weights-only loading refuses
+                engine.load_checkpoint(path, saved, self.param_names)
+            except CheckpointError:  # a file weights-only loading refuses or cannot read, named
                 raise
             except Exception as err:  # a checkpoint that passed its manifest but will not load
                 raise CheckpointError(f"checkpoint {path} could not be loaded into this run's model ({first_line(err)}); "
                                       f"if the model or task settings changed, start over with run.resume=none or a new "
                                       f"run.output_dir") from err
             return None
-        convert.check_same_model(path, saved, unwrapped)
+        convert.check_same_model(path, saved, engine.unwrapped)
         started, problem = time.perf_counter(), None
         if self.acc.is_main_process:
             try:
@@ -148,12 +125,9 @@ class BackendState:
                 problem = conversion_failure(err, path, scratch)
         agree(self.acc, problem)
         try:
-            convert.load_into(scratch, self.model, self.optimizer, unwrapped, self.param_names, s.backend)
+            engine.load_universal(scratch, saved, self.param_names)
         except CheckpointError as err:
             raise CheckpointError(f"checkpoint {path}: {err}") from err
-        if s.backend == convert.DEEPSPEED:  # the engine's own counters, as its loader sets them
-            self.model.global_steps = int(saved.get("step", 0))
-            self.model.global_samples = int(saved.get("step", 0)) * s.global_batch_size
         return f"{convert.describe(saved, s.backend, s.world_size, s.zero_stage)}, {time.perf_counter() - started:.1f} s"
 
 
