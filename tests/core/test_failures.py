@@ -409,3 +409,24 @@ def test_an_error_every_rank_raised_alike_is_printed_once(monkeypatch, capsys):
         monkeypatch.setenv("RANK", rank)
         assert cli.main(["train", "config.yaml"]) == 2
         assert capsys.readouterr().err == said
+
+
+def test_ranks_that_picked_different_checkpoints_all_resume_the_older_one(run, monkeypatch):
+    """Each rank picks its target before a process group exists; hashes are read by each node's first process
+    only, so one rank may refuse the newest checkpoint that another took: all go back to the older pick."""
+    from types import SimpleNamespace
+
+    from trainer.core.checkpoint import agreement, target
+
+    root = run / "checkpoints"
+    cfg = load_config(None, ["task.preset=tiny", f"run.output_dir={run}"])
+    mine = target.pick_resume_target(cfg)
+    assert mine.path == root / "step_00000006"
+    picks = [("step_00000006", None), ("step_00000004", None)]  # rank 1 refused step 6
+    monkeypatch.setattr(agreement, "gather_object",
+                        lambda objs: picks if isinstance(objs[0], tuple) else [objs[0], None])
+    acc = SimpleNamespace(num_processes=2, is_local_main_process=True)
+    agreed = agreement.agree_on_target(acc, mine, check_hashes=True)
+    assert agreed.path == root / "step_00000004" and agreed.step == 4
+    assert agreed.corrupt == (root / "step_00000006",)
+    assert agreed.skipped[-1] == f"checkpoint {root / 'step_00000006'} failed verification on another rank"

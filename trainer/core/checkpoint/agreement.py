@@ -184,16 +184,20 @@ def agree_on_target(acc: Accelerator, target: ResumeTarget, check_hashes: bool) 
     names = {name for name, _ in picks}
     if len(names) == 1:
         return target
+    if None in names:  # no shared view of the checkpoints: nothing to agree on
+        raise everywhere(CheckpointError(f"the processes see different checkpoints: some find none to resume, others "
+                                         f"{sorted(n for n in names if n)}; put the run directory on a filesystem "
+                                         f"every node shares"))
     order = [p.name for p in target.candidates]
     oldest = max(names, key=lambda n: order.index(n) if n in order else len(order))
     chosen, problem = target, None
-    if target.path is None or target.path.name != oldest:
-        path = target.path.parent / oldest if target.path is not None else None
+    if target.path.name != oldest:
+        older = next((p for p in target.candidates if p.name == oldest), target.path.parent / oldest)
         chosen = passed_over(target, target.path, f"checkpoint {target.path} failed verification on another rank")
         try:
-            saved = store.verify_checkpoint(path, check_hashes=check_hashes and acc.is_local_main_process)
-            chosen = dataclasses.replace(chosen, path=path, saved=MappingProxyType(saved))
-        except (CheckpointError, TypeError) as err:
+            saved = store.verify_checkpoint(older, check_hashes=check_hashes and acc.is_local_main_process)
+            chosen = dataclasses.replace(chosen, path=older, saved=MappingProxyType(saved))
+        except CheckpointError as err:
             problem = str(err)
     agree(acc, problem)
     return chosen
