@@ -202,22 +202,23 @@ class Checkpointer:
         failure: Exception | None = None
         converted = None
         try:
-            # The universal form one level down: DeepSpeed's converter writes a `latest_universal` pointer beside
-            # its output, which then lies inside the scratch folder and goes with it.
-            converted = self.backend.load(path, saved, scratch / "universal")
-        except Exception as err:  # noqa: BLE001 - told below, on every rank, after the others heard of it
-            failure = err  # e.g. a file refused on one rank only (ZeRO-3 has one per rank)
+            try:
+                # The universal form one level down: DeepSpeed's converter writes a `latest_universal` pointer beside
+                # its output, which then lies inside the scratch folder and goes with it.
+                converted = self.backend.load(path, saved, scratch / "universal")
+            except Exception as err:  # noqa: BLE001 - told below, on every rank, after the others heard of it
+                failure = err  # e.g. a file refused on one rank only (ZeRO-3 has one per rank)
+            problem = None
+            if failure is not None:
+                problem = failure_reason(failure, scratch)
+                if not isinstance(failure, CheckpointError):
+                    problem = f"rank {self.acc.process_index}: checkpoint {path} could not be loaded ({problem})"
+            agree(self.acc, problem)  # a collective: no rank reads the scratch folder after it
         finally:
             if self.acc.is_main_process:
                 shutil.rmtree(scratch, ignore_errors=True)
                 if created and root.is_dir() and not any(root.iterdir()):
                     root.rmdir()
-        problem = None
-        if failure is not None:
-            problem = failure_reason(failure, scratch)
-            if not isinstance(failure, CheckpointError):
-                problem = f"rank {self.acc.process_index}: checkpoint {path} could not be loaded ({problem})"
-        agree(self.acc, problem)
         return converted
 
     def _warn_changed_batch(self, path: Path, saved: dict[str, Any]) -> None:
@@ -233,7 +234,7 @@ class Checkpointer:
         """Load a checkpoint's model weights (and EMA) into a trained run, e.g. the best one for the test pass.
         The whole backend state (optimizer, RNG) comes with them: harmless after training."""
         saved, problem = verify_everywhere(self.acc, path, check_hashes=self.cfg.ckpt.verify)
-        if problem is not None:
+        if problem is not None:  # may differ by rank ("failed verification on another rank"): every rank says it
             raise CheckpointError(problem)
         self._load_backend(path, saved)
         if "ema" in self.parts:
