@@ -1,6 +1,6 @@
 """Checkpoint cost: what a save writes and how long it takes, and what a resume under another layout adds.
 
-Resume anywhere converts a checkpoint on demand (trainer/core/universal.py) instead of writing a
+Resume anywhere converts a checkpoint on demand (trainer/core/checkpoint/convert.py) instead of writing a
 topology-free copy at every save, so a save writes what it did before. This measures, in one process on
 the regression MLP of the given size: the save (bytes, seconds; median of --repeats), the conversion of
 that checkpoint into the topology-free form (seconds, bytes) and the load of either into the running
@@ -108,25 +108,23 @@ def main() -> None:
         commit = subprocess.run(["git", "-C", str(args.before), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip() or args.before.name
         rows.insert(0, (f"save before the change ({commit})", before_s, before_bytes))
-    from trainer.core import universal
+    from trainer.core.checkpoint import convert
 
     saved = json.loads((path / "trainer_state.json").read_text())
     out = work / "universal"
     backend = trainer.checkpointer.backend
-    convert_s = timed(lambda: universal.convert(path, out, saved, backend.param_names), args.repeats)
+    convert_s = timed(lambda: convert.convert(path, out, saved, backend.param_names), args.repeats)
     rows.append(("resume, same layout: native load", timed(lambda: backend.load(path, saved, out.with_name("x")),
                                                           args.repeats), None))
     rows.append(("resume, other layout: convert DDP/plain -> topology-free", convert_s, folder_bytes(out)))
-    unwrapped = trainer.model
     rows.append(("resume, other layout: load the topology-free form", timed(
-        lambda: universal.load_into(out, trainer.model, trainer.optimizer, unwrapped, backend.param_names,
-                                    backend.state.backend), args.repeats), None))
+        lambda: backend.engine.load_universal(out, saved, backend.param_names), args.repeats), None))
     if args.zero is not None:
         zsaved = json.loads((args.zero / "trainer_state.json").read_text())
         zout = work / "universal_zero"
         rows.append((f"resume, other layout: convert ZeRO-{zsaved.get('zero_stage', '?')} x "
                      f"{zsaved['world_size']} (ds_to_universal)",
-                     timed(lambda: universal.convert(args.zero, zout, zsaved, backend.param_names), args.repeats),
+                     timed(lambda: convert.convert(args.zero, zout, zsaved, backend.param_names), args.repeats),
                      folder_bytes(zout)))
     AcceleratorState._reset_state(True)
     GradientState._reset_state()

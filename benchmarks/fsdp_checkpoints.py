@@ -11,7 +11,7 @@ model + optimizer + RNG part of a save three ways, from the first rank's start t
 
 It also times a whole checkpoint of this checkout (`Trainer.save`: EMA, manifest with hashes, rename) and, on
 the main process, the on-demand conversion a resume under another backend makes: the shards read whole
-(`universal.sharded_fsdp_state`) and written in the topology-free form (`universal.convert`).
+(`convert.sharded_fsdp_state`) and written in the topology-free form (`convert.convert`).
 
     accelerate launch --config_file accelerate_configs/fsdp.yaml benchmarks/fsdp_checkpoints.py \\
         --hidden 2048 --depth 2 --repeats 7 [--out BENCHMARKS.md]
@@ -48,8 +48,9 @@ def main() -> None:
     from accelerate.checkpointing import save_accelerator_state
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from trainer.core import universal
+    from trainer.core.checkpoint import convert
     from trainer.core.distributed import unwrap_model
+    from trainer.core.engine import FSDPEngine
 
     # one folder for every rank (the launcher's port tells runs apart)
     work = Path(tempfile.gettempdir()) / f"fsdp-ckpt-bench-{os.environ.get('MASTER_PORT', '0')}"
@@ -59,8 +60,8 @@ def main() -> None:
         trainer.train_step([next(micro) for _ in range(trainer.plan.grad_accum_steps)])
         trainer.state.step += 1
     acc, backend = trainer.checkpointer.acc, trainer.checkpointer.backend
-    assert backend.fsdp2, "launch with accelerate_configs/fsdp.yaml and 2 processes"
-    model, optimizer = unwrap_model(acc, trainer.model), backend.optimizer.optimizer
+    assert isinstance(backend.engine, FSDPEngine), "launch with accelerate_configs/fsdp.yaml and 2 processes"
+    model, optimizer = unwrap_model(acc, trainer.model), backend.engine.torch_optimizer
     params = sum(p.numel() for p in model.parameters())
 
     def before(folder: Path) -> None:  # commit 11fdf1a's BackendState.save (universal.full_state + accelerate's writer)
@@ -112,14 +113,14 @@ def main() -> None:
     sharded = work / f"after_{args.repeats}"
     rows = []
     if acc.is_main_process:
-        saved = {"backend": universal.FSDP, universal.SHARDED: True, "param_names": backend.param_names}
+        saved = {"backend": convert.FSDP, convert.SHARDED: True, "param_names": backend.param_names}
         read_s, convert_s = [], []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            universal.sharded_fsdp_state(sharded, backend.param_names)
+            convert.sharded_fsdp_state(sharded, backend.param_names)
             read_s.append(time.perf_counter() - start)
             start = time.perf_counter()
-            universal.convert(sharded, work / "universal", saved, backend.param_names)
+            convert.convert(sharded, work / "universal", saved, backend.param_names)
             convert_s.append(time.perf_counter() - start)
         native_s, native_b = statistics.median(times["native"]), sizes["native"]
 

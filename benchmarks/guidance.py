@@ -115,7 +115,7 @@ def train(out: Path, steps: int, cache: Path) -> Path:
 
 
 def load(run_dir: Path):
-    from trainer.core.export import consolidated_weights, read_task_stats
+    from trainer.core.checkpoint.export import consolidated_weights, read_task_stats
     from trainer.core.generation import run_task
 
     task = run_task(run_dir)

@@ -214,7 +214,7 @@ def assert_run_matches(reference: Path, run: Path, tolerance: float, steps: int 
     from safetensors.torch import load_file
 
     from trainer.core.checkpoint import latest_checkpoint
-    from trainer.core.export import load_model_weights
+    from trainer.core.checkpoint.export import load_model_weights
 
     if steps is not None:
         ref_losses, got_losses = train_losses(reference), train_losses(run)

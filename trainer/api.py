@@ -29,15 +29,15 @@ from typing import TYPE_CHECKING, Any
 from trainer.errors import CheckpointError, LaunchError
 
 if TYPE_CHECKING:
-    from trainer.core.export import consolidated_weights, load_exported, read_task_stats
+    from trainer.core.checkpoint.export import consolidated_weights, load_exported, read_task_stats
     from trainer.core.launch import RunResult, train, under_launcher
 
 __all__ = ["CheckpointError", "LaunchError", "RunResult", "consolidated_weights", "load_exported", "read_task_stats",
            "train", "under_launcher"]
 
 _LAZY = {"RunResult": "trainer.core.launch", "train": "trainer.core.launch", "under_launcher": "trainer.core.launch",
-         "consolidated_weights": "trainer.core.export", "load_exported": "trainer.core.export",
-         "read_task_stats": "trainer.core.export"}
+         "consolidated_weights": "trainer.core.checkpoint.export", "load_exported": "trainer.core.checkpoint.export",
+         "read_task_stats": "trainer.core.checkpoint.export"}
 
 
 def __getattr__(name: str) -> Any:

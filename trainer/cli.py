@@ -53,7 +53,7 @@ _STOP_CODES = {"completed": 0, "preempted": 75, "interrupted": 128 + signal.SIGI
 
 
 def _export(args: argparse.Namespace) -> int:
-    from trainer.core.export import export_run
+    from trainer.core.checkpoint.export import export_run
 
     out = export_run(args.run_dir, out=args.out, checkpoint=args.checkpoint, weights=args.weights)
     from safetensors import safe_open
@@ -293,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(err, "reported", False):  # the ranks have said it
             return err.exit_code
         kind = "config error" if isinstance(err, ConfigError) else "error"
-        # A config error is the same on every rank of a launch: the main one says it. Other errors may be a
-        # rank's own (its data, its disk), so every rank prints those.
-        if not (isinstance(err, ConfigError) and not main_rank):
+        # A config error is the same on every rank of a launch, as is an error the ranks agreed on: the main one
+        # says it. Other errors may be a rank's own (its data, its disk), so every rank prints those.
+        if not ((isinstance(err, ConfigError) or err.everywhere) and not main_rank):
             print(f"trainer: {kind}: {err}", file=sys.stderr)
         return _rank_status(getattr(err, "exit_code", 2))
 

@@ -10,6 +10,16 @@ from __future__ import annotations
 class TrainerError(Exception):
     """Base of the errors below: a problem in the user's input, not a bug of ours."""
 
+    everywhere: bool = False
+    """Raised by every process of a run alike (they agreed on it): the command line prints it once, from the main
+    process, and the others exit quietly with the same status."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (torch's run to paragraphs), else its type's name."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
 
 class ConfigError(TrainerError, ValueError):
     """A configuration problem the user must fix (unknown key, wrong type, bad choice)."""

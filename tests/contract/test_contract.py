@@ -9,7 +9,7 @@ import torch
 from conftest import reset_accelerate
 
 from trainer.config import load_config
-from trainer.core.export import consolidated_weights, export_run, load_exported
+from trainer.core.checkpoint.export import consolidated_weights, export_run, load_exported
 from trainer.core.generation import sample_run
 from trainer.core.trainer import Trainer
 from trainer.registry import available_tasks, get_task

@@ -248,7 +248,7 @@ def test_families_import_only_the_contract_and_shared_modules():
 
 
 @pytest.mark.parametrize("source, allowed", [
-    ("from trainer.core.trainer import Trainer", False), ("import trainer.core.export", False),
+    ("from trainer.core.trainer import Trainer", False), ("import trainer.core.checkpoint.export", False),
     ("from trainer import core", False), ("from trainer.families.crystals import task", False),
     ("import importlib\nimportlib.import_module('trainer.core.launch')", False),
     ("def f():\n    from ...core import checkpoint", False), ("from trainer.sweep import spec", False),

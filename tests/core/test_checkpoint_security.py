@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import REGRESSION_LAUNCHES, cut_run_back, run_cmd
 
-from trainer.core import checkpoint as ckpt
-from trainer.core.export import consolidated_weights, export_run
-from trainer.core.safe_load import weights_only_loading
+from trainer.core.checkpoint import store as ckpt
+from trainer.core.checkpoint.export import consolidated_weights, export_run
+from trainer.core.checkpoint.safe_load import weights_only_loading
 from trainer.errors import CheckpointError
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -14,8 +14,8 @@ from conftest import TINY
 from safetensors.torch import save_file
 
 from trainer.config import load_config
-from trainer.core import universal
-from trainer.core.checkpointer import Stateful, TrainState
+from trainer.core.checkpoint import convert
+from trainer.core.checkpoint.parts import Stateful, TrainState
 from trainer.errors import CheckpointError
 
 
@@ -36,9 +36,9 @@ def plain_checkpoint(path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer
         opt.step()
         opt.zero_grad()
     path.mkdir()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / universal.WEIGHTS))
-    torch.save(opt.state_dict(), path / universal.OPTIMIZER)
-    return model, opt, universal.optimizer_param_names(model, opt)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / convert.WEIGHTS))
+    torch.save(opt.state_dict(), path / convert.OPTIMIZER)
+    return model, opt, convert.optimizer_param_names(model, opt)
 
 
 def test_every_part_is_stateful(tmp_path, fresh_accelerate):
@@ -48,14 +48,16 @@ def test_every_part_is_stateful(tmp_path, fresh_accelerate):
                              "log.progress_bar=false", f"run.output_dir={tmp_path}", "train.ema_decay=0.9"])
     trainer = Trainer(cfg)
     parts = trainer.checkpointer
-    for part in (parts.state, parts.ema, parts.data, parts.stats, *parts.parts.values()):
+    # Every part in the one mapping that save and resume go through.
+    assert set(parts.parts) == {"train", "backend", "data", "scheduler", "step_guard", "task_stats", "ema"}
+    for part in parts.parts.values():
         assert isinstance(part, Stateful), part
     # Model and optimizer live in the backend's own files: saved and loaded (or converted) as a folder.
     assert callable(parts.backend.save) and callable(parts.backend.load)
     assert isinstance(TrainState(), Stateful)
 
 
-@pytest.mark.parametrize("saved, now, convert", [
+@pytest.mark.parametrize("saved, now, converts", [
     (("MULTI_CPU", 2, 0), ("NO", 1, 0), False),           # accelerate loads DDP at any world size
     (("DEEPSPEED", 2, 2), ("DEEPSPEED", 2, 2), False),    # DeepSpeed's own files, same layout
     (("DEEPSPEED", 2, 2), ("DEEPSPEED", 1, 2), True),     # another number of DeepSpeed processes
@@ -69,13 +71,13 @@ def test_every_part_is_stateful(tmp_path, fresh_accelerate):
     (("FSDP", 2, 0), ("DEEPSPEED", 2, 2), True),
     (("MULTI_CPU", 2, 0), ("FSDP", 2, 0), False),        # whole tensors: each FSDP rank takes its shards
 ])
-def test_which_layouts_need_a_conversion(saved, now, convert):
+def test_which_layouts_need_a_conversion(saved, now, converts):
     record = {"backend": saved[0], "world_size": saved[1], "zero_stage": saved[2]}
-    assert universal.needs_conversion(record, *now) is convert
+    assert convert.needs_conversion(record, *now) is converts
 
 
 def test_older_whole_tensor_fsdp_checkpoints_read_as_plain_ones():
-    assert not universal.needs_conversion({"backend": "FSDP", "world_size": 2, universal.FULL_STATE: True}, "NO", 1, 0)
+    assert not convert.needs_conversion({"backend": "FSDP", "world_size": 2, convert.FULL_STATE: True}, "NO", 1, 0)
 
 
 class Payload:
@@ -97,36 +99,36 @@ def test_dcp_checkpoint_reads_whole_and_its_metadata_pickle_is_restricted(tmp_pa
     model, opt, names = plain_checkpoint(tmp_path / "plain")
     named = {"state": {n: s for n, s in zip([n for g in names for n in g], opt.state_dict()["state"].values())},
              "param_groups": [{**g, "params": n} for g, n in zip(opt.state_dict()["param_groups"], names)]}
-    for folder, state in ((universal.FSDP_MODEL, {"model": model.state_dict()}),
-                          (universal.FSDP_OPTIMIZER, {"optimizer": named})):
+    for folder, state in ((convert.FSDP_MODEL, {"model": model.state_dict()}),
+                          (convert.FSDP_OPTIMIZER, {"optimizer": named})):
         _save_state_dict(state, storage_writer=FileSystemWriter(str(tmp_path / "ckpt" / folder)), no_dist=True)
-    weights, optim = universal.sharded_fsdp_state(tmp_path / "ckpt", names)
+    weights, optim = convert.sharded_fsdp_state(tmp_path / "ckpt", names)
     for key, value in model.state_dict().items():
         assert torch.equal(weights[key], value), key
     for index, state in opt.state_dict()["state"].items():
         for key, value in state.items():
             assert torch.equal(torch.as_tensor(optim["state"][index][key]), torch.as_tensor(value)), (index, key)
     assert [g["weight_decay"] for g in optim["param_groups"]] == [0.1, 0.0]
-    shapes, _ = universal.saved_param_shapes(tmp_path / "ckpt", {"backend": "FSDP"})
+    shapes, _ = convert.saved_param_shapes(tmp_path / "ckpt", {"backend": "FSDP"})
     assert shapes == {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
     marker = tmp_path / "PWNED"
-    (tmp_path / "ckpt" / universal.FSDP_MODEL / ".metadata").write_bytes(pickle.dumps(Payload(str(marker))))
+    (tmp_path / "ckpt" / convert.FSDP_MODEL / ".metadata").write_bytes(pickle.dumps(Payload(str(marker))))
     with pytest.raises(CheckpointError, match=r"refusing to load a torch.distributed.checkpoint .metadata file: "
                                               r"it holds '(posix|os).system'"):
-        universal.read_dcp(tmp_path / "ckpt" / universal.FSDP_MODEL)
+        convert.read_dcp(tmp_path / "ckpt" / convert.FSDP_MODEL)
     assert not marker.exists()
 
 
 def test_plain_checkpoint_round_trips_through_the_topology_free_form(tmp_path):
     model, opt, names = plain_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "universal"
-    universal.convert(tmp_path / "ckpt", out, {"backend": "MULTI_CPU", "param_names": names}, names)
+    convert.convert(tmp_path / "ckpt", out, {"backend": "MULTI_CPU", "param_names": names}, names)
     assert sorted(p.name for p in (out / "zero" / "0.weight").iterdir()) == \
         ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]
     fresh, fresh_opt = model_and_optimizer(1)
-    universal.check_same_model(tmp_path / "ckpt", {"backend": "MULTI_CPU"}, fresh)
-    universal.load_into(out, fresh, SimpleNamespace(optimizer=fresh_opt), fresh, names, "NO")
+    convert.check_same_model(tmp_path / "ckpt", {"backend": "MULTI_CPU"}, fresh)
+    convert.load_into_torch(out, fresh, fresh_opt, names)
     for key, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
     want, got = opt.state_dict(), fresh_opt.state_dict()
@@ -141,7 +143,7 @@ def test_another_model_is_named_before_anything_is_converted(tmp_path):
     plain_checkpoint(tmp_path / "ckpt")
     other = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))
     with pytest.raises(CheckpointError) as raised:
-        universal.check_same_model(tmp_path / "ckpt", {"backend": "MULTI_CPU"}, other)
+        convert.check_same_model(tmp_path / "ckpt", {"backend": "MULTI_CPU"}, other)
     message = str(raised.value)
     assert "holds another model than this run's: parameter '0.weight' has shape (8, 4) there and (16, 4) here" in message
     assert "\n" not in message
@@ -150,13 +152,13 @@ def test_another_model_is_named_before_anything_is_converted(tmp_path):
 def test_optimizer_state_that_cannot_be_named_is_refused(tmp_path):
     _, _, names = plain_checkpoint(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="the optimizer state cannot be converted"):
-        universal.convert(tmp_path / "ckpt", tmp_path / "out", {"backend": "MULTI_CPU"}, [names[0]])
+        convert.convert(tmp_path / "ckpt", tmp_path / "out", {"backend": "MULTI_CPU"}, [names[0]])
 
 
 def test_stream_position_is_saved_once_and_an_older_per_rank_one_restarts_its_epoch(caplog):
     """A stream's position is (epoch, global samples read), the same on every rank: one entry, whatever the world
     size. An older checkpoint's per-rank `data_positions` (each rank's own shard) restart the earliest epoch."""
-    from trainer.core.checkpointer import DataPosition
+    from trainer.core.checkpoint.parts import DataPosition
 
     data = SimpleNamespace(streaming=True, position=(2, 64))
     part = DataPosition(data, SimpleNamespace(num_processes=2, process_index=1))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import BIN, ROOT, TINY, cli_in_process, read_jsonl, run_cmd
 
-from trainer.core.export import load_exported
+from trainer.core.checkpoint.export import load_exported
 
 REFERENCE = Path(__file__).parent / "reference" / "regression_tiny.json"
 

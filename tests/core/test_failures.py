@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from trainer import cli
 from trainer.atomic_io import disk_bytes, format_bytes, no_space_reason
 from trainer.config import load_config
-from trainer.core import checkpoint as ckpt
-from trainer.core import checkpointer, export
+from trainer.core.checkpoint import export, manager
+from trainer.core.checkpoint import store as ckpt
 from trainer.core.trainer import Trainer
 from trainer.errors import CheckpointError
 
@@ -129,12 +129,13 @@ def test_export_onto_a_full_disk_is_one_line_and_keeps_the_previous_export(run, 
 
 # ---------------------------------------------------------------- b) a checkpoint save on a full disk
 
-def torch_short_write(monkeypatch) -> None:
-    """torch's zip writer on a full disk: a short write, reported only as "unexpected pos"."""
+def torch_short_write(monkeypatch, writing: str = ".tmp-step_00000008") -> None:
+    """torch's zip writer on a full disk (for files under `writing`): a short write, reported only as
+    "unexpected pos"."""
     real = torch.save
 
     def save(obj, f, *args, **kwargs):
-        if ".tmp-step_00000008" in str(f):
+        if writing in str(f):
             Path(f).write_bytes(b"x" * 300)
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8448 vs 8342")
         return real(obj, f, *args, **kwargs)
@@ -147,7 +148,7 @@ def safetensors_full(monkeypatch) -> None:
     def save_file(tensors, filename, metadata=None):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(checkpointer, "save_file", save_file)
+    monkeypatch.setattr(manager, "save_file", save_file)
 
 
 def python_full(monkeypatch) -> None:
@@ -294,7 +295,7 @@ def test_saving_over_a_step_folder_without_manifest_keeps_it_aside(tmp_path, cap
         tmp.mkdir()
         (tmp / "weights.bin").write_text(step_content)
         (tmp / ckpt.MANIFEST).write_text("{}")
-        with caplog.at_level(logging.WARNING, logger="trainer.core.checkpoint"):
+        with caplog.at_level(logging.WARNING, logger="trainer.core.checkpoint.store"):
             ckpt.finalize(tmp, root / "step_00000004", root, best=False)
     kept = [p for p in root.iterdir() if p.name.startswith("step_00000004.replaced-")]
     assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "mine"
@@ -302,3 +303,130 @@ def test_saving_over_a_step_folder_without_manifest_keeps_it_aside(tmp_path, cap
     assert sorted(p.name for p in root.iterdir()) == sorted(["latest", "step_00000004", kept[0].name])
     assert sum("had no manifest.json" in r.getMessage() for r in caplog.records) == 1
     assert ckpt.list_checkpoints(root) == [root / "step_00000004"]
+
+
+# ---------------------------------------------------------------- e) resume's failure paths (issue 34)
+
+def cut_back_to_step_4(run: Path) -> Path:
+    """`run` as a stop after its step-4 checkpoint leaves it (the step-6 checkpoint not yet written)."""
+    root = run / "checkpoints"
+    shutil.rmtree(root / "step_00000006")
+    for pointer in ("latest", "best"):
+        (root / pointer).write_text("step_00000004\n")
+    return run
+
+
+def snapshot(run: Path) -> dict[str, str]:
+    return {k: v for k, v in hashes(run).items() if not k.endswith(".lock")}
+
+
+def force_conversion(monkeypatch) -> None:
+    """Resume a plain checkpoint through the topology-free form, as a run of another layout does."""
+    from trainer.core.checkpoint import convert
+
+    monkeypatch.setattr(convert, "needs_conversion", lambda *args: True)
+
+
+def test_disk_full_while_converting_a_checkpoint_is_one_line_and_changes_nothing(trained, run, monkeypatch, capsys):
+    cut_back_to_step_4(run)
+    root = run / "checkpoints"
+    before = snapshot(run)
+    force_conversion(monkeypatch)
+    with monkeypatch.context() as patch:
+        torch_short_write(patch, writing=".universal-")  # the disk fills while the conversion writes
+        status = cli.main(["train", str(run / "config.yaml"), f"run.output_dir={run}", "train.max_steps=6", *QUIET])
+    reset_accelerate()
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("trainer: error:")]
+    assert status == 2 and "Traceback" not in err and len(errors) == 1, err[-3000:]
+    assert re.fullmatch(
+        rf"trainer: error: checkpoint {re.escape(str(root / 'step_00000004'))} could not be converted for this run: "
+        rf"no space left on device writing {re.escape(str(root / '.universal-step_00000004' / 'universal'))}; "
+        rf"{SIZE} free in {re.escape(str(root))} now, the conversion needs about "
+        rf"{re.escape(format_bytes(disk_bytes(root / 'step_00000004')))} \(the checkpoint's size\); the checkpoint is "
+        rf"intact: free space there, or resume with the layout that wrote it", errors[0]), errors[0]
+    assert snapshot(run) == before  # no scratch folder, no pointer moved, nothing written
+    # With room again the same resume converts and ends where the uninterrupted run did.
+    trainer = make(run, *STEPS)
+    assert trainer.state.step == 4
+    trainer.fit()
+    assert not list(root.glob(".universal-*")) and not (root / "latest_universal").exists()
+    from conftest import assert_run_matches
+
+    assert_run_matches(trained, run, tolerance=1e-6)
+
+
+@pytest.mark.parametrize("damage", ["optimizer.bin", "random_states_0.pkl"])
+def test_unreadable_file_with_verification_off_is_one_line_naming_it(run, damage, capsys):
+    step = run / "checkpoints" / "step_00000006"
+    data = bytearray((step / damage).read_bytes())
+    data[len(data) // 2:] = bytes(len(data) - len(data) // 2)  # same size, garbled: only reading can tell
+    (step / damage).write_bytes(bytes(data))
+    before = snapshot(run)
+    status = cli.main(["train", str(run / "config.yaml"), f"run.output_dir={run}", "train.max_steps=8",
+                       "ckpt.verify=false", *QUIET])
+    reset_accelerate()
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("trainer: error:")]
+    assert status == 2 and "Traceback" not in err and len(errors) == 1, err[-3000:]
+    assert str(step) in errors[0] and damage in errors[0] and "cannot be read" in errors[0], errors[0]
+    assert snapshot(run) == before
+
+
+def test_falling_back_from_a_corrupt_checkpoint_names_the_cause_and_sets_it_aside(run, caplog):
+    root = run / "checkpoints"
+    weights = root / "step_00000006" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        trainer = make(run, *STEPS)
+    assert trainer.state.step == 4
+    repaired = [r.getMessage() for r in caplog.records if "pointers repaired" in r.getMessage()]
+    assert repaired == ["checkpoint pointers repaired (newer checkpoints failed verification): latest -> "
+                        "step_00000004"], repaired
+    assert (root / "step_00000006").is_dir()  # set aside only when this run saves that step again
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        trainer.fit()
+    kept = [p for p in root.iterdir() if p.name.startswith("step_00000006.corrupt-")]
+    assert len(kept) == 1 and (kept[0] / "model.safetensors").read_bytes() == bytes(data)
+    assert any("failed verification" in r.getMessage() and kept[0].name in r.getMessage() for r in caplog.records)
+    assert (root / "step_00000006").is_dir(), sorted(p.name for p in root.iterdir())
+    ckpt.verify_checkpoint(root / "step_00000006")  # the new one, complete
+
+
+def test_an_error_every_rank_raised_alike_is_printed_once(monkeypatch, capsys):
+    """Ranks that agreed on a checkpoint error all raise it: the main process says it, the others exit quietly."""
+    from trainer.core.checkpoint.agreement import everywhere
+
+    def train(args):
+        raise everywhere(CheckpointError("checkpoint step_00000004 could not be converted for this run: no space"))
+
+    monkeypatch.setattr(cli, "_train", train)
+    for rank, said in (("0", "trainer: error: checkpoint step_00000004 could not be converted for this run: no space\n"),
+                       ("1", "")):
+        monkeypatch.setenv("RANK", rank)
+        assert cli.main(["train", "config.yaml"]) == 2
+        assert capsys.readouterr().err == said
+
+
+def test_ranks_that_picked_different_checkpoints_all_resume_the_older_one(run, monkeypatch):
+    """Each rank picks its target before a process group exists; hashes are read by each node's first process
+    only, so one rank may refuse the newest checkpoint that another took: all go back to the older pick."""
+    from types import SimpleNamespace
+
+    from trainer.core.checkpoint import agreement, target
+
+    root = run / "checkpoints"
+    cfg = load_config(None, ["task.preset=tiny", f"run.output_dir={run}"])
+    mine = target.pick_resume_target(cfg)
+    assert mine.path == root / "step_00000006"
+    picks = [("step_00000006", None), ("step_00000004", None)]  # rank 1 refused step 6
+    monkeypatch.setattr(agreement, "gather_object",
+                        lambda objs: picks if isinstance(objs[0], tuple) else [objs[0], None])
+    acc = SimpleNamespace(num_processes=2, is_local_main_process=True)
+    agreed = agreement.agree_on_target(acc, mine, check_hashes=True)
+    assert agreed.path == root / "step_00000004" and agreed.step == 4
+    assert agreed.corrupt == (root / "step_00000006",)
+    assert agreed.skipped[-1] == f"checkpoint {root / 'step_00000006'} failed verification on another rank"

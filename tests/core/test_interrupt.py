@@ -18,7 +18,7 @@ from conftest import BIN, ROOT, TINY, accelerate_cmd, child_env, run_cmd, train_
 
 from trainer.core.checkpoint import latest_checkpoint
 from trainer.core.command_line import _as_typed, resume_command
-from trainer.core.export import load_model_weights
+from trainer.core.checkpoint.export import load_model_weights
 
 pytestmark = [pytest.mark.slow]
 

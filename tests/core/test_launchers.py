@@ -25,7 +25,7 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from trainer.core.export import export_run, load_exported
+from trainer.core.checkpoint.export import export_run, load_exported
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

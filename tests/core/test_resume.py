@@ -29,7 +29,7 @@ from conftest import (
 from safetensors.torch import load_file
 
 from trainer.core.checkpoint import latest_checkpoint
-from trainer.core.export import load_model_weights
+from trainer.core.checkpoint.export import load_model_weights
 from trainer.core.preemption import PREEMPTED_EXIT_CODE
 
 pytestmark = [pytest.mark.slow]

@@ -13,7 +13,9 @@ be converted, a run killed with SIGKILL at a random step that another topology c
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import random
 import signal
 import subprocess
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     BIN,
+    ONE_PROCESS,
     REGRESSION_LAUNCHES,
     TINY,
     TRAIN,
@@ -31,12 +34,13 @@ from conftest import (
     child_env,
     cli_in_process,
     cut_run_back,
+    reset_accelerate,
     run_cmd,
     train_losses,
 )
 
 from trainer.core.checkpoint import latest_checkpoint
-from trainer.core.export import load_model_weights
+from trainer.core.checkpoint.export import load_model_weights
 
 pytestmark = [pytest.mark.slow]
 
@@ -123,6 +127,63 @@ def test_checkpoint_of_another_model_or_task_is_one_line_and_changes_nothing(tmp
     assert len(errors) == 1 and "was trained for task 'regression', this run trains task 'protein_sedd'" in errors[0]
     assert snapshot(run) == before
     assert not (other / "checkpoints").exists()
+
+
+def train_in_process(out: Path, *extra: str) -> int:
+    """`trainer train` of the one-process regression run (8 per device) in this process: its exit status."""
+    from trainer.cli import main
+
+    args = [("train.per_device_batch_size=8" if arg == "train.per_device_batch_size=16" else arg) for arg in ONE_PROCESS]
+    try:
+        return main(["train", TINY, *args, f"run.output_dir={out}", *extra])
+    finally:
+        reset_accelerate()
+
+
+def one_error_line(status: int, err: str) -> str:
+    """The one line a user-fixable failure prints (exit 2, no traceback)."""
+    errors = [line for line in err.splitlines() if line.startswith("trainer: error:")]
+    assert status == 2 and "Traceback" not in err and len(errors) == 1, err[-3000:]
+    return errors[0]
+
+
+@pytest.mark.distributed
+def test_zero_checkpoint_on_a_full_disk_or_with_an_unreadable_file_is_one_line(regression_runs, tmp_path, monkeypatch,
+                                                                              capsys):
+    """The session's ZeRO-2 x2 run, cut back to step 4, resumed by one process in this process: the disk filling
+    during the conversion, or a garbled DeepSpeed file with ckpt.verify=false, is one line naming the space or the
+    file; the run folder is left as it was (DeepSpeed's latest_universal pointer included); with room again the
+    resume ends at the uninterrupted run's weights."""
+    import torch
+
+    out = cut_run_back(regression_runs("zero2"), tmp_path / "zero2_to_single", step=4)
+    root, before = out / "checkpoints", snapshot(out)
+    real_save = torch.save
+
+    def fill(obj, f, *args, **kwargs):
+        if ".universal-" in str(f):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # a write's error names no file
+        return real_save(obj, f, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", fill)
+        line = one_error_line(train_in_process(out, "run.resume=auto"), capsys.readouterr().err)
+    assert f"checkpoint {root / 'step_00000004'} could not be converted for this run: no space left on device " \
+           f"writing " in line and f"free in {root} now, the conversion needs about " in line, line
+    assert snapshot(out) == before and not (root / "latest_universal").exists()
+
+    ds = root / "step_00000004" / "pytorch_model"
+    for damaged in (ds / "mp_rank_00_model_states.pt", sorted(ds.glob("*optim_states.pt"))[0]):
+        intact = damaged.read_bytes()
+        damaged.write_bytes(intact[:len(intact) // 2] + bytes(len(intact) - len(intact) // 2))
+        line = one_error_line(train_in_process(out, "run.resume=auto", "ckpt.verify=false"), capsys.readouterr().err)
+        assert f"checkpoint file {damaged} cannot be read" in line, line
+        damaged.write_bytes(intact)
+        assert snapshot(out) == before and not (root / "latest_universal").exists()
+
+    assert train_in_process(out, "run.resume=auto") == 0
+    assert not list(root.glob(".universal-*")) and not (root / "latest_universal").exists()
+    assert_run_matches(regression_runs("single"), out, tolerance=1e-5, steps=8)
 
 
 @full_matrix

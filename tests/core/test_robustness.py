@@ -18,7 +18,7 @@ import pytest
 from conftest import BIN, ROOT, TINY, TRAIN, accelerate_cmd, child_env, reset_accelerate, run_cmd
 
 from trainer.config import ConfigError, load_config
-from trainer.core import checkpoint as ckpt
+from trainer.core.checkpoint import store as ckpt
 from trainer.core.trainer import Trainer
 from trainer.errors import CheckpointError, DataError
 

@@ -154,7 +154,7 @@ def test_deepspeed_checkpoint_readers_print_nothing_and_still_raise(capsys):
     bars) on each. Its readers run inside `deepspeed_reading`: the chatter is dropped, errors are not."""
     from tqdm.auto import tqdm
 
-    from trainer.core.universal import deepspeed_reading
+    from trainer.core.checkpoint.convert import deepspeed_reading
 
     stdout, stderr = sys.stdout, sys.stderr
     with deepspeed_reading():

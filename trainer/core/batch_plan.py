@@ -8,21 +8,18 @@ map-style data continues at the same global sample (samplers.py: an epoch is who
 the learning rate and warm-up keep the scaling the run started with.
 
 The plan is made before the Accelerator exists (its accumulation plugin and a DeepSpeed json's
-"auto" values are filled from it), from the config, the launcher's WORLD_SIZE and the checkpoint's
-`trainer_state.json`. The config is left as loaded: the layout lives in the frozen `BatchPlan`, part of the
-run's `RunPlan` (run_plan.py), which the components take.
+"auto" values are filled from it), from the config, the launcher's WORLD_SIZE and the batch layout of the
+checkpoint the run resumes (`ResumeTarget.batch_layout`, checkpoint/target.py). The config is left as loaded:
+the layout lives in the frozen `BatchPlan`, part of the run's `RunPlan` (run_plan.py), which the components take.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from trainer.config import Config, ConfigError
-from trainer.core import checkpoint as ckpt
 
 logger = logging.getLogger("trainer")
 
@@ -50,56 +47,12 @@ def launch_world_size() -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
 
 
-@dataclass(frozen=True)
-class SavedBatch:
-    """The batch layout a checkpoint recorded (its trainer_state.json), and that checkpoint."""
-
-    path: Path
-    state: dict
-
-
-def saved_batch(cfg: Config) -> SavedBatch | None:
-    """The batch layout recorded by the checkpoint this run will resume (run.resume), or None.
-
-    For run.resume=auto the newest checkpoint with a readable state is taken: the one resume() tries
-    first. Checkpoints of older versions record no per-device batch: the run's saved config gives it."""
-    mode = cfg.run.resume
-    if mode == "none":
-        return None
-    try:
-        candidates = (ckpt.resume_candidates(Path(cfg.run.output_dir) / "checkpoints") if mode == "auto"
-                      else [ckpt.resolve_checkpoint(mode)])
-    except ckpt.CheckpointError:
-        return None  # resume() reports it with the full story
-    for path in candidates:
-        try:
-            state = json.loads((path / ckpt.STATE).read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if "per_device_batch_size" not in state:
-            state["per_device_batch_size"] = _configured_per_device(path)
-        if not all(isinstance(state.get(k), int) for k in ("world_size", "grad_accum_steps", "per_device_batch_size")):
-            return None
-        return SavedBatch(path, state)
-    return None
-
-
-def _configured_per_device(path: Path) -> int | None:
-    import yaml
-
-    config = path.parents[1] / "config.yaml"  # RUN_DIR/checkpoints/step_N -> RUN_DIR/config.yaml
-    try:
-        return int((yaml.safe_load(config.read_text()) or {}).get("train", {}).get("per_device_batch_size"))
-    except (OSError, TypeError, ValueError, AttributeError):
-        return None
-
-
 def plan_batch(cfg: Config, world: int | None = None, saved: dict | None = None) -> BatchPlan:
-    """The per-device batch and accumulation for `world` processes (see the module docstring); `saved` is the
-    trainer state of the checkpoint this run resumes (`saved_batch`), None or empty for a fresh start.
+    """The per-device batch and accumulation for `world` processes (see the module docstring).
 
-    Raises a one-line ConfigError when the global batch cannot be kept, or the user asked for another one
-    than the checkpoint's."""
+    `saved`: the batch layout of the checkpoint the run resumes (`ResumeTarget.batch_layout`), None or empty for
+    a fresh start. Raises a one-line ConfigError when the global batch cannot be kept, or the user asked for
+    another one than the checkpoint's."""
     t = cfg.train
     world = launch_world_size() if world is None else world
     per_device, accum = t.per_device_batch_size, t.grad_accum_steps

@@ -273,7 +273,7 @@ def enable_cpu_fsdp(accelerator: Accelerator) -> None:
     torch's FSDP2 (`fully_shard`) shards over a gloo mesh as well, so the Accelerator built for MULTI_CPU is
     switched to FSDP (version 2) with the yaml's plugin: `prepare` then shards the model with `fully_shard`
     and re-points the optimizer at the sharded parameters, `backward` and `clip_grad_norm_` take their FSDP2
-    branches (checkpoints: accelerate's sharded FSDP2 save, converted on demand by universal.py). Collectives (`gather`,
+    branches (checkpoints: accelerate's sharded FSDP2 save, converted on demand by checkpoint/convert.py). Collectives (`gather`,
     `reduce`, barriers) take the same torch.distributed path under FSDP as under MULTI_CPU, on the CPU device
     and the gloo group already initialised."""
     from accelerate.utils import FullyShardedDataParallelPlugin

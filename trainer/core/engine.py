@@ -12,6 +12,11 @@ engines cover every launch:
 - `DeepSpeedEngine`: the DeepSpeed engine scales, clips and steps inside `accelerator.backward`; skipped
   steps are its own counter, the gradient norm its `get_global_grad_norm()`.
 
+Each engine also owns its backend's checkpoint files (`save_checkpoint`, `load_checkpoint`, `load_universal`):
+accelerate's `save_state`/`load_state` (plain, DDP, DeepSpeed), its sharded DCP form under FSDP2
+(`FSDPEngine`), and filling itself from the topology-free form of another layout's checkpoint
+(checkpoint/convert.py). The backend is decided once, by `build_engine`.
+
 Gradient scaling: the step's loss is the global weighted mean (each rank's share already divided by
 the global units), but accelerate divides by the accumulation steps and DDP/ZeRO average over ranks,
 so backward is given the share times what those undo.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from pathlib import Path
 from types import MethodType
 from typing import Any
 
@@ -102,6 +108,39 @@ class Engine:
     def after_resume(self) -> None:
         """Called once the checkpoint is loaded (counters the backend restored are not new events)."""
 
+    # ------------------------------------------------------------------ the backend's checkpoint files
+    checks_same_model = True
+    """Whether a checkpoint of this backend's own layout is checked against the model before its loader runs
+    (DeepSpeed's loader reads only its own files, whose shapes it checks itself)."""
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """What trainer_state.json records of how the backend wrote its files (beyond backend and world size)."""
+        return {}
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Write the model, optimizer and every rank's RNG in the backend's own files (every rank)."""
+        self.accelerator.save_state(str(directory), safe_serialization=True)
+
+    def load_checkpoint(self, path: Path, saved: dict[str, Any], param_names: list[list[str]]) -> None:
+        """Read a checkpoint this backend's own loader can read (checkpoint/convert.py: `needs_conversion`)."""
+        from trainer.core.checkpoint.safe_load import weights_only_loading
+
+        # DeepSpeed unpickles its own files with weights_only=False, DCP its metadata with pickle
+        with weights_only_loading():
+            self.accelerator.load_state(str(path))
+
+    def load_universal(self, folder: Path, saved: dict[str, Any], param_names: list[list[str]]) -> None:
+        """Fill the model and optimizer from the topology-free form in `folder` (another layout's checkpoint)."""
+        from trainer.core.checkpoint.convert import load_into_torch
+
+        load_into_torch(folder, self.unwrapped, self.torch_optimizer, param_names)
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        from trainer.core.distributed import unwrap_model
+
+        return unwrap_model(self.accelerator, self.model)
+
 
 class TorchEngine(Engine):
     """Plain PyTorch, DDP and FSDP, with or without an fp16 GradScaler (see the module docstring)."""
@@ -154,6 +193,38 @@ class TorchEngine(Engine):
         return new
 
 
+class FSDPEngine(TorchEngine):
+    """FSDP2 (`fully_shard`): a TorchEngine whose checkpoints are accelerate's sharded form (DCP)."""
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        from trainer.core.checkpoint.convert import SHARDED
+
+        return {SHARDED: True}
+
+    def _sharded_state_dicts(self) -> None:
+        """Save and load accelerate's sharded form (DCP), whatever the accelerate config's fsdp_state_dict_type:
+        FULL_STATE_DICT would gather the whole state onto one process and pickle it."""
+        plugin = self.accelerator.state.fsdp_plugin
+        if plugin.state_dict_type is None or plugin.state_dict_type.name != "SHARDED_STATE_DICT":
+            plugin.state_dict_config = plugin.optim_state_dict_config = None  # the sharded defaults
+            plugin.set_state_dict_type("SHARDED_STATE_DICT")
+
+    def save_checkpoint(self, directory: Path) -> None:
+        # Every rank writes its own shards with torch.distributed.checkpoint (nothing is gathered); another layout
+        # converts them on demand at resume (checkpoint/convert.py).
+        self._sharded_state_dicts()
+        super().save_checkpoint(directory)
+
+    def load_checkpoint(self, path: Path, saved: dict[str, Any], param_names: list[list[str]]) -> None:
+        from trainer.core.checkpoint.convert import WEIGHTS, load_torch_files
+
+        if (path / WEIGHTS).is_file():  # a plain or DDP checkpoint's whole tensors: each rank takes its shards
+            load_torch_files(path, self.unwrapped, self.torch_optimizer, saved.get("param_names") or param_names)
+            return
+        self._sharded_state_dicts()  # DCP's shards, resharded to this world size by DCP
+        super().load_checkpoint(path, saved, param_names)
+
+
 class DeepSpeedEngine(Engine):
     """DeepSpeed ZeRO-1/2/3: its engine scales, clips, steps and skips overflowing steps itself."""
 
@@ -162,6 +233,10 @@ class DeepSpeedEngine(Engine):
         super().__init__(accelerator, model, optimizer, cfg, grad_accum_steps)
         plugin = accelerator.state.deepspeed_plugin
         self.zero_stage = int(plugin.zero_stage) if plugin is not None else 0
+        # the run plan's global batch, as filled into DeepSpeed's config (the config's own may differ)
+        planned = plugin.deepspeed_config.get("train_batch_size") if plugin is not None else None
+        self.global_batch = planned if isinstance(planned, int) else \
+            cfg.train.per_device_batch_size * self.accum * self.world
         self.may_sample_in_eval = self.zero_stage < 3  # ZeRO-3 partitions the weights themselves
         t = cfg.train
         self.guard = StepGuard(None, active=False, max_in_row=t.max_nonfinite_in_row,
@@ -208,6 +283,16 @@ class DeepSpeedEngine(Engine):
 
     def after_resume(self) -> None:
         self._engine_skipped = int(getattr(self.model, "skipped_steps", 0))
+
+    checks_same_model = False
+
+    def load_universal(self, folder: Path, saved: dict[str, Any], param_names: list[list[str]]) -> None:
+        from trainer.core.checkpoint.convert import load_into_deepspeed
+
+        load_into_deepspeed(folder, self.model, param_names)
+        step = int(saved.get("step", 0))  # the engine's own counters, as its loader sets them
+        self.model.global_steps = step
+        self.model.global_samples = step * self.global_batch
 
 
 def _autocast_forward(module: torch.nn.Module, device_type: str, dtype: torch.dtype) -> None:
@@ -265,5 +350,11 @@ def _peak_lr(optimizer: Any) -> float:
 def build_engine(accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config, grad_accum_steps: int) -> Engine:
     """The engine for this run's backend; `model` and `optimizer` as `accelerator.prepare` returned them,
     `grad_accum_steps` the run plan's."""
-    kind = DeepSpeedEngine if accelerator.distributed_type == DistributedType.DEEPSPEED else TorchEngine
-    return kind(accelerator, model, optimizer, cfg, grad_accum_steps)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return DeepSpeedEngine(accelerator, model, optimizer, cfg, grad_accum_steps)
+    from trainer.core.checkpoint.convert import is_fsdp2
+    from trainer.core.distributed import unwrap_model
+
+    if is_fsdp2(unwrap_model(accelerator, model)):
+        return FSDPEngine(accelerator, model, optimizer, cfg, grad_accum_steps)
+    return TorchEngine(accelerator, model, optimizer, cfg, grad_accum_steps)

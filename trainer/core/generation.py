@@ -123,7 +123,7 @@ def sample_run(run_dir: str | Path, options: SampleConfig | Sequence[str] = ()) 
     """Sample from RUN_DIR's checkpoint; returns the statistics on the main process, None elsewhere."""
     from accelerate import PartialState
 
-    from trainer.core.export import consolidated_weights, read_task_stats
+    from trainer.core.checkpoint.export import consolidated_weights, read_task_stats
 
     run_dir = Path(run_dir)
     task = run_task(run_dir)

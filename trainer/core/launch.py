@@ -68,16 +68,16 @@ class RunResult:
     @classmethod
     def read(cls, run_dir: str | Path, status: str | None = None) -> RunResult:
         """The results of a run directory (`status` default: `interrupted` or `preempted` if its marker is there)."""
-        from trainer.core import checkpoint as ckpt
+        from trainer.core.checkpoint import store
 
         run = RunDir(run_dir)
         records = run.read_metrics()
         last_eval = next((r for r in reversed(records) if any(k.startswith("eval/") for k in r)), {})
         last_test = next((r for r in reversed(records) if any(k.startswith("test/") for k in r)), {})
         start = next((r for r in reversed(records) if r.get("event") == "start"), {})
-        best = ckpt.best_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
-        latest = ckpt.latest_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
-        step = ckpt.STEP_DIR.match(best.name) if best is not None else None
+        best = store.best_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
+        latest = store.latest_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
+        step = store.STEP_DIR.match(best.name) if best is not None else None
         if status is None:
             stopped_by = _stop_marker(run, since=0)
             status = "completed" if stopped_by is None else "interrupted" if stopped_by == "SIGINT" else "preempted"
@@ -264,9 +264,9 @@ def _planned_steps(run: RunDir, cfg: Config) -> int:
 
 
 def _latest(run: RunDir) -> Path | None:
-    from trainer.core import checkpoint as ckpt
+    from trainer.core.checkpoint import store
 
-    return ckpt.latest_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
+    return store.latest_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
 
 
 class _FrontEnd:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.config import Config, config_to_dict
-from trainer.core import checkpoint as ckpt
+from trainer.core.checkpoint import store
 from trainer.core.metrics_log import MetricsLog, peak_memory_mb
 from trainer.rundir import RunDir
 
@@ -125,8 +125,8 @@ class RunLogger:
                          + ("the final eval" if best_eval is evals[-1] else _format_metrics(best_eval, "eval/", metric)))
         if tests:
             lines.append(f"  test: {_format_metrics(tests[-1], 'test/', metric)}  (report in {run.test})")
-        best = ckpt.read_pointer(run.checkpoints, "best")
-        latest = ckpt.read_pointer(run.checkpoints, "latest")
+        best = store.read_pointer(run.checkpoints, "best")
+        latest = store.read_pointer(run.checkpoints, "latest")
         lines.append(f"  run directory: {run.root}  (config.yaml, plan.json, metrics.jsonl"
                      + (", tb/)" if self.cfg.log.tensorboard else ")"))
         lines.append(f"  checkpoints: best {best or '-'}, latest {latest or '-'}")

@@ -3,7 +3,7 @@
 Read top to bottom: `__init__` builds task, data, model and optimizer, prepares them and resumes;
 `fit` runs optimizer steps (`train_step`), evaluates (`evaluate`) and checkpoints (`save`). Its parts
 live beside it: engine.py (what differs per backend: backward scaling, clipping, the optimizer step,
-skipped steps), loaders.py (this rank's batches), checkpointer.py (checkpoint save and resume), ema.py,
+skipped steps), loaders.py (this rank's batches), checkpoint/ (the resume target, checkpoint save and resume), ema.py,
 run_logger.py (start lines, logging steps, the summary), optim.py. The loop never branches on the
 task or the backend.
 """
@@ -26,9 +26,11 @@ from tqdm.auto import tqdm
 
 from trainer.atomic_io import atomic_write_text
 from trainer.config import Config, save_config
-from trainer.core import checkpoint as ckpt
-from trainer.core.batch_plan import plan_batch, saved_batch
-from trainer.core.checkpointer import Checkpointer, TrainState
+from trainer.core.batch_plan import plan_batch
+from trainer.core.checkpoint import pick_resume_target, store
+from trainer.core.checkpoint.convert import optimizer_param_names
+from trainer.core.checkpoint.manager import Checkpointer
+from trainer.core.checkpoint.parts import BackendState, DataPosition, EMAState, TaskStats, TrainState
 from trainer.core.command_line import resume_command, started_by_front_end
 from trainer.core.distributed import build_accelerator, compile_model, unwrap_model
 from trainer.core.ema import EMA
@@ -42,7 +44,6 @@ from trainer.core.run_lock import release_run_lock
 from trainer.core.run_logger import RunLogger, StepWindow
 from trainer.core.run_plan import build_run_plan
 from trainer.core.step_guard import NonFiniteLossError
-from trainer.core.universal import optimizer_param_names
 from trainer.registry import get_task
 from trainer.rundir import RunDir
 from trainer.task import GenerativeTask
@@ -57,9 +58,10 @@ class Trainer:
 
     def __init__(self, cfg: Config, deepspeed_config: str | None = None):
         self.cfg = cfg  # as loaded: what the run derives from it is `self.plan` (run_plan.py)
-        # The batch layout first (the Accelerator needs it): the checkpoint's global batch is kept on any world size.
-        resume = saved_batch(cfg)
-        batch = plan_batch(cfg, saved=resume.state if resume else None)
+        # The checkpoint to resume, picked and verified once; its batch layout is planned on before the Accelerator
+        # (which needs the layout): the checkpoint's global batch is kept on any world size.
+        target = pick_resume_target(cfg)
+        batch = plan_batch(cfg, saved=target.batch_layout)
         self.accelerator = acc = build_accelerator(cfg, batch, deepspeed_config)
         check_backend_supports(cfg, acc.distributed_type)
         self.is_main = acc.is_main_process
@@ -78,7 +80,7 @@ class Trainer:
         self.data = TrainBatches(cfg, batch, self.task, data.train, acc.process_index, world, acc.device)
         self.train_loader, self.streaming = self.data.loader, self.data.streaming
         self.plan = plan = build_run_plan(cfg, batch, self.data.batches_per_epoch, tuple(self.task.metrics),
-                                          resume.path if resume else None)
+                                          target.path)
         self.lr, self.warmup_steps = plan.lr, plan.warmup_steps  # scaled to the world size
 
         optimizer = build_optimizer(cfg, model, self.lr)
@@ -103,9 +105,12 @@ class Trainer:
         self.test_weights_step: int | None = None
         """The step whose weights the test pass used (eval.test_weights), None: the current step."""
 
-        self.checkpointer = Checkpointer(cfg, acc, self.run_dir, self.state, model=self.model, optimizer=self.optimizer,
-                                         param_names=param_names, scheduler=self.scheduler, engine=self.engine,
-                                         data=self.data, task=self.task, ema=self.ema)
+        parts = {"train": self.state, "backend": BackendState(acc, self.engine, param_names, self.state),
+                 "data": DataPosition(self.data, acc), "scheduler": self.scheduler, "step_guard": self.engine,
+                 "task_stats": TaskStats(self.task)}
+        if self.ema is not None:
+            parts["ema"] = EMAState(self.ema, acc, self.model, self.state)
+        self.checkpointer = Checkpointer(cfg, acc, self.run_dir, parts, target)
         resumed = self.checkpointer.resume()
         self.resumed_from = resumed.path if resumed else None
         # A run resumed at its last step that was not stopped there has its final eval, test and checkpoint:
@@ -335,7 +340,7 @@ class Trainer:
                 if status == "interrupted":
                     if started_by_front_end():  # it says so itself, with the command that started it
                         return
-                    latest = ckpt.latest_checkpoint(self.run_dir.checkpoints)
+                    latest = store.latest_checkpoint(self.run_dir.checkpoints)
                     print(f"trainer: interrupted by Ctrl-C at step {self.state.step} of {self.plan.max_steps}: "
                           f"checkpoint {latest} written; resume with: {resume_command(self.cfg)}", file=sys.stderr,
                           flush=True)
@@ -347,7 +352,7 @@ class Trainer:
         """eval.test_weights=best: load the best checkpoint's weights (and EMA) for the test pass."""
         if self.cfg.eval.test_weights != "best" or self.state.best_step in (None, self.state.step):
             return
-        path = ckpt.best_checkpoint(self.run_dir.checkpoints)
+        path = store.best_checkpoint(self.run_dir.checkpoints)
         if path is None:
             logger.warning("eval.test_weights=best: no best checkpoint under %s; testing the final weights",
                            self.run_dir.checkpoints)

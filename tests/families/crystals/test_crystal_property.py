@@ -220,7 +220,7 @@ def test_exported_model_predicts_from_collate_graphs_like_evaluation(tmp_path):
     coefficients the graphs were built with, so nobody recomputes them differently."""
     import ase.io
 
-    from trainer.core.export import export_run, load_exported
+    from trainer.core.checkpoint.export import export_run, load_exported
     from trainer.families.crystals.dataset import CrystalRows, build_crystal_dataset, collate_graphs
     from trainer.families.crystals.graphs import GraphSpec
 

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.atomic_io import disk_bytes, format_bytes, free_bytes, no_space_reason, temp_path
-from trainer.core.checkpoint import STATE, TASK_STATS, CheckpointError, resolve_checkpoint, verify_checkpoint
+from trainer.core.checkpoint.store import STATE, TASK_STATS, resolve_checkpoint, verify_checkpoint
+from trainer.errors import CheckpointError
 
 
 def load_model_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
@@ -28,13 +29,13 @@ def load_model_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
         # ZeRO-1/2/3: merge the per-rank fp32 partitions (any stage) on one CPU process.
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        from trainer.core.universal import deepspeed_reading
+        from trainer.core.checkpoint.convert import deepspeed_reading
 
         with deepspeed_reading():  # DeepSpeed itself would unpickle with weights_only=False
             return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag="pytorch_model")
     fsdp = sorted(ckpt_dir.glob("pytorch_model_fsdp_*"))
     if fsdp:  # FSDP's shards (torch.distributed.checkpoint), read whole on this process, weights-only
-        from trainer.core.universal import read_dcp
+        from trainer.core.checkpoint.convert import read_dcp
 
         return read_dcp(fsdp[0]).get("model", {})
     raise CheckpointError(f"checkpoint {ckpt_dir} holds no model weights this exporter knows "

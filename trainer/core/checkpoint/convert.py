@@ -7,10 +7,11 @@ form (Lian et al. 2024): one folder per parameter name with the fp32 weights, th
 (`zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`, each tensor whole), and the optimizer's
 hyper-parameters per group (`zero/optimizer_state.pt`). A ZeRO checkpoint is converted by DeepSpeed's
 `ds_to_universal` (`--inject_missing_state`), a plain or DDP one (`model.safetensors`, `optimizer.bin`)
-by naming the optimizer's parameters with the names the checkpoint recorded. `load_into` fills the
-running backend from that folder: DeepSpeed's own universal loader under ZeRO-1/2/3 at any number of
-processes, `load_state_dict` of the model and the torch optimizer under one process or DDP, and under
-FSDP2 torch.distributed.checkpoint's `set_state_dict` with whole tensors (each rank keeps its shards).
+by naming the optimizer's parameters with the names the checkpoint recorded. The running backend's engine
+(engine.py) fills itself from that folder: `load_into_deepspeed` (DeepSpeed's own universal loader under
+ZeRO-1/2/3 at any number of processes) or `load_into_torch` (`load_state_dict` of the model and the torch
+optimizer under one process or DDP, and under FSDP2 torch.distributed.checkpoint's `set_state_dict` with
+whole tensors, each rank keeping its shards).
 An FSDP2 run writes accelerate's sharded checkpoint (torch.distributed.checkpoint, DCP: every rank writes
 its own shards, `pytorch_model_fsdp_0/` and `optimizer_0/`), which FSDP reads back at any number of
 processes (DCP reshards); one process, DDP and DeepSpeed resume it through `convert`, which reads the
@@ -35,8 +36,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from trainer.core.safe_load import weights_only_loading
-from trainer.errors import CheckpointError
+from trainer.atomic_io import no_space_reason
+from trainer.core.checkpoint.safe_load import weights_only_loading
+from trainer.errors import CheckpointError, first_line
 
 DEEPSPEED = "DEEPSPEED"
 FSDP = "FSDP"
@@ -178,8 +180,10 @@ def _from_deepspeed(path: Path, out: Path) -> None:
         raise CheckpointError(f"checkpoint {path}: the optimizer state cannot be converted (DeepSpeed's "
                               f"ds_to_universal found no {err} in it: it converts Adam/AdamW moments only)") from err
     except Exception as err:  # noqa: BLE001 - whatever DeepSpeed raises, one line naming the part
+        if no_space_reason(err) is not None:  # the disk's fault, not the checkpoint's: said by the caller
+            raise
         raise CheckpointError(f"checkpoint {path}: its DeepSpeed files cannot be converted to the universal form "
-                              f"({_first_line(err)})") from err
+                              f"({first_line(err)})") from err
     zero = out / "zero"
     with weights_only_loading():
         state = torch.load(zero / OPTIMIZER_STATE, map_location="cpu", weights_only=True)
@@ -262,20 +266,30 @@ def _write_common_state(zero: Path, groups: list[dict], step: Any, base: dict) -
 
 
 # ------------------------------------------------------------------ out of it, into this run
-def load_into(folder: Path, model: Any, optimizer: Any, unwrapped: torch.nn.Module, param_names: list[list[str]],
-              backend: str) -> None:
-    """Fill this run's model and optimizer from the universal form in `folder` (every rank)."""
-    zero = folder / "zero"
+def read_common_state(folder: Path, param_names: list[list[str]]) -> dict[str, Any]:
+    """The universal form's `optimizer_state.pt` in `folder`, checked against this run's parameter groups."""
     with weights_only_loading():
-        common = torch.load(zero / OPTIMIZER_STATE, map_location="cpu", weights_only=True)
-        groups = common.get("param_groups") or []
-        if len(groups) != len(param_names):
-            raise CheckpointError(f"the optimizer of the checkpoint has {len(groups)} parameter groups, this run's "
-                                  f"{len(param_names)} (did optim.weight_decay or optim.decay_all_parameters change?)")
-        if backend == DEEPSPEED:
-            _into_deepspeed(zero, model, groups)
-        else:
-            _into_torch(zero, unwrapped, optimizer.optimizer, param_names, groups, common)
+        common = torch.load(folder / "zero" / OPTIMIZER_STATE, map_location="cpu", weights_only=True)
+    groups = common.get("param_groups") or []
+    if len(groups) != len(param_names):
+        raise CheckpointError(f"the optimizer of the checkpoint has {len(groups)} parameter groups, this run's "
+                              f"{len(param_names)} (did optim.weight_decay or optim.decay_all_parameters change?)")
+    return common
+
+
+def load_into_deepspeed(folder: Path, engine: Any, param_names: list[list[str]]) -> None:
+    """Fill a DeepSpeed engine (any ZeRO stage, any number of processes) from the universal form in `folder`."""
+    common = read_common_state(folder, param_names)
+    with weights_only_loading():
+        _into_deepspeed(folder / "zero", engine, common.get("param_groups") or [])
+
+
+def load_into_torch(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    param_names: list[list[str]]) -> None:
+    """Fill a plain, DDP or FSDP2 model (unwrapped) and its torch optimizer from the universal form in `folder`."""
+    common = read_common_state(folder, param_names)
+    with weights_only_loading():
+        _into_torch(folder / "zero", model, optimizer, param_names, common.get("param_groups") or [], common)
 
 
 def _into_deepspeed(zero: Path, engine: Any, groups: list[dict]) -> None:
@@ -287,7 +301,7 @@ def _into_deepspeed(zero: Path, engine: Any, groups: list[dict]) -> None:
         raise
     except Exception as err:  # noqa: BLE001 - DeepSpeed's loader asserts; name the part
         raise CheckpointError(f"the universal checkpoint could not be loaded into DeepSpeed's optimizer "
-                              f"({_first_line(err)})") from err
+                              f"({first_line(err)})") from err
     if not engine.zero_optimization_partition_weights():
         zero_optimizer.update_lp_params()  # fp32 master -> the model's weights (ZeRO-3 copies them itself)
     for group, saved in zip(zero_optimizer.optimizer.param_groups, groups):  # ZeRO-3 applies group 0's to all
@@ -343,7 +357,7 @@ def is_fsdp2(model: torch.nn.Module) -> bool:
 
 def read_dcp_metadata(folder: Path) -> Any:
     """The metadata of a DCP folder (tensor names and shapes), unpickled by safe_load's restricted unpickler."""
-    from trainer.core.safe_load import load_dcp_metadata
+    from trainer.core.checkpoint.safe_load import load_dcp_metadata
 
     file = folder / ".metadata"
     if not file.is_file():
@@ -369,7 +383,7 @@ def read_dcp(folder: Path) -> dict[str, Any]:
     except CheckpointError:
         raise
     except Exception as err:  # noqa: BLE001 - DCP raises its own exception types; one line naming the folder
-        raise CheckpointError(f"checkpoint {folder.parent}: {folder.name}/ cannot be read ({_first_line(err)})") from err
+        raise CheckpointError(f"checkpoint {folder.parent}: {folder.name}/ cannot be read ({first_line(err)})") from err
     return state
 
 
@@ -407,7 +421,7 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, we
                        options=StateDictOptions(full_state_dict=True))
     except (ValueError, KeyError, IndexError, RuntimeError) as err:
         raise CheckpointError(f"the checkpoint's weights or optimizer state could not be loaded into this run's "
-                              f"model and optimizer ({_first_line(err)})") from err
+                              f"model and optimizer ({first_line(err)})") from err
 
 
 def load_torch_files(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -420,11 +434,6 @@ def load_torch_files(path: Path, model: torch.nn.Module, optimizer: torch.optim.
     with weights_only_loading():
         optim_state = torch.load(path / OPTIMIZER, map_location="cpu", weights_only=True)
     load_full_state(model, optimizer, weights, optim_state, param_names)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def describe(saved: dict[str, Any], backend: str, world: int, zero_stage: int) -> str:

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import enum
 import importlib
+import os
 import pickle
 import re
 import sys
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, first_line
 
 # Non-tensor types found in DeepSpeed 0.15-0.19 checkpoints (ZeRO-1/2/3, CPU offload, fp16/bf16). All
 # are plain data holders: constructing them runs no code beyond setting attributes.
@@ -87,6 +88,16 @@ def weights_only_loading() -> Iterator[None]:
             reason = found.group(0).rstrip(".") if found else "not a weights-only pickle"
             raise CheckpointError(f"refusing to load {f}: it holds objects that weights-only loading does not "
                                   f"allow, so loading it could run code ({reason})") from None
+        except CheckpointError:
+            raise
+        except (RuntimeError, EOFError, UnicodeDecodeError, ValueError, OSError) as err:
+            # Garbled or truncated bytes: torch's reader names no file, and a caller several frames up
+            # (DeepSpeed's converter) does not know which one it was reading.
+            name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+            if name is None or (isinstance(err, OSError) and err.filename):  # an OSError naming its file says it
+                raise
+            raise CheckpointError(f"checkpoint file {name} cannot be read ({first_line(err)}): it is damaged, "
+                                  f"or not what its name says") from err
 
     with _lock:
         torch.load = load

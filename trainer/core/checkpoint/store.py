@@ -1,4 +1,4 @@
-"""Atomic, verifiable checkpoints in `RUN_DIR/checkpoints/`.
+"""The files of a checkpoint: atomic, verifiable checkpoints in `RUN_DIR/checkpoints/`.
 
 A checkpoint is written into `.tmp-step_N/`, completed with `trainer_state.json` and a
 `manifest.json` (size and sha256 of every file, and when it was completed), then renamed to
@@ -235,8 +235,7 @@ def finalize(tmp_dir: Path, final_dir: Path, root: Path, best: bool) -> None:
     if final_dir.exists() and not (final_dir / MANIFEST).is_file():
         # Not a checkpoint this trainer completed (those have a manifest): keep it, renamed, rather than delete
         # what a user may have put there.
-        kept = final_dir.with_name(f"{final_dir.name}.replaced-{time.strftime('%Y%m%dT%H%M%S')}")
-        os.rename(final_dir, kept)
+        kept = set_aside(final_dir, "replaced")
         logger.warning("%s had no %s (not a completed checkpoint): moved to %s before saving this step",
                        final_dir, MANIFEST, kept.name)
     if final_dir.exists():
@@ -250,11 +249,19 @@ def finalize(tmp_dir: Path, final_dir: Path, root: Path, best: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def set_aside(ckpt_dir: Path, why: str) -> Path:
+    """Rename `ckpt_dir` to `<name>.<why>-<time>` (never deleted: out of the run's way, there to inspect)."""
+    kept = ckpt_dir.with_name(f"{ckpt_dir.name}.{why}-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.rename(ckpt_dir, kept)
+    return kept
+
+
 def rotate(root: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` checkpoints and the best one; remove stale temp dirs."""
-    for pattern in (".tmp-step_*", ".old-step_*", ".universal-step_*"):  # the last: a conversion a kill left
+    for pattern in (".tmp-step_*", ".old-step_*"):
         for stale in root.glob(pattern):
             shutil.rmtree(stale, ignore_errors=True)
+    remove_conversion_scratch(root)
     keep = set(newest_first(root)[:keep_last]) if keep_last > 0 else set()
     for target in (read_pointer(root, "best"), read_pointer(root, "latest"), best_checkpoint(root)):
         if target is not None:
@@ -265,3 +272,20 @@ def rotate(root: Path, keep_last: int) -> list[Path]:
             shutil.rmtree(ckpt)
             removed.append(ckpt)
     return removed
+
+
+CONVERSION_SCRATCH = ".universal-"
+"""The prefix of a resume's conversion folder beside the checkpoints (manager.py)."""
+DEEPSPEED_POINTER = "latest_universal"
+"""DeepSpeed's converter writes this pointer beside its output folder: never one of ours."""
+
+
+def remove_conversion_scratch(root: Path) -> None:
+    """Remove what a conversion a kill interrupted left beside the checkpoints: its scratch folders, and the
+    pointer DeepSpeed's converter writes there (written by versions that converted at the top level)."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for stale in root.glob(f"{CONVERSION_SCRATCH}step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    (root / DEEPSPEED_POINTER).unlink(missing_ok=True)

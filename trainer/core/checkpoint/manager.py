@@ -1,0 +1,252 @@
+"""Checkpointing as one component: a `Checkpointer` that saves and restores the run's `Stateful` parts.
+
+As torchtitan's CheckpointManager, the Checkpointer holds every part of the training state in one mapping
+(parts.py: backend, train state, data position, scheduler, step guard, task statistics, EMA), saves them in
+one loop, atomically (store.py: a temp folder, the manifest, the rename, then the pointers), and restores
+them in one loop. Where each part's state lives in a checkpoint is `PART_FILES` (a file of its own) or
+`TOP_LEVEL` (keys at the top of `trainer_state.json`); any other part is saved under its name there. The
+backend part also writes and reads its own files (`BackendState.save`/`load`: ZeRO and FSDP shard them),
+converted through a scratch folder when the checkpoint has another layout (convert.py).
+
+`resume()` restores the checkpoint the run's `ResumeTarget` names (picked and verified once, target.py),
+every part in place, and returns what it resumed (`Resumed`); it reads and writes nothing else of the
+Trainer. A failure to read, convert or write is one CheckpointError, the same on every rank (agreement.py),
+and leaves the run folder as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+
+from trainer.config import Config
+from trainer.core.checkpoint import store
+from trainer.core.checkpoint.agreement import (
+    SaveErrors,
+    agree,
+    agree_on_target,
+    everywhere,
+    failure_reason,
+    set_aside_old_checkpoints,
+    verify_everywhere,
+)
+from trainer.core.checkpoint.parts import BackendState, Stateful, TrainState, restore_rng, saved_rng_states
+from trainer.core.checkpoint.target import ResumeTarget, warn_changed_task, warn_skipped
+from trainer.errors import CheckpointError
+from trainer.rundir import RunDir
+
+logger = logging.getLogger("trainer")
+
+EMA_FILE = "ema.safetensors"
+PART_FILES = {"task_stats": store.TASK_STATS, "ema": EMA_FILE}
+"""Parts saved in a file of their own (.json, or .safetensors for tensors), by the main process."""
+TOP_LEVEL = ("train", "backend", "data")
+"""Parts whose keys are saved at the top level of trainer_state.json (its readers take them from there)."""
+REQUIRED_FILES = {"ema": "train.ema_decay > 0"}
+"""Parts whose file a checkpoint must have (why); without one, another part keeps its state."""
+
+
+@dataclass
+class Resumed:
+    path: Path
+    state: TrainState
+    converted: str | None
+    """The conversion made ('ZeRO-2 x 2 -> 1 process' and its duration), None when the backend read its own files."""
+
+
+class Checkpointer:
+    """Saves and restores `parts` (name -> Stateful; module docstring) in `run_dir/checkpoints`; resumes `target`.
+
+    `parts` holds "backend" (a `BackendState`), "train" (the `TrainState`) and "task_stats" (a `TaskStats`);
+    any other `Stateful` may join."""
+
+    def __init__(self, cfg: Config, acc: Any, run_dir: RunDir, parts: dict[str, Stateful], target: ResumeTarget):
+        self.cfg, self.acc, self.run_dir, self.parts, self.target = cfg, acc, run_dir, parts, target
+        self.corrupt: set[Path] = set()
+        """Checkpoints the resume passed over because they failed verification: set aside if this run saves the step."""
+
+    @property
+    def backend(self) -> BackendState:
+        return self.parts["backend"]
+
+    @property
+    def state(self) -> TrainState:
+        return self.parts["train"]
+
+    # ------------------------------------------------------------------ save
+    def save(self, best: bool = False) -> Path:
+        """Write a complete checkpoint atomically (every rank takes part) and rotate old ones."""
+        acc, root = self.acc, self.run_dir.checkpoints
+        name = store.step_dir_name(self.state.step)
+        tmp, final = root / f".tmp-{name}", root / name
+        errors = SaveErrors(acc, root, tmp)
+        if acc.is_main_process:
+            with errors.record():
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+        errors.agree()
+        with errors.record():
+            self.backend.save(tmp)  # the backend's own files, every rank its share
+        record: dict[str, Any] = {}
+        files: dict[str, Any] = {}
+        for key, part in self.parts.items():
+            state = part.state_dict()  # every rank: the EMA's is a collective
+            if key in PART_FILES:
+                files[PART_FILES[key]] = state
+            elif key in TOP_LEVEL:
+                record.update(state)
+            else:
+                record[key] = state
+        if acc.is_main_process:
+            with errors.record():
+                for file, state in files.items():
+                    _write_part_file(tmp / file, state)
+        errors.agree()  # every rank's files are written: only then the manifest, which completes the checkpoint
+        if acc.is_main_process:
+            with errors.record():
+                record["artifacts"] = [store.TASK_STATS, *self.parts["task_stats"].save_artifacts(tmp)]
+                store.write_manifest(tmp, record, with_hashes=self.cfg.ckpt.verify)
+                if final in self.corrupt:  # kept, renamed, rather than replaced as an older copy would be
+                    self.corrupt.discard(final)
+                    kept = store.set_aside(final, "corrupt")
+                    logger.warning("%s failed verification when the run resumed from an older checkpoint: moved to %s "
+                                   "before saving this step", final, kept.name)
+                store.finalize(tmp, final, root, best=best)
+            if errors.error is None:
+                try:
+                    store.rotate(root, self.cfg.ckpt.keep_last)
+                except OSError as err:  # the new checkpoint is complete: old ones left behind are no error
+                    logger.warning("could not remove old checkpoints under %s: %s", root, err)
+        errors.agree()
+        return final
+
+    # ------------------------------------------------------------------ resume
+    def resume(self) -> Resumed | None:
+        """Restore every part from the target checkpoint; None for a fresh start."""
+        acc, root = self.acc, self.run_dir.checkpoints
+        if self.target.problem is not None:
+            warn_skipped(self.target.skipped, "no checkpoint is left to resume from")
+        target = agree_on_target(acc, self.target, self.cfg.ckpt.verify)
+        self.corrupt = set(target.corrupt)
+        if target.mode == "none":
+            set_aside_old_checkpoints(acc, root)
+            return None
+        path, saved = target.path, dict(target.saved)
+        if path is None:
+            warn_skipped(target.skipped, "no complete checkpoint: starting from step 0")
+            return None
+        warn_skipped(target.skipped, f"resuming from {path.name}")
+        if saved.get("task") and self.state.task and saved["task"] != self.state.task:
+            raise everywhere(CheckpointError(
+                f"checkpoint {path} was trained for task '{saved['task']}', this run trains task '{self.state.task}'; "
+                f"resume it with its own config, or start over with run.resume=none or a new run.output_dir"))
+        self._warn_changed_batch(path, saved)
+        warn_changed_task(self.run_dir, self.cfg, path)
+        rng_states = saved_rng_states(acc, path, saved.get("world_size"), self.cfg.run.allow_inexact_resume)
+        converted = self._load_backend(path, saved)
+        if rng_states is not None:  # accelerate restores them too, but ignores any failure
+            restore_rng(rng_states)
+        acc.step = 0  # accumulation boundaries restart with each optimizer step, whatever accum was
+        for key in self.parts:
+            if key != "backend":  # its files are loaded above
+                self._load_part(key, path, saved)
+        if target.mode == "auto" and acc.is_main_process:
+            self._set_pointers(path, target)
+        if converted and acc.is_main_process:
+            logger.info("converted checkpoint %s (%s) through the topology-free form", path.name, converted)
+        return Resumed(path, self.state, converted)
+
+    def _load_part(self, key: str, path: Path, saved: dict[str, Any]) -> None:
+        part, file = self.parts[key], PART_FILES.get(key)
+        if file is None:
+            part.load_state_dict(saved if key in TOP_LEVEL else saved.get(key, {}))
+            return
+        if not (path / file).is_file():
+            if key in REQUIRED_FILES:
+                raise CheckpointError(f"checkpoint {path} has no {file} but {REQUIRED_FILES[key]}")
+            return
+        try:
+            part.load_state_dict(_read_part_file(path / file))
+        except KeyError as err:
+            raise CheckpointError(f"checkpoint {path}: {file} {err.args[0]}") from None
+
+    def _set_pointers(self, path: Path, target: ResumeTarget) -> None:
+        """run.resume=auto: `latest` and `best` right where a kill or a checkpoint that failed verification left them
+        stale, said with its cause."""
+        root = self.run_dir.checkpoints
+        try:
+            repaired = store.repair_pointers(root, path)
+        except OSError as err:  # a read-only directory: the next save reports it
+            logger.warning("could not repair the checkpoint pointers under %s: %s", root, err)
+            return
+        if repaired:
+            cause = ("newer checkpoints failed verification" if target.corrupt
+                     else "a save was interrupted while it was finalised")
+            logger.warning("checkpoint pointers repaired (%s): %s", cause, ", ".join(repaired))
+
+    def _load_backend(self, path: Path, saved: dict[str, Any]) -> str | None:
+        """The backend part, converting through a scratch folder next to the run's checkpoints (removed after,
+        and on failure: a refused checkpoint leaves the run directory as it was). Any failure, on any rank and
+        whatever the backend raised, is one CheckpointError on every rank."""
+        root = self.run_dir.checkpoints
+        created = not root.exists()
+        scratch = root / f"{store.CONVERSION_SCRATCH}{path.name}"
+        if self.acc.is_main_process:
+            store.remove_conversion_scratch(root)  # what a killed conversion left
+        failure: Exception | None = None
+        converted = None
+        try:
+            try:
+                # The universal form one level down: DeepSpeed's converter writes a `latest_universal` pointer beside
+                # its output, which then lies inside the scratch folder and goes with it.
+                converted = self.backend.load(path, saved, scratch / "universal")
+            except Exception as err:  # noqa: BLE001 - told below, on every rank, after the others heard of it
+                failure = err  # e.g. a file refused on one rank only (ZeRO-3 has one per rank)
+            problem = None
+            if failure is not None:
+                problem = failure_reason(failure, scratch)
+                if not isinstance(failure, CheckpointError):
+                    problem = f"rank {self.acc.process_index}: checkpoint {path} could not be loaded ({problem})"
+            agree(self.acc, problem)  # a collective: no rank reads the scratch folder after it
+        finally:
+            if self.acc.is_main_process:
+                shutil.rmtree(scratch, ignore_errors=True)
+                if created and root.is_dir() and not any(root.iterdir()):
+                    root.rmdir()
+        return converted
+
+    def _warn_changed_batch(self, path: Path, saved: dict[str, Any]) -> None:
+        accum, world = self.state.grad_accum_steps, self.acc.num_processes  # the run plan's layout
+        saved_global = saved.get("global_batch_size") or (
+            saved.get("per_device_batch_size", 0) * saved.get("grad_accum_steps", accum) * saved.get("world_size", 1))
+        now_global = self.state.per_device_batch_size * accum * world
+        if saved_global and saved_global != now_global:  # batch_plan keeps it; only a hand-built plan gets here
+            logger.warning("the global batch changed from %s to %s: the data position counts optimizer steps, so the "
+                           "samples differ from the original run's", saved_global, now_global)
+
+    def load_weights(self, path: Path) -> None:
+        """Load a checkpoint's model weights (and EMA) into a trained run, e.g. the best one for the test pass.
+        The whole backend state (optimizer, RNG) comes with them: harmless after training."""
+        saved, problem = verify_everywhere(self.acc, path, check_hashes=self.cfg.ckpt.verify)
+        if problem is not None:  # may differ by rank ("failed verification on another rank"): every rank says it
+            raise CheckpointError(problem)
+        self._load_backend(path, saved)
+        if "ema" in self.parts:
+            self._load_part("ema", path, saved)
+
+
+def _write_part_file(file: Path, state: Any) -> None:
+    if file.suffix == ".safetensors":
+        save_file(state, str(file))
+    else:
+        file.write_text(json.dumps(state, indent=1))
+
+
+def _read_part_file(file: Path) -> Any:
+    return load_file(file) if file.suffix == ".safetensors" else json.loads(file.read_text())

@@ -1,0 +1,254 @@
+"""The parts of a checkpoint, each `Stateful` (torchtitan's CheckpointManager): what the Checkpointer saves and
+restores in one loop (manager.py), and every rank's RNG states around the backend's load.
+
+- `BackendState`: model and optimizer in the backend's own files (accelerate's `save_state`; under FSDP its
+  sharded form, each rank writing its shards with torch.distributed.checkpoint), converted on demand for
+  another layout (convert.py); its state is the layout a conversion needs (the optimizer's parameter names);
+- `TrainState`: step, best metric, skipped steps, batch layout;
+- the scheduler: the LR schedule's position; the step guard (the engine): skipped steps in a row;
+- `DataPosition`: a stream's (epoch, global samples read in it), the same on every rank;
+- `TaskStats`: the data statistics the model was built from (`task_stats.json`) and the task's artifacts;
+- `EMAState`: fp32 EMA weights by parameter name (`ema.safetensors`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from accelerate.utils import gather_object
+from accelerate.utils import load as accelerate_load
+
+from trainer.core.checkpoint import convert, store
+from trainer.core.checkpoint.agreement import agree, conversion_failure
+from trainer.core.checkpoint.safe_load import weights_only_loading
+from trainer.core.distributed import unwrap_model
+from trainer.errors import CheckpointError, first_line
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+logger = logging.getLogger("trainer")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """A part of the training state (torch.distributed.checkpoint's protocol)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class TrainState:
+    """The run's progress and its batch layout (per-device x accumulation x world size = global batch),
+    which lets a resume on another world size keep the global batch (batch_plan.py)."""
+
+    step: int = 0
+    best_metric: float | None = None
+    best_step: int | None = None
+    nonfinite_skipped: int = 0
+    world_size: int = 1
+    backend: str = ""
+    grad_accum_steps: int = 1
+    per_device_batch_size: int = 0
+    global_batch_size: int = 0
+    lr_world_size: int = 1
+    """The world size the lr and warm-up scaling (optim.scale_lr) refer to: the run's first."""
+    zero_stage: int = 0
+    """The DeepSpeed ZeRO stage (0: not DeepSpeed)."""
+    task: str = ""
+
+    PROGRESS = ("step", "best_metric", "best_step", "nonfinite_skipped")
+    """What a resume takes from the checkpoint; the layout fields describe the resuming run."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in self.PROGRESS:
+            if key in state:
+                setattr(self, key, state[key])
+
+
+class BackendState:
+    """Model and optimizer (and every rank's RNG), in the backend's own files, which its engine writes and reads
+    (engine.py); another layout's checkpoint is converted to the topology-free form (convert.py), which the engine
+    fills itself from."""
+
+    def __init__(self, acc: Any, engine: Any, param_names: list[list[str]], state: TrainState):
+        self.acc, self.engine, self.param_names, self.state = acc, engine, param_names, state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The layout a conversion needs: the optimizer's parameter names by group (the tensors are in files)."""
+        return {"param_names": self.param_names, **self.engine.checkpoint_layout()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing: the layout is read with the files (`load`), which the Checkpointer loads before the other parts."""
+
+    def save(self, directory: Path) -> None:
+        self.engine.save_checkpoint(directory)
+
+    def load(self, path: Path, saved: dict[str, Any], scratch: Path) -> str | None:
+        """Load `path` (its `trainer_state.json` is `saved`); returns the conversion made ('ZeRO-2 x 2 ->
+        DDP x 2'), or None when the backend's own loader read it. `scratch`: where a conversion is written."""
+        s, engine = self.state, self.engine
+        saved = {**saved, "zero_stage": convert.saved_zero_stage(path, saved)}
+        if not convert.needs_conversion(saved, s.backend, s.world_size, s.zero_stage):
+            if engine.checks_same_model:
+                convert.check_same_model(path, saved, engine.unwrapped)
+            try:
+                engine.load_checkpoint(path, saved, self.param_names)
+            except CheckpointError:  # a file weights-only loading refuses or cannot read, named
+                raise
+            except Exception as err:  # a checkpoint that passed its manifest but will not load
+                raise CheckpointError(f"checkpoint {path} could not be loaded into this run's model ({first_line(err)}); "
+                                      f"if the model or task settings changed, start over with run.resume=none or a new "
+                                      f"run.output_dir") from err
+            return None
+        convert.check_same_model(path, saved, engine.unwrapped)
+        started, problem = time.perf_counter(), None
+        if self.acc.is_main_process:
+            try:
+                convert.convert(path, scratch, saved, self.param_names)
+            except Exception as err:  # noqa: BLE001 - whatever the backend raised: one line on every rank
+                shutil.rmtree(scratch, ignore_errors=True)  # before the free space is measured
+                problem = conversion_failure(err, path, scratch)
+        agree(self.acc, problem)
+        try:
+            engine.load_universal(scratch, saved, self.param_names)
+        except CheckpointError as err:
+            raise CheckpointError(f"checkpoint {path}: {err}") from err
+        return f"{convert.describe(saved, s.backend, s.world_size, s.zero_stage)}, {time.perf_counter() - started:.1f} s"
+
+
+class EMAState:
+    """The EMA, consolidated: fp32 weights by parameter name whatever the backend (a collective to save)."""
+
+    def __init__(self, ema: Any, acc: Any, model: Any, state: TrainState):
+        self.ema, self.acc, self.model, self.state = ema, acc, model, state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.ema.full_state(unwrap_model(self.acc, self.model), self.acc.gather)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.ema.load_full(unwrap_model(self.acc, self.model), state, self.acc.process_index,
+                           num_updates=self.state.step)
+
+
+class DataPosition:
+    """A stream's position: (epoch, global samples of it read), the same on every rank and valid at any world
+    size (map-style data: none, the step gives it)."""
+
+    def __init__(self, data: Any, acc: Any):
+        self.data, self.acc = data, acc
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data_position": list(self.data.position)} if self.data.streaming else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.data.streaming:
+            return
+        position, per_rank = state.get("data_position"), state.get("data_positions")
+        if position is not None:
+            self.data.position = (int(position[0]), int(position[1]))
+        elif per_rank:  # written before streams were sharded by global index: per rank, in its own shard
+            epoch = min(int(p[0]) for p in per_rank)
+            logger.warning("the checkpoint saved the stream's position per rank (data_positions, an older format): "
+                           "restarting the data at the start of epoch %d (weights, optimizer and schedule are "
+                           "restored)", epoch)
+            self.data.position = (epoch, 0)
+        else:
+            logger.warning("the checkpoint holds no stream position: restarting the data from the start of epoch 0 "
+                           "(weights, optimizer and schedule are restored)")
+
+
+class TaskStats:
+    """The training data's statistics the model was built with; a resumed run keeps the checkpoint's."""
+
+    def __init__(self, task: Any):
+        self.task = task
+
+    def save_artifacts(self, directory: Path) -> list[str]:
+        """The task's own files (a vocabulary, a scaler) into a checkpoint being written; their names."""
+        return list(self.task.save_artifacts(directory))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.task.stats
+
+    def load_state_dict(self, stats: dict[str, Any]) -> None:
+        if stats != self.task.stats:
+            logger.warning("the training data's statistics (%s) differ from those of the checkpoint: the resumed "
+                           "run keeps the checkpoint's, which its weights were trained with", store.TASK_STATS)
+            self.task.attach_stats(stats)
+
+
+
+RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
+"""What accelerate saves in `random_states_<rank>.pkl` and a resume restores (plus the CUDA states on GPUs)."""
+
+
+def saved_rng_states(acc: Accelerator, path: Path, saved_world_size: int | None,
+                     allow_inexact: bool) -> dict[str, Any] | None:
+    """This rank's RNG states, loaded and checked before `load_state`, which swallows any error there
+    (logging it at INFO) and resumes with other random streams. Every rank agrees: an unloadable state
+    on any rank is a CheckpointError naming the file, or with run.allow_inexact_resume a warning (None).
+    A rank beyond the world size that wrote the checkpoint (DDP may grow) starts fresh streams (None)."""
+    name = f"random_states_{acc.process_index}.pkl"
+    states, problem = None, None
+    if isinstance(saved_world_size, int) and acc.process_index >= saved_world_size:
+        logger.warning("rank %d has no saved RNG state (the checkpoint was written by %d processes): it "
+                       "continues with fresh random streams", acc.process_index, saved_world_size)
+    else:
+        try:
+            states = _load_rng_states(path / name)
+        except Exception as err:  # noqa: BLE001 - whatever it is, the random streams cannot be restored
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]  # torch's are paragraphs long
+            problem = (f"checkpoint {path}: {name} (rank {acc.process_index}'s RNG state) cannot be restored "
+                       f"({reason})")
+    problems = [problem] if problem else []
+    if acc.num_processes > 1:
+        problems = [p for p in gather_object([problem]) if p is not None]
+    if not problems:
+        return states
+    if not allow_inexact:
+        raise CheckpointError(f"{'; '.join(problems)}; the resume would not be exact. Set "
+                              f"run.allow_inexact_resume=true to resume with fresh random streams anyway")
+    if problem is not None:
+        logger.warning("INEXACT RESUME (run.allow_inexact_resume=true): %s; this rank continues with fresh "
+                       "random streams, so dropout and noise differ from an uninterrupted run", problem)
+    return None
+
+
+def _load_rng_states(file: Path) -> dict[str, Any]:
+    with weights_only_loading():
+        states = accelerate_load(file)
+    keys = RNG_KEYS + (("torch_cuda_manual_seed",) if torch.cuda.is_available() else ())
+    missing = [k for k in keys if k not in states] if isinstance(states, dict) else list(keys)
+    if missing:
+        raise ValueError(f"it lacks {', '.join(missing)}")
+    # Applied to throwaway generators: a state of the wrong shape fails here, not after load_state.
+    random.Random().setstate(states["random_state"])
+    np.random.RandomState().set_state(states["numpy_random_seed"])
+    torch.Generator().set_state(states["torch_manual_seed"])
+    return states
+
+
+def restore_rng(states: dict[str, Any]) -> None:
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available():  # per visible device, as saved (fewer devices now: those there are)
+        for device, state in enumerate(states["torch_cuda_manual_seed"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, device)
+
+
