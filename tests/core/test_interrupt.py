@@ -17,8 +17,8 @@ import torch
 from conftest import BIN, ROOT, TINY, accelerate_cmd, child_env, run_cmd, train_losses
 
 from trainer.core.checkpoint import latest_checkpoint
-from trainer.core.command_line import _as_typed, resume_command
 from trainer.core.checkpoint.export import load_model_weights
+from trainer.core.command_line import _as_typed, resume_command
 
 pytestmark = [pytest.mark.slow]
 

@@ -114,6 +114,7 @@ def test_scaled_lr_and_warmup(tmp_path):
 def test_no_host_sync_between_logging_steps(tmp_path, monkeypatch):
     trainer = make(tmp_path, "train.max_steps=8", "log.every_steps=8", "eval.every_steps=0",
                    "ckpt.every_steps=0", "train.ema_decay=0.99", "train.grad_accum_steps=2")
+    trainer.engine.guard.on_host = False  # the GPU path (on CPU the guard reads host memory: no device to wait on)
     syncs = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy"):
         original = getattr(torch.Tensor, name)

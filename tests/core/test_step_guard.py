@@ -58,6 +58,28 @@ def test_nonfinite_step_leaves_weights_and_optimizer_untouched(corrupt):
     assert engine.guard.read() == (1, 1)
 
 
+@pytest.mark.parametrize("corrupt", [lambda loss: loss * float("nan"), lambda loss: loss + float("inf")],
+                         ids=["nan-gradients", "inf-loss-finite-gradients"])
+def test_host_path_skips_the_same_steps_and_leaves_finite_ones_alone(corrupt):
+    """CPU runs read loss and norm on the host: a finite step gets no seed and no found_inf (it runs as without a
+    guard), a non-finite one is skipped with weights and optimizer state untouched, as on the device path."""
+    model, optimizer, engine = setup()
+    engine.guard.on_host = True
+    reference, ref_optimizer, ref_engine = setup(False)
+    for m, o, e in ((model, optimizer, engine), (reference, ref_optimizer, ref_engine)):
+        assert step(m, o, e)[1] is None
+    assert all(torch.equal(a, b) for a, b in zip(weights(model), weights(reference)))  # bit-equal to no guard
+    assert engine.guard.backward_seed(model(torch.ones(2, 4)).pow(2).mean()) is None
+    before = weights(model)
+    norm, skipped = step(model, optimizer, engine, corrupt)
+    assert float(skipped) == 1.0 and not torch.isfinite(norm)
+    assert all(torch.equal(a, b) for a, b in zip(weights(model), before))
+    assert all(float(s["step"]) == 1 for s in optimizer.state.values())
+    step(model, optimizer, engine)
+    assert all(float(s["step"]) == 2 for s in optimizer.state.values())
+    assert engine.guard.read() == (1, 1)
+
+
 def test_seed_of_a_finite_loss_changes_nothing():
     model, _, engine = setup()
     loss = model(torch.ones(2, 4)).pow(2).mean()

@@ -161,7 +161,8 @@ class TorchEngine(Engine):
         self.guard = StepGuard(None if accelerator.scaler is not None else self.torch_optimizer,
                                active=t.skip_nonfinite, max_in_row=t.max_nonfinite_in_row,
                                may_abort=t.mixed_precision != "fp16",
-                               advice=nonfinite_advice(_peak_lr(optimizer), t.grad_clip_norm))
+                               advice=nonfinite_advice(_peak_lr(optimizer), t.grad_clip_norm),
+                               on_host=getattr(getattr(accelerator, "device", None), "type", None) == "cpu")
 
     def backward(self, share: torch.Tensor) -> None:
         seed = self.guard.backward_seed(share)

@@ -9,11 +9,16 @@ with `1 + 0 x loss`: exactly 1 for a finite loss, NaN otherwise, which turns eve
 micro-batch into NaN. The norm is that of the summed gradients of all ranks (computed after DDP's
 all-reduce, or globally by FSDP), so every rank derives the same flag with no extra collective.
 
-The flags stay on the device; `read` fetches them at logging steps only. The guard knows no backend:
+The flags stay on the device; `read` fetches them at logging steps only. Where loss and norm live in
+host memory (a CPU run: `on_host`), reading them is no device synchronisation and costs less than the
+flag's kernels and the fused optimizer's `found_inf` path: the guard then reads them, seeds and flags
+only a non-finite step, and a finite step runs exactly as without the guard. The guard knows no backend:
 the engine (engine.py) decides whether it seeds, flags and may abort.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -34,13 +39,15 @@ class StepGuard:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer | None, *, active: bool, max_in_row: int,
-                 may_abort: bool = True, advice: str = "check the data"):
+                 may_abort: bool = True, advice: str = "check the data", on_host: bool = False):
         self.optimizer = optimizer
         self.active = active
+        self.on_host = on_host
+        """Loss and gradients are in host memory: read them instead of keeping flags on the device."""
         self.max_in_row = max_in_row
         self.may_abort = may_abort
         self.advice = advice
-        self._flags: list[torch.Tensor] = []  # one 0./1. flag per step since the last `read`
+        self._flags: list[torch.Tensor | float] = []  # one 0./1. flag per step since the last `read`
         self._run = 0  # skipped steps in a row, carried across reads
         self._zero: torch.Tensor | None = None
         self._one: torch.Tensor | None = None
@@ -49,6 +56,8 @@ class StepGuard:
         """The gradient to seed `loss.backward` with: exactly 1 when `loss` is finite, NaN otherwise."""
         if not self.active:
             return None
+        if self.on_host:
+            return None if math.isfinite(loss.item()) else torch.full_like(loss.detach(), math.nan)
         if self._one is None:  # device constants: tensor-tensor kernels are cheaper than Python-number operands
             self._zero, self._one = (torch.tensor(v, dtype=torch.float32, device=loss.device) for v in (0.0, 1.0))
         return torch.add(self._one, loss.detach(), alpha=0)  # 1 + 0 x loss, one kernel
@@ -60,6 +69,8 @@ class StepGuard:
         """
         if not self.active:
             return None
+        if self.on_host:
+            return self._flag_on_host(norm)
         # found_inf must be fp32 and outside autograd. The engine hands over a detached fp32 norm: checking costs
         # less than the two dispatcher calls of detach().float(), and this runs every step.
         if norm.requires_grad:
@@ -76,9 +87,22 @@ class StepGuard:
             self.optimizer.found_inf = skipped
         return skipped
 
+    def _flag_on_host(self, norm: torch.Tensor) -> torch.Tensor | None:
+        """The host path of `flag`: None for a finite norm (the optimizer steps as without a guard), else a 1.
+        flag (found_inf) that makes the optimizer skip the step."""
+        skipped = None if math.isfinite(norm.item()) else torch.ones((), device=norm.device)
+        self._flags.append(0.0 if skipped is None else 1.0)
+        if self.optimizer is not None:
+            self.optimizer.grad_scale = None
+            self.optimizer.found_inf = skipped
+        return skipped
+
     def read(self) -> tuple[int, int]:
         """(steps skipped since the last read, longest run of skipped steps in a row); reads the device."""
-        flags = torch.stack(self._flags).tolist() if self._flags else []
+        if self._flags and isinstance(self._flags[0], float):
+            flags = list(self._flags)
+        else:
+            flags = torch.stack(self._flags).tolist() if self._flags else []
         self._flags.clear()
         return int(sum(flags)), self.count_runs(flags)
 
