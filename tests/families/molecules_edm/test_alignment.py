@@ -1,0 +1,145 @@
+"""Reward post-training pieces (trainer/families/molecules_edm/alignment.py): the PPO clipped objective against a
+hand computation (a clipped and an unclipped case, the clip fraction), group-normalised advantages (zero mean
+and unit std over each group's valid members, failed rollouts excluded and counted, clipping at +-5), the KL to
+the reference (zero when the means agree, a hand value otherwise, padding ignored), the transition
+log-density against torch.distributions.Normal over the real atoms, the force RMS reward by hand with padding
+ignored and failures marked, and the objective's gradient reaching logp_new only."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.families.molecules_edm.alignment import (
+    clipped_objective,
+    force_rms_reward,
+    gaussian_log_prob,
+    group_advantages,
+    kl_to_reference,
+)
+
+
+def test_clipped_objective_matches_a_hand_computation_with_one_clipped_transition():
+    clip = 0.2
+    # ratios 1.0 (inside), e^0.5 ~ 1.6487 (above 1 + clip, A > 0: clipped), e^-0.5 ~ 0.6065 (below 1 - clip,
+    # A > 0: min takes the unclipped ratio), e^0.5 with A < 0 (min takes the unclipped ratio * A)
+    logp_old = torch.tensor([0.0, 0.0, 0.0, 0.0])
+    logp_new = torch.tensor([0.0, 0.5, -0.5, 0.5])
+    advantages = torch.tensor([1.0, 2.0, 1.0, -1.0])
+    loss, clip_fraction = clipped_objective(logp_new, logp_old, advantages, clip)
+    e = math.exp(0.5)
+    terms = [1.0 * 1.0, 1.2 * 2.0, math.exp(-0.5) * 1.0, e * -1.0]
+    assert loss.item() == pytest.approx(-sum(terms) / 4, rel=1e-6)
+    assert clip_fraction.item() == pytest.approx(3 / 4)
+
+
+def test_clipped_objective_broadcasts_one_advantage_over_a_rollouts_transitions():
+    logp_old = torch.zeros(2, 3)
+    logp_new = torch.tensor([[0.0, 0.1, -0.1], [0.0, 0.0, 0.0]])
+    loss, clip_fraction = clipped_objective(logp_new, logp_old, torch.tensor([1.0, -2.0]), clip=0.05)
+    ratios = [1.0, min(math.exp(0.1), 1.05), math.exp(-0.1)]
+    expected = -(sum(ratios) * 1.0 + 3 * 1.0 * -2.0) / 6
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert clip_fraction.item() == pytest.approx(2 / 6)
+    with pytest.raises(ValueError, match="must be one"):
+        clipped_objective(logp_new, logp_old[:, :2], torch.ones(2), clip=0.1)
+
+
+def test_the_objectives_gradient_flows_to_logp_new_only():
+    logp_new = torch.tensor([0.1, -0.05, 0.3], requires_grad=True)
+    logp_old = torch.tensor([0.0, 0.0, 0.0], requires_grad=True)
+    advantages = torch.tensor([1.0, -1.0, 2.0], requires_grad=True)
+    loss, _ = clipped_objective(logp_new, logp_old, advantages, clip=0.2)
+    loss.backward()
+    assert logp_old.grad is None and advantages.grad is None
+    # d/dlogp of -mean(min(r A, clip(r) A)): -r A / n where unclipped is the min, 0 where the clip binds
+    # (third: r = e^0.3 > 1.2 with A > 0)
+    expected = torch.tensor([-math.exp(0.1) * 1.0 / 3, math.exp(-0.05) * 1.0 / 3, 0.0])
+    torch.testing.assert_close(logp_new.grad, expected)
+
+
+def test_group_advantages_normalise_each_group_over_its_valid_members():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 4.0, -1.0, float("nan"), 5.0, 0.5, 10.0, 10.0, 10.0, 10.0])
+    valid = torch.tensor([True, True, True, True, True, False, True, False, True, True, True, True])
+    out = group_advantages(rewards, group_size=4, valid_mask=valid)
+    adv = out.advantages.reshape(3, 4)
+    # group 0: all valid -> mean 0, population std 1
+    assert adv[0].mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert adv[0].std(unbiased=False).item() == pytest.approx(1.0, rel=1e-5)
+    # group 1: members 0 and 2 valid (NaN and a flagged failure excluded and given 0)
+    torch.testing.assert_close(adv[1], torch.tensor([-1.0, 0.0, 1.0, 0.0]), atol=1e-6, rtol=0)
+    # group 2: equal rewards carry no signal
+    assert torch.equal(adv[2], torch.zeros(4))
+    assert out.excluded.tolist() == [0, 2, 0] and out.total_excluded == 2
+    assert torch.isfinite(out.advantages).all()
+
+
+def test_group_advantages_clip_at_five_and_check_their_input():
+    rewards = torch.tensor([100.0] + [0.0] * 99)  # the outlier sits sqrt(99) ~ 9.95 std above the mean
+    out = group_advantages(rewards, group_size=100)
+    assert out.advantages[0].item() == pytest.approx(5.0)
+    assert out.advantages[1].item() == pytest.approx(-1 / math.sqrt(99), rel=1e-4)
+    assert out.total_excluded == 0
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_advantages(torch.zeros(4), group_size=3)
+    with pytest.raises(ValueError, match="valid_mask"):
+        group_advantages(torch.zeros(4), group_size=2, valid_mask=torch.ones(3, dtype=torch.bool))
+
+
+def _states(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, 9, generator=gen)
+    mean = torch.randn(2, 4, 9, generator=gen)
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    return x, mean, mask
+
+
+def test_gaussian_log_prob_matches_torch_normal_over_the_real_atoms():
+    x, mean, mask = _states()
+    sigma = torch.tensor([0.3, 0.05])
+    expected = torch.stack([torch.distributions.Normal(mean[b, mask[b]], sigma[b]).log_prob(x[b, mask[b]]).sum()
+                            for b in range(2)])
+    torch.testing.assert_close(gaussian_log_prob(x, mean, sigma, mask), expected)
+    # EDM's [B, N, 1] float mask and a scalar sigma give the same as the bool mask and a per-molecule sigma
+    scalar = gaussian_log_prob(x, mean, 0.3, mask.float().unsqueeze(-1))
+    torch.testing.assert_close(scalar, gaussian_log_prob(x, mean, torch.tensor([0.3, 0.3]), mask))
+    # padding values do not matter
+    x_padded = x.clone()
+    x_padded[~mask] = 1e6
+    torch.testing.assert_close(gaussian_log_prob(x_padded, mean, sigma, mask), expected)
+
+
+def test_kl_to_reference_is_zero_when_the_means_agree_and_matches_a_hand_value():
+    _, mean, mask = _states()
+    sigma = torch.tensor([0.5, 2.0])
+    assert torch.equal(kl_to_reference(mean, mean.clone(), sigma, mask), torch.zeros(2))
+    shifted = mean.clone()
+    shifted[0, 1, 4] += 0.3  # a real atom of molecule 0
+    shifted[1, 3, 0] += 5.0  # padding of molecule 1: ignored
+    kl = kl_to_reference(shifted, mean, sigma, mask)
+    torch.testing.assert_close(kl, torch.tensor([0.3 ** 2 / (2 * 0.5 ** 2), 0.0]), atol=1e-6, rtol=1e-5)
+
+
+def test_force_rms_reward_by_hand_with_padding_ignored_and_failures_marked():
+    forces = torch.zeros(4, 3, 3)
+    forces[0, 0] = torch.tensor([3.0, 4.0, 0.0])  # |F| 5
+    forces[0, 1] = torch.tensor([0.0, 0.0, 1.0])  # |F| 1
+    forces[0, 2] = torch.tensor([100.0, 0.0, 0.0])  # padding
+    forces[1, :, 0] = 2.0
+    forces[2, 1, 1] = float("nan")  # a real atom's force is NaN
+    forces[3, 2, 2] = float("inf")  # padding: ignored
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, True, False], [True, True, False]])
+    reward, valid = force_rms_reward(forces, mask)
+    assert valid.tolist() == [True, True, False, True]
+    assert reward[0].item() == pytest.approx(-math.sqrt((25 + 1) / 2))
+    assert reward[1].item() == pytest.approx(-2.0)
+    assert math.isnan(reward[2].item())
+    assert reward[3].item() == 0.0
+    # a force field's failure flag (its failed molecules come back with zero forces) marks the molecule invalid
+    reward, valid = force_rms_reward(forces, mask, ok=torch.tensor([True, False, True, True]))
+    assert valid.tolist() == [True, False, False, True] and math.isnan(reward[1].item())
+    # and the failures drop out of the group statistics
+    out = group_advantages(reward, group_size=4, valid_mask=valid)
+    assert out.total_excluded == 2 and out.advantages[1].item() == 0.0 and out.advantages[2].item() == 0.0

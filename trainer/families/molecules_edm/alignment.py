@@ -1,0 +1,232 @@
+"""Reward post-training of EDM with a force field as reward (issue 33): the policy-gradient pieces.
+
+What this follows: liyy2/Elign (arXiv 2601.21985), which treats EDM's Gaussian reverse step
+p(z_s | z_t) = N(mu, sigma^2 I) as a policy and trains it with a PPO / GRPO objective:
+
+* `elign/trainer/fed_grpo_trainer.py::compute_advantage`: rewards normalised within each group of K rollouts
+  (population std, eps 1e-8), then clipped to +-`adv_clip_max` (5);
+* `elign/utils/math.py::policy_step_logprob` (called by `elign/model/edm_model.py::compute_log_p_zs_given_zt`
+  from `sample_p_zs_given_zt`): the log-density of z_s under N(mu, sigma^2 I), summed over every feature of
+  the real atoms;
+* `elign/worker/actor/edm_actor.py::EDMActor.loss` / `calculate_loss`: the PPO clipped surrogate of the
+  per-transition ratio exp(logp_new - logp_old), its clip fraction |ratio - 1| > clip, and
+  `_compute_reference_kl`: ||mu_new - mu_ref||^2 / (2 sigma^2) over the real atoms against a frozen copy;
+* `elign/worker/reward/force.py::_aggregate_force_metric` (aggregation "rms"): sqrt(mean over real atoms of
+  |F_i|^2), negated as the reward.
+
+Two departures from the reference, on purpose: a failed force evaluation is marked invalid, excluded from its
+group's statistics, given advantage 0 and counted (the reference scores failures with a constant fake force),
+and `force_rms_reward` takes the force field's `ok` flags, since `forcefields.base.compute_on_device` returns
+zero forces for a failed molecule (which would otherwise read as the best possible reward).
+
+Everything here is single-device tensor code without parameters: `trainer align` composes it.
+
+How `trainer align` will use these (plan for the next step)
+----------------------------------------------------------
+* Rollouts. An iteration draws P prompts (a prompt = an atom count N from the training histogram) and K
+  rollouts per prompt, laid out contiguously: rollout r of prompt p is row p * K + r, so `group_advantages`
+  takes `group_size=K` (paper: P = 4, K = 24, 96 rollouts). With shared initial noise the K rollouts of a prompt
+  share z_T and the first 600 of the 1000 reverse steps (one chain per prompt, then branched); only the last
+  400 transitions (t = 400 .. 1, s = t - 1) are stored and trained, so every stored transition has K
+  distinct continuations to compare.
+* Randomness. Each rollout's noise comes from its own CPU `torch.Generator` seeded with
+  `trainer.seeding.derive_seeds(derive_seed(seed, "align"), iteration, rollout index)` (the keying
+  `trainer.sample_random` uses for training samples), and a prompt's shared prefix (its z_T and first 600
+  steps) from one generator keyed by (seed, iteration, prompt index): a rollout does not depend on the batch
+  or rank it is drawn on, and a resumed run redraws the same rollouts. `EDMDiffusion.sample` already takes
+  one generator per molecule.
+* Policy. The reverse step's mean and standard deviation are those of `EDMDiffusion.sample` in
+  `diffusion.py`: with gamma_s = gamma[s], gamma_t = gamma[s + 1],
+  sigma2_t|s = -expm1(softplus(gamma_s) - softplus(gamma_t)), alpha_t|s = exp(0.5 (logsigmoid(-gamma_t) -
+  logsigmoid(-gamma_s))), eps_hat = `EDMDiffusion.phi(z_t, (s + 1) / T, mask)`,
+  mu = z_t / alpha_t|s - sigma2_t|s / (alpha_t|s sigma_t) eps_hat and
+  sigma = sigma_t|s sigma_s / sigma_t (sigma_s, sigma_t from `EDMDiffusion._sigma`). `sample` computes these
+  inline inside its loop (under `torch.no_grad`), so the next step factors them into one
+  `EDMDiffusion.reverse_step_mean_sigma(z_t, s, mask)` (gradients flowing through `phi`) that both `sample` and
+  the trainer call: the rollout stores (z_t, z_s, s, logp_old = `gaussian_log_prob(z_s, mu, sigma, mask)`)
+  per trained transition, with z_s the re-centred draw as `sample` keeps it.
+* Reward. The final samples' positions and decoded types (`SampleOutput`) go to the force field through
+  `forcefields.base.compute_on_device` (ANI-1x batched on the device; GFN2-xTB through its pool), then
+  `force_rms_reward(batch.forces, mask, ok=batch.ok)`; optional terms of the reference (energy weighted 0.1,
+  stability, valence) add to the reward of valid rollouts only.
+* Update. Per micro-batch of rollouts (paper: 4) and per stored transition: recompute mu_new with the policy,
+  `clipped_objective(gaussian_log_prob(z_s, mu_new, sigma, mask), logp_old, advantages, clip)` plus
+  `kl_weight * kl_to_reference(mu_new, mu_ref, sigma, mask).mean()` with mu_ref from the frozen initial model;
+  the loss is divided by the number of transitions and micro-batches of one optimiser step (gradient
+  accumulation), gradients clipped to norm 1, AdamW, cosine schedule with warm-up (paper: lr 4e-6, clip 2e-3,
+  KL weight 0.04, 60 warm-up steps).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "GroupAdvantages",
+    "clipped_objective",
+    "force_rms_reward",
+    "gaussian_log_prob",
+    "group_advantages",
+    "kl_to_reference",
+]
+
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+@dataclass(frozen=True)
+class GroupAdvantages:
+    """Output of `group_advantages` for B rollouts in G = B / K groups."""
+
+    advantages: torch.Tensor
+    """[B] float: group-normalised, clipped advantages; 0 for an excluded rollout."""
+    excluded: torch.Tensor
+    """[G] int64: rollouts of each group left out of its statistics (invalid or non-finite reward)."""
+
+    @property
+    def total_excluded(self) -> int:
+        """Excluded rollouts over all groups."""
+        return int(self.excluded.sum())
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, valid_mask: torch.Tensor | None = None,
+                     clip: float = 5.0, eps: float = 1e-8) -> GroupAdvantages:
+    """GRPO advantages: (r - mean) / (std + eps) within each group of `group_size` consecutive rollouts.
+
+    Mean and std (population std, as the reference) are over the group's valid members only: a rollout with
+    `valid_mask` False or a non-finite reward is excluded, gets advantage 0 and is counted in `excluded`. A
+    group with fewer than two valid members carries no signal: its advantages are 0. Advantages are clipped
+    to [-clip, clip].
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"group_advantages: rewards must be [B], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"group_advantages: {rewards.numel()} rollouts do not split into groups of {group_size}")
+    if clip <= 0:
+        raise ValueError(f"group_advantages: clip must be positive, got {clip}")
+    valid = torch.isfinite(rewards)
+    if valid_mask is not None:
+        if tuple(valid_mask.shape) != tuple(rewards.shape):
+            raise ValueError(f"group_advantages: valid_mask has shape {tuple(valid_mask.shape)}, "
+                             f"rewards {tuple(rewards.shape)}")
+        valid = valid & valid_mask.to(torch.bool)
+    grouped = rewards.reshape(-1, group_size)
+    weight = valid.reshape(-1, group_size).to(rewards.dtype)
+    values = torch.where(weight > 0, grouped, torch.zeros_like(grouped))  # drops NaN/inf of excluded rows
+    count = weight.sum(dim=1, keepdim=True)
+    mean = (values * weight).sum(dim=1, keepdim=True) / count.clamp(min=1.0)
+    var = (((values - mean) * weight) ** 2).sum(dim=1, keepdim=True) / count.clamp(min=1.0)
+    normalised = (values - mean) / (var.sqrt() + eps) * weight
+    advantages = normalised.clamp(-clip, clip).reshape(-1)
+    excluded = (group_size - count.squeeze(1)).to(torch.int64)
+    return GroupAdvantages(advantages=advantages, excluded=excluded)
+
+
+def _node_mask(node_mask: torch.Tensor, batch: int, nodes: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, N] bool or [B, N, 1] float mask -> [B, N, 1] of `dtype`."""
+    mask = node_mask.squeeze(-1) if node_mask.dim() == 3 else node_mask
+    if tuple(mask.shape) != (batch, nodes):
+        raise ValueError(f"node_mask has shape {tuple(node_mask.shape)}, expected [{batch}, {nodes}] (or [.., 1])")
+    return (mask > 0).to(dtype).unsqueeze(-1)
+
+
+def _per_molecule(sigma: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
+    """A scalar or [B] (or [B, 1], [B, 1, 1]) standard deviation -> broadcastable to [B, N, D]."""
+    sigma = torch.as_tensor(sigma, dtype=like.dtype, device=like.device)
+    if sigma.numel() == 1:
+        return sigma.reshape(1, 1, 1)
+    if sigma.numel() != like.shape[0]:
+        raise ValueError(f"sigma has {sigma.numel()} values for {like.shape[0]} molecules (one, or one each)")
+    return sigma.reshape(-1, 1, 1)
+
+
+def _check_pair(a: torch.Tensor, b: torch.Tensor, names: str) -> None:
+    if a.dim() != 3 or tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"{names}: expected two [B, N, D] tensors of one shape, got {tuple(a.shape)} "
+                         f"and {tuple(b.shape)}")
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, sigma: torch.Tensor | float,
+                      node_mask: torch.Tensor) -> torch.Tensor:
+    """log N(x; mean, sigma^2 I) per molecule [B], summed over every feature of the real atoms.
+
+    x, mean: [B, N, D] EDM states z = [positions, h] (D = 3 + F); sigma: scalar or [B]; node_mask: [B, N] bool
+    or EDM's [B, N, 1] float. Padded atoms contribute nothing. As the reference, the density is the full-rank
+    one over N * D dimensions although the position part of EDM's noise lies in the zero-centre-of-mass
+    subspace: the two differ by 3 log(sigma sqrt(2 pi)) per molecule, which depends on sigma alone (fixed by the
+    schedule), so the ratio of two policies' densities is the same either way.
+    """
+    _check_pair(x, mean, "gaussian_log_prob(x, mean)")
+    mask = _node_mask(node_mask, x.shape[0], x.shape[1], x.dtype)
+    sigma = _per_molecule(sigma, x)
+    log_density = -0.5 * ((x - mean) / sigma) ** 2 - torch.log(sigma) - _LOG_SQRT_2PI
+    return (log_density * mask).sum(dim=(1, 2))
+
+
+def clipped_objective(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
+                      clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate to minimise, and the fraction of transitions whose ratio left [1 - clip, 1 + clip].
+
+    ratio = exp(logp_new - logp_old) per transition; loss = mean(-min(ratio * A, clamp(ratio, 1 - clip,
+    1 + clip) * A)). logp_new, logp_old: [B] or [B, S] (S transitions of each rollout); advantages: the same
+    shape or [B] (one per rollout, shared by its transitions). `logp_old` and `advantages` are treated as
+    constants: the gradient flows to `logp_new` only. The clip fraction (|ratio - 1| > clip, as the reference
+    logs it) is detached.
+    """
+    if tuple(logp_new.shape) != tuple(logp_old.shape) or logp_new.dim() not in (1, 2):
+        raise ValueError(f"clipped_objective: logp_new {tuple(logp_new.shape)} and logp_old "
+                         f"{tuple(logp_old.shape)} must be one [B] or [B, S] shape")
+    if clip <= 0:
+        raise ValueError(f"clipped_objective: clip must be positive, got {clip}")
+    advantages = advantages.detach().to(logp_new.dtype)
+    if advantages.dim() == 1 and logp_new.dim() == 2:
+        advantages = advantages.unsqueeze(1)
+    if advantages.shape[0] != logp_new.shape[0] or (advantages.dim() == 2 and advantages.shape[1] not in
+                                                    (1, logp_new.shape[1])):
+        raise ValueError(f"clipped_objective: advantages {tuple(advantages.shape)} do not match the log-probs "
+                         f"{tuple(logp_new.shape)}")
+    ratio = torch.exp(logp_new - logp_old.detach())
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip, 1.0 + clip) * advantages
+    loss = -torch.minimum(unclipped, clipped).mean()
+    clip_fraction = ((ratio.detach() - 1.0).abs() > clip).to(logp_new.dtype).mean()
+    return loss, clip_fraction
+
+
+def kl_to_reference(mean_new: torch.Tensor, mean_ref: torch.Tensor, sigma: torch.Tensor | float,
+                    node_mask: torch.Tensor) -> torch.Tensor:
+    """KL(N(mean_new, sigma^2 I) || N(mean_ref, sigma^2 I)) per transition [B]: sum of (mean_new - mean_ref)^2 /
+    (2 sigma^2) over every feature of the real atoms. `mean_ref` (the frozen model's) is treated as a constant."""
+    _check_pair(mean_new, mean_ref, "kl_to_reference(mean_new, mean_ref)")
+    mask = _node_mask(node_mask, mean_new.shape[0], mean_new.shape[1], mean_new.dtype)
+    sigma = _per_molecule(sigma, mean_new)
+    diff = mean_new - mean_ref.detach().to(mean_new.dtype)
+    return ((diff ** 2) / (2.0 * sigma ** 2) * mask).sum(dim=(1, 2))
+
+
+def force_rms_reward(forces: torch.Tensor, node_mask: torch.Tensor,
+                     ok: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-sqrt(mean over real atoms of |F_i|^2) per molecule, and which molecules are valid.
+
+    forces: [B, N, 3] eV/Angstrom; node_mask: [B, N] bool (or [B, N, 1]); ok: optional [B] bool from the
+    force field (`ForceBatch.ok`), whose failed molecules carry zero forces. A molecule is invalid when `ok`
+    says so, a real atom's force is not finite, or it has no atoms; its reward is NaN so that it cannot pass
+    for a real value (`group_advantages` excludes it). Values at padding are ignored, whatever they are.
+    """
+    if forces.dim() != 3 or forces.shape[-1] != 3:
+        raise ValueError(f"force_rms_reward: forces must be [B, N, 3], got {tuple(forces.shape)}")
+    mask = _node_mask(node_mask, forces.shape[0], forces.shape[1], torch.bool).squeeze(-1)
+    finite = torch.isfinite(forces).all(dim=-1) | ~mask
+    counts = mask.sum(dim=1)
+    valid = finite.all(dim=1) & (counts > 0)
+    if ok is not None:
+        if tuple(ok.shape) != (forces.shape[0],):
+            raise ValueError(f"force_rms_reward: ok must be [{forces.shape[0]}], got {tuple(ok.shape)}")
+        valid = valid & ok.to(device=valid.device, dtype=torch.bool)
+    keep = mask & finite
+    squared = torch.where(keep.unsqueeze(-1), forces, torch.zeros_like(forces)).pow(2).sum(dim=-1)
+    rms = torch.sqrt(squared.sum(dim=1) / counts.clamp(min=1).to(forces.dtype))
+    reward = torch.where(valid, -rms, torch.full_like(rms, float("nan")))
+    return reward, valid
