@@ -47,14 +47,22 @@ How `trainer align` will use these (plan for the next step)
   per trained transition, with z_s the re-centred draw as `sample` keeps it.
 * Reward. The final samples' positions and decoded types (`SampleOutput`) go to the force field through
   `forcefields.base.compute_on_device` (ANI-1x batched on the device; GFN2-xTB through its pool), then
-  `force_rms_reward(batch.forces, mask, ok=batch.ok)`; optional terms of the reference (energy weighted 0.1,
-  stability, valence) add to the reward of valid rollouts only.
-* Update. Per micro-batch of rollouts (paper: 4) and per stored transition: recompute mu_new with the policy,
+  `force_rms_reward(batch.forces, mask, ok=batch.ok)` -> `group_advantages`. The reference's paper config
+  (`elign/trainer/config/fed_grpo_qm9_paper_pbrs.yaml`) adds energy not to the reward but as a second
+  advantage ("FED-GRPO", `compute_advantage`): a potential Psi_t = minus the per-atom formation energy (atom
+  reference energies subtracted) of each trained step's predicted clean molecule z0_pred = (z_t - sigma_t
+  eps_hat) / alpha_t (a force-field call per rollout and trained step, in batches of 8), return-to-go
+  G_t = Psi_0 - Psi_t normalised within each group per step, then advantage_t = 1.0 * A_force + 0.1 *
+  A_energy_t, clipped to +-5 (so advantages become [B, S] per transition, which `clipped_objective`
+  accepts). Stability and valence terms are optional reward bonuses, off in that config.
+* Update. Per micro-batch of rollouts (paper: 4 rollouts per optimiser step, 24 steps an iteration) and per
+  stored transition: recompute mu_new with the policy,
   `clipped_objective(gaussian_log_prob(z_s, mu_new, sigma, mask), logp_old, advantages, clip)` plus
   `kl_weight * kl_to_reference(mu_new, mu_ref, sigma, mask).mean()` with mu_ref from the frozen initial model;
   the loss is divided by the number of transitions and micro-batches of one optimiser step (gradient
-  accumulation), gradients clipped to norm 1, AdamW, cosine schedule with warm-up (paper: lr 4e-6, clip 2e-3,
-  KL weight 0.04, 60 warm-up steps).
+  accumulation), gradients clipped to norm 1 once per optimiser step, AdamW (betas 0.9 / 0.999, weight decay
+  1e-4, eps 1e-8), one epoch per rollout batch, cosine schedule with warm-up (paper config: lr 4e-6, clip 2e-3,
+  KL weight 0.04, 60 warm-up steps, 1500 total, floor 0.3 x lr). The decode step p(x, h | z_0) is not trained.
 """
 
 from __future__ import annotations
