@@ -137,7 +137,7 @@ def test_resume_command_names_what_was_typed():
     assert _as_typed(["/v/bin/python", "/src/trainer/__main__.py", "train"]) == ["python", "-m", "trainer", "train"]
     typed = ["trainer", "train", "a b.yaml", "run.resume=none", "train.max_steps=9"]
     cfg.run.resume = "none"
-    assert resume_command(cfg, typed) == "trainer train 'a b.yaml' train.max_steps=9 run.resume=auto"
+    assert resume_command(cfg, typed) == "trainer train 'a b.yaml' run.resume=auto train.max_steps=9"
     cfg.run.resume = "auto"
     assert resume_command(cfg, ["trainer", "train", "c.yaml"]) == "trainer train c.yaml"
 

@@ -32,8 +32,9 @@ def resume_command(cfg: Config, argv: Sequence[str] | None = None, environ: Mapp
     """The command that resumes this run: the one that started it (the launcher's, for a rank started by one),
     with `run.resume=auto` where it said otherwise."""
     words = list(argv) if argv is not None else _starting_command(environ)
-    words = [w for w in words if not w.startswith("run.resume=")]
-    if cfg.run.resume != "auto":
+    resumes = [w.startswith("run.resume=") for w in words]
+    words = ["run.resume=auto" if r else w for w, r in zip(words, resumes)]
+    if cfg.run.resume != "auto" and not any(resumes):
         words.append("run.resume=auto")
     return shlex.join(words)
 

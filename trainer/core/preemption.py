@@ -202,7 +202,7 @@ class PreemptionWatcher:
 
 def _first_signal_message(name: str) -> str:
     if name == "SIGINT":
-        return ("trainer: Ctrl-C: stopping after the current step with a checkpoint "
+        return ("\ntrainer: Ctrl-C: stopping after the current step with a checkpoint "  # after a progress bar's line
                 "(Ctrl-C again stops at once, without one)\n")
     return (f"trainer: {name} received: stopping after the current step "
             f"(a second {name} stops at once, without a checkpoint)\n")

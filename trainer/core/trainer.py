@@ -131,7 +131,7 @@ class Trainer:
         sampler, notes = self.data.sampler, []
         if sampler is not None and sampler.dropped_per_epoch:
             notes.append(f"{sampler.dropped_per_epoch} of {sampler.num_samples} training samples left out per "
-                         f"epoch (a different remainder each epoch) so ranks stay even")
+                         f"epoch (a different remainder each epoch) so every step has a whole global batch")
         if self.resumed_from:
             notes.append(f"resumed from {self.resumed_from} at step {self.state.step}")
         if self.cfg.eval.sample_every and isinstance(self.task, GenerativeTask) and not self.engine.may_sample_in_eval:
