@@ -265,11 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("accelerate", "deepspeed", "DeepSpeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)
-    if os.environ.get("TRAINER_FRONT_END") == "1" and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    from trainer.core.command_line import RANK_STATUS_ENV, started_by_front_end
+
+    if started_by_front_end() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the front end ignores Ctrl-C for its launcher only
     main_rank = int(os.environ.get("RANK", "0") or 0) == 0
     try:
-        if os.environ.get("TRAINER_RANK_STATUS_DIR"):
+        if os.environ.get(RANK_STATUS_ENV):
             from trainer.core.launch import register_rank
 
             register_rank()
@@ -302,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _rank_status(code: int) -> int:
     """Record a front-end rank's status (core/launch.py reads it) and return it."""
-    if os.environ.get("TRAINER_RANK_STATUS_DIR"):
+    from trainer.core.command_line import RANK_STATUS_ENV
+
+    if os.environ.get(RANK_STATUS_ENV):
         from trainer.core.launch import write_rank_status
 
         write_rank_status(code)

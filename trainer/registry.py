@@ -24,6 +24,7 @@ import importlib.util
 import pkgutil
 import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from trainer.errors import ConfigError
@@ -207,6 +208,14 @@ def get_spec(name: str) -> TaskSpec:
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"unknown task '{name}'; available tasks: {', '.join(names)}.{hint}")
     return _SPECS[name]
+
+
+def get_family(name: str) -> ModuleType:
+    """The package of the family that defines task `name`, its modules loaded with the task (`get_task`): what a
+    front end (trainer/frontends/) calls the family's own functions through, found by task name like the task."""
+    module = get_task(name).__module__
+    package = module.rpartition(".")[0]
+    return sys.modules[package or module]  # a family that is one module: that module
 
 
 def get_task(name: str) -> type[Task]:

@@ -23,6 +23,17 @@ the launcher between them stays quiet, and the front end, which reads the run's 
 and exits with the stop's status."""
 
 
+RANK_STATUS_ENV = "TRAINER_RANK_STATUS_DIR"
+"""Set by the front end for the ranks it starts: each rank registers there and writes its exit status
+(core/launch.py: `register_rank`, `write_rank_status`)."""
+
+
+def interrupted_line(step: int | str, max_steps: int, checkpoint: Path | str | None, resume: str) -> str:
+    """The one line a run stopped by Ctrl-C ends with."""
+    return (f"trainer: interrupted by Ctrl-C at step {step} of {max_steps}: checkpoint {checkpoint} written; "
+            f"resume with: {resume}")
+
+
 def started_by_front_end(environ: Mapping[str, str] = os.environ) -> bool:
     """True in a rank that `trainer train --nproc` started."""
     return environ.get(FRONT_END_ENV) == "1"

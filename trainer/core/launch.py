@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import Config, save_config
-from trainer.core.command_line import FRONT_END_ENV, resume_command
+from trainer.core.command_line import FRONT_END_ENV, RANK_STATUS_ENV, interrupted_line, resume_command
 from trainer.core.watchdog import started_by_launcher
 from trainer.errors import ConfigError, LaunchError
 from trainer.rundir import RunDir
@@ -79,8 +79,8 @@ class RunResult:
         latest = store.latest_checkpoint(run.checkpoints) if run.checkpoints.is_dir() else None
         step = store.STEP_DIR.match(best.name) if best is not None else None
         if status is None:
-            stopped_by = _stop_marker(run, since=0)
-            status = "completed" if stopped_by is None else "interrupted" if stopped_by == "SIGINT" else "preempted"
+            marker = _stop_marker(run, since=0)
+            status = "completed" if marker is None else "interrupted" if marker["signal"] == "SIGINT" else "preempted"
         return cls(status=status, run_dir=run.root,
                    world_size=start.get("world_size"),
                    eval_metrics={k[5:]: v for k, v in last_eval.items() if k.startswith("eval/")},
@@ -185,27 +185,23 @@ def _launch(cfg: Config, num_processes: int, deepspeed_config: str | None, gpu_i
     save_config(cfg, config_file)
     started = time.time()
     ended = run_ranks(launch_command(config_file, num_processes, deepspeed_config), num_processes, gpu_ids)
-    stopped_by = _stop_marker(run, started)
-    if ended.interrupts and stopped_by is None:  # before training started, or pressed twice before the checkpoint
+    marker = _stop_marker(run, started)
+    if ended.interrupts and marker is None:  # before training started, or pressed twice before the checkpoint
         latest = _latest(run)
         raise LaunchError(f"stopped by Ctrl-C{' pressed twice' if ended.interrupts > 1 else ''} without a new "
                           f"checkpoint" + (f"; the last complete one is {latest}" if latest else ""), exit_code=130,
                           reported=128 + 2 in ended.statuses)  # a rank said it (interrupted outside training's steps)
-    if stopped_by is not None and 2 not in ended.statuses:
-        status = "interrupted" if stopped_by == "SIGINT" else "preempted"
+    if marker is not None and 2 not in ended.statuses:
+        status = "interrupted" if marker["signal"] == "SIGINT" else "preempted"
         if status == "interrupted":
-            print(f"trainer: interrupted by Ctrl-C at step {_marker_step(run)} of {_planned_steps(run, cfg)}: checkpoint "
-                  f"{_latest(run)} written; resume with: {resume_command(cfg)}", file=sys.stderr, flush=True)
+            print(interrupted_line(marker["step"], _planned_steps(run, cfg), _latest(run), resume_command(cfg)),
+                  file=sys.stderr, flush=True)
         else:
             logger.warning("the %d-process run was preempted; train again to resume from its checkpoint", num_processes)
         return RunResult.read(run.root, status)
     raise_for_ranks(ended, f"the {num_processes}-process run",
                     f" and {run.metrics} (train again to resume from the latest checkpoint)")
     return RunResult.read(run.root)
-
-
-RANK_STATUS_ENV = "TRAINER_RANK_STATUS_DIR"
-"""Set by the front end for the ranks it starts: each rank's command line writes its exit status there."""
 
 
 def write_rank_status(code: int, environ: Mapping[str, str] = os.environ) -> None:
@@ -232,25 +228,17 @@ def read_rank_statuses(folder: str | Path) -> set[int]:
     return codes
 
 
-def _stop_marker(run: RunDir, since: float) -> str | None:
-    """The signal that stopped this launch after a checkpoint (its marker), None if none did."""
+def _stop_marker(run: RunDir, since: float) -> dict | None:
+    """The marker of a stop after a checkpoint ({"step", "signal"}) written by this launch (since `since`), or None."""
+    import json
+
     if not run.preempted.is_file() or run.preempted.stat().st_mtime < since - 1:
         return None
-    import json
-
     try:
-        return json.loads(run.preempted.read_text()).get("signal") or "SIGTERM"
+        marker = json.loads(run.preempted.read_text())
     except (OSError, ValueError):
-        return "SIGTERM"
-
-
-def _marker_step(run: RunDir) -> int | str:
-    import json
-
-    try:
-        return json.loads(run.preempted.read_text())["step"]
-    except (OSError, ValueError, KeyError):
-        return "?"
+        marker = {}
+    return {"step": marker.get("step", "?"), "signal": marker.get("signal") or "SIGTERM"}
 
 
 def _planned_steps(run: RunDir, cfg: Config) -> int:
@@ -282,7 +270,7 @@ class _FrontEnd:
     def __init__(self, cmd: list[str], env: dict[str, str]):
         self.cmd, self.env = cmd, env
         self.interrupts = 0
-        self.ranks_seen = False
+        self.quiet = False
         self.status_dir = Path(env[RANK_STATUS_ENV])
         self.told: dict[int, int] = {}  # rank pid -> Ctrl-Cs passed on to it
 
@@ -333,6 +321,8 @@ class _FrontEnd:
         the Ctrl-C once it has registered)."""
         import signal
 
+        if not self.interrupts:
+            return
         for path in self.status_dir.glob("pid*"):
             try:
                 pid = int(path.read_text())
@@ -346,12 +336,11 @@ class _FrontEnd:
                     break
 
     def _launcher_speaks(self) -> bool:
-        """True once the ranks ended after a Ctrl-C or a reported input error: what follows is the launcher's."""
-        ranks = self._ranks()
-        if ranks:
-            self.ranks_seen = True
-            return False
-        return self.ranks_seen and (self.interrupts > 0 or 2 in read_rank_statuses(self.status_dir))
+        """True once the ranks (registered, so they did start) ended after a Ctrl-C or a reported input error: what
+        follows is the launcher's."""
+        if not self.quiet and (self.interrupts or 2 in read_rank_statuses(self.status_dir)):
+            self.quiet = any(self.status_dir.glob("pid*")) and not self._ranks()
+        return self.quiet
 
     def _relay(self, pipe, out) -> None:
         target = out.buffer if hasattr(out, "buffer") else None

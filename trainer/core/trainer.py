@@ -31,7 +31,7 @@ from trainer.core.checkpoint import pick_resume_target, store
 from trainer.core.checkpoint.convert import optimizer_param_names
 from trainer.core.checkpoint.manager import Checkpointer
 from trainer.core.checkpoint.parts import BackendState, DataPosition, EMAState, TaskStats, TrainState
-from trainer.core.command_line import resume_command, started_by_front_end
+from trainer.core.command_line import interrupted_line, resume_command, started_by_front_end
 from trainer.core.distributed import build_accelerator, compile_model, unwrap_model
 from trainer.core.ema import EMA
 from trainer.core.engine import build_engine, check_backend_supports
@@ -341,9 +341,8 @@ class Trainer:
                     if started_by_front_end():  # it says so itself, with the command that started it
                         return
                     latest = store.latest_checkpoint(self.run_dir.checkpoints)
-                    print(f"trainer: interrupted by Ctrl-C at step {self.state.step} of {self.plan.max_steps}: "
-                          f"checkpoint {latest} written; resume with: {resume_command(self.cfg)}", file=sys.stderr,
-                          flush=True)
+                    print(interrupted_line(self.state.step, self.plan.max_steps, latest, resume_command(self.cfg)),
+                          file=sys.stderr, flush=True)
                 else:
                     logger.warning("stop requested by %s: checkpoint at step %d written, exiting with status %d",
                                    signal_name or "another rank", self.state.step, stop_exit_code(signal_name))

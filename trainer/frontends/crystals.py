@@ -28,8 +28,11 @@ from typing import Any
 from trainer.api import RunResult, train, under_launcher
 from trainer.atomic_io import atomic_write_bytes
 from trainer.config import Config, load_config
-from trainer.families.crystals.readers import CrystalDataError, iter_crystals, log_skips
+from trainer.registry import get_family
 from trainer.rundir import RunDir
+
+TASK = "crystal_property"
+"""The task these functions train (its family is found through the registry)."""
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +57,13 @@ def write_structures_extxyz(structures: Sequence[Any], labels: Sequence[Any], pa
         raise ValueError(f"{len(structures)} structures but {len(labels)} labels")
     if ids is not None and len(ids) != len(structures):
         raise ValueError(f"{len(structures)} structures but {len(ids)} ids")
+    readers = get_family(TASK).readers  # the family's reader validates every record
     skipped: Counter = Counter()
-    records = list(iter_crystals(list(structures), labels=list(labels), ids=ids, on_invalid=on_invalid,
+    records = list(readers.iter_crystals(list(structures), labels=list(labels), ids=ids, on_invalid=on_invalid,
                                  skipped=skipped, check_overlap=False))  # overlaps: found by the graph build
-    log_skips(skipped, len(structures), "train_from_list structures")
+    readers.log_skips(skipped, len(structures), "train_from_list structures")
     if not records:
-        raise CrystalDataError("<in-memory>", None, None, "records", "no_records",
+        raise readers.CrystalDataError("<in-memory>", None, None, "records", "no_records",
                                f"no valid structures ({dict(skipped)} skipped)")
     frames = []
     for rec in records:
@@ -85,7 +89,7 @@ def _build_config(*, data_path: str, target: str, per_atom: bool, batch_size: in
                   learning_rate: float, num_workers: int, random_seed: int, output_dir: str, cache_graphs: bool,
                   use_lattice: bool, config: str | None, overrides: Sequence[str],
                   task_options: dict[str, Any]) -> Config:
-    opts = {"task.name": "crystal_property", "task.preset": task_options.pop("preset", "paper"),
+    opts = {"task.name": TASK, "task.preset": task_options.pop("preset", "paper"),
             "task.data_path": data_path, "task.target": target, "task.per_atom": per_atom,
             "task.use_lattice": use_lattice, "train.per_device_batch_size": batch_size, "train.epochs": n_epochs,
             "optim.lr": learning_rate, "data.num_workers": num_workers, "run.seed": random_seed,

@@ -30,7 +30,11 @@ import numpy as np
 from trainer.api import RunResult, train, under_launcher
 from trainer.config import Config, ConfigError, load_config
 from trainer.errors import CheckpointError, DataError
+from trainer.registry import get_family
 from trainer.rundir import RunDir
+
+TASK = "perturbation_gears"
+"""The task these functions train (its family is found through the registry)."""
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +93,7 @@ def build_gears_config(pert_data_path: str | Path, dataset_name: str | None, spl
         raise DataError(f"{data_path}: no such data folder or file (pert_data_path/dataset_name must hold GEARS' "
                         f"perturb_processed.h5ad; GEARS' named sets such as 'norman' are not downloaded here)")
     task = _task_options(split_config, args.get("model_config", {}))
-    opts: dict[str, Any] = {"task.name": "perturbation_gears", "task.preset": args.get("preset", "paper"),
+    opts: dict[str, Any] = {"task.name": TASK, "task.preset": args.get("preset", "paper"),
                             "task.data_path": str(data_path.resolve()),
                             "run.output_dir": str(Path(args.get("save_path", "runs/gears")).resolve()),
                             "log.progress_bar": False}
@@ -209,8 +213,8 @@ def load_gears_model(run_or_export_dir: str | Path, checkpoint: str = "best") ->
         cfg = config_from_dict(yaml.safe_load(config_file.read_text()))
         stats = read_task_stats(ckpt_dir)
         model = None
-    if cfg.task.name != "perturbation_gears":
-        raise ConfigError(f"{path} is a {cfg.task.name!r} run, not perturbation_gears")
+    if cfg.task.name != TASK:
+        raise ConfigError(f"{path} is a {cfg.task.name!r} run, not {TASK}")
     task = get_task(cfg.task.name)(cfg.task, seed=cfg.run.seed)
     task.attach_stats(stats)
     if model is None:
@@ -228,11 +232,10 @@ def _control_inputs(task: Any, num_control_cells: int, seed: int, data_path: str
     """(data, control rows, their expression [n, G]) drawn with a seeded generator from the run's data."""
     import dataclasses
 
-    from trainer.families.perturbation_gears.task import load_perturbation_data
     from trainer.seeding import derive_rng
 
     cfg = dataclasses.replace(task.cfg, data_path=data_path) if data_path else task.cfg
-    data, _ = load_perturbation_data(cfg)
+    data, _ = get_family(TASK).task.load_perturbation_data(cfg)
     if data.gene_names.tolist() != list(task.stats["gene_names"]):
         raise DataError(f"{data.source}: its genes differ from the {len(task.stats['gene_names'])} genes the model was "
                         f"trained on (give the training data as data_path)")
@@ -248,8 +251,9 @@ def _predict_profiles(model: Any, task: Any, perturbations: Sequence[list[str]],
                       ) -> list[tuple[np.ndarray, np.ndarray | None]]:
     import torch
 
-    from trainer.families.perturbation_gears.task import cells_per_forward, check_perturbation, predict_cells
-
+    family = get_family(TASK).task
+    cells_per_forward, check_perturbation, predict_cells = (family.cells_per_forward, family.check_perturbation,
+                                                            family.predict_cells)
     index = {g: i for i, g in enumerate(task.stats["pert_genes"])}
     x = torch.from_numpy(controls).to(device)
     model = model.to(device)
@@ -317,9 +321,9 @@ def plot_condition(run_or_export_dir: str | Path, perturbation: str | Sequence[s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from trainer.families.perturbation_gears.conditions import as_condition, format_condition
-    from trainer.families.perturbation_gears.task import fit_training_baselines, plot_de_changes
-
+    family = get_family(TASK)
+    as_condition, format_condition = family.conditions.as_condition, family.conditions.format_condition
+    fit_training_baselines, plot_de_changes = family.task.fit_training_baselines, family.task.plot_de_changes
     model, task = load_gears_model(run_or_export_dir, checkpoint)
     data, _, controls = _control_inputs(task, num_control_cells, seed, data_path)
     genes = _perturbation_genes(perturbation)
