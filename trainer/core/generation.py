@@ -28,6 +28,7 @@ import yaml
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from trainer.atomic_io import temp_path, temp_paths_of
 from trainer.config import config_from_dict, parse_options
 from trainer.errors import ConfigError
 from trainer.registry import get_task
@@ -163,8 +164,9 @@ def _write_whole(task: GenerativeTask, samples: Any, options: Any, out: Path) ->
     """`task.write_samples` into a hidden sibling of `out`, moved into place once complete: samples interrupted
     while written (Ctrl-C, a full disk) never sit at `out` looking like a finished set."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".partial-{out.name}")
-    _remove(partial)
+    for leftover in temp_paths_of(out):  # of a write that was interrupted
+        _remove(leftover)
+    partial = temp_path(out)
     summary = task.write_samples(samples, options, partial)
     _remove(out)
     os.replace(partial, out)
