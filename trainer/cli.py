@@ -1,4 +1,4 @@
-"""`trainer` console script: train, export, sample, plot, tasks, config-help, run-experiments (sweep).
+"""`trainer` console script: train, align, export, sample, plot, tasks, config-help, run-experiments (sweep).
 
 Torch-heavy modules are imported inside the commands that need them, and only once the config is
 checked: `trainer --help`, `trainer tasks`, `trainer config-help`, `trainer sample RUN_DIR --help` and a
@@ -20,13 +20,24 @@ from typing import TYPE_CHECKING
 from trainer.errors import ConfigError, TrainerError
 
 if TYPE_CHECKING:
+    from trainer.config import Config
     from trainer.task import TaskSpec
 
 
 def _train(args: argparse.Namespace) -> int:
     from trainer.config import load_config
 
-    cfg = load_config(args.config, args.overrides)  # a config error stops here, before torch is imported
+    return _fit(load_config(args.config, args.overrides), args)  # a config error stops here, before torch is imported
+
+
+def _align(args: argparse.Namespace) -> int:
+    from trainer.config import align_config
+
+    return _fit(align_config(args.run_dir, args.overrides), args)
+
+
+def _fit(cfg: Config, args: argparse.Namespace) -> int:
+    """Train `cfg` here, on --nproc local processes, or as one rank of a launcher's job; the run's exit status."""
     from trainer.core.watchdog import arm_exit_guard, started_by_launcher
 
     if args.nproc is not None and not started_by_launcher():
@@ -173,6 +184,18 @@ def build_parser(sweep_arguments: bool = True) -> argparse.ArgumentParser:
     train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     train.set_defaults(func=_train)
+
+    align = sub.add_parser("align", help="post-train a run's model with a force-field reward: "
+                                         "trainer align RUN_DIR out=NEW_RUN_DIR key=value ...")
+    align.add_argument("run_dir", help="the trained run to align (its latest checkpoint; EMA weights when kept)")
+    align.add_argument("overrides", nargs="*",
+                       help="out=NEW_RUN_DIR (required) and section.key=value, e.g. task.group_size=16 train.max_steps=200 "
+                            "(`trainer config-help --task molecules_edm_align` lists them)")
+    align.add_argument("--deepspeed", default=None, help="DeepSpeed json (ds_configs/*.json); 'auto' values are filled")
+    align.add_argument("--nproc", type=int, default=None, help="as `trainer train --nproc`")
+    align.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    align.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    align.set_defaults(func=_align)
 
     export = sub.add_parser("export", help="consolidated fp32 (or EMA) safetensors + config from a run")
     export.add_argument("run_dir")

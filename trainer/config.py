@@ -49,6 +49,12 @@ class RunConfig:
     allow_inexact_resume: bool = False
     """Resume even when part of the saved state (a rank's RNG state) cannot be restored, with a warning;
     by default that is an error naming the file."""
+    init_from: str = ""
+    """Start from another run's weights (fine-tuning, `trainer align`): a run directory (its latest checkpoint)
+    or a checkpoint folder. Loaded into the freshly built model before a resume, which then takes precedence;
+    empty: the task's own initialisation."""
+    init_weights: str = "auto"
+    """Which weights of `init_from`: `auto` (its EMA weights when it kept an EMA), `ema` or `model`."""
 
 
 @dataclass
@@ -204,6 +210,7 @@ _CHOICES = {
     ("eval", "mode"): ("min", "max"),
     ("eval", "test_weights"): ("final", "best"),
     ("data", "batching"): ("fixed", "balanced", "budget"),
+    ("run", "init_weights"): ("auto", "ema", "model"),
 }
 
 
@@ -366,6 +373,8 @@ def _validate(cfg: Config) -> None:
     resume = cfg.run.resume
     if resume not in ("auto", "none") and not Path(resume).exists():
         raise ConfigError(f"run.resume={resume!r}: no such checkpoint or run directory (use auto, none or a path)")
+    if cfg.run.init_from and not Path(cfg.run.init_from).exists():
+        raise ConfigError(f"run.init_from={cfg.run.init_from!r}: no such run directory or checkpoint")
     for (section, key), choices in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in choices:
@@ -389,12 +398,15 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("config key 'train.ema_decay' must be in [0, 1)")
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Resolve a Config from defaults, the task's preset, a YAML file and CLI overrides.
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, layer: dict | None = None,
+                layer_source: str = "") -> Config:
+    """Resolve a Config from defaults, the task's preset, a YAML file (or `layer`, a dict in its place, named
+    `layer_source` in errors) and CLI overrides.
 
     Works from the task's light spec (`trainer.registry.get_spec`): a config error is found without
     importing torch or the family's model code."""
-    file_layer = load_yaml(path) if path else {}
+    file_layer = load_yaml(path) if path else dict(layer or {})
+    path = path or layer_source or None
     cli_layer = parse_overrides(overrides)
     _check_sections(file_layer, str(path))
     _check_sections(cli_layer, "command line")
@@ -435,6 +447,42 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise
         raise ConfigError(f"task '{spec.name}': {err}") from None
     return cfg
+
+
+def align_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """The config of `trainer align RUN_DIR out=NEW_RUN_DIR [key=value ...]`: the aligned task's preset (the name
+    of RUN_DIR's preset when the alignment has one, else `tiny`), under RUN_DIR's task options that the alignment
+    shares (model sizes, elements, data), `run.init_from=RUN_DIR`, its seed, `run.output_dir=NEW_RUN_DIR`, under
+    the command line's `key=value`s. No torch is imported."""
+    run_dir = Path(run_dir)
+    source = run_dir / "config.yaml"
+    if not source.is_file():
+        raise ConfigError(f"trainer align: {run_dir} is not a run directory (no config.yaml)")
+    saved = load_yaml(source)
+    saved_task = saved.get("task") or {}
+    spec = get_spec(str(saved_task.get("name", "")))
+    if not spec.aligned_by:
+        raise ConfigError(f"trainer align: task '{spec.name}' of {run_dir} has no alignment task")
+    target = get_spec(spec.aligned_by)
+    rest, out = [], None
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "out":
+            out = value.strip()
+        else:
+            rest.append(item)
+    out = out or parse_overrides(rest).get("run", {}).get("output_dir")
+    if not out:
+        raise ConfigError("trainer align needs out=NEW_RUN_DIR (the aligned run's directory)")
+    if Path(out).resolve() == run_dir.resolve():
+        raise ConfigError(f"trainer align: out={out} is the aligned run itself; name a new run directory")
+    shared = ({f.name for f in dataclasses.fields(target.config_cls)}
+              & {f.name for f in dataclasses.fields(spec.config_cls)})
+    preset = str(saved_task.get("preset") or "")
+    task = {k: v for k, v in saved_task.items() if k in shared and k not in ("name", "preset")}
+    layer = {"run": {"output_dir": out, "init_from": str(run_dir), "seed": (saved.get("run") or {}).get("seed", 0)},
+             "task": {**task, "name": target.name, "preset": preset if preset in target.presets else "tiny"}}
+    return load_config(None, rest, layer=layer, layer_source=f"trainer align {run_dir}")
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -30,7 +30,8 @@ draw inside the model's forward): it uses the rank's global RNG, seeded `run.see
 between world sizes; it is restored exactly on a resume at the same world size.
 
 Optional capabilities are `typing.Protocol`s checked with `isinstance`, never `hasattr`:
-`GenerativeTask` (has a `SampleConfig` and `generate`/`write_samples`), `EpochAwareDataset`
+`GenerativeTask` (has a `SampleConfig` and `generate`/`write_samples`), `ReferenceModelTask` (a loss that
+compares the model with its starting point, e.g. a KL penalty of reward post-training), `EpochAwareDataset`
 (a map-style dataset whose item depends on the epoch), `GlobalStream` (a training stream in one order
 that the core shards by global sample index), `EpochAwareStream` and `CompilableModel` (a model that
 compiles its own hot regions for `train.compile`).
@@ -131,6 +132,8 @@ class TaskSpec:
     """Top-level modules the task needs beyond the core install (checked without importing them)."""
     extra: str = ""
     """The pip extra that installs `requires` (`pip install 'sciml-trainer[EXTRA]'`)."""
+    aligned_by: str = ""
+    """The registered task that post-trains this task's runs with a reward (`trainer align RUN_DIR`); empty: none."""
     baselines: Mapping[str, str] = field(default_factory=dict)
     """Eval metric -> the metric of its trivial baseline (e.g. perplexity_bound -> unigram_perplexity):
     `trainer plot` draws the pair in one panel, without importing the task's module."""
@@ -157,6 +160,8 @@ class LossOutput:
 
     loss: torch.Tensor
     logs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Scalars of the micro-batch (means over its units, every micro-batch the same names): the core logs their
+    mean over the step's micro-batches and ranks at each logging step."""
 
 
 @dataclass
@@ -191,6 +196,8 @@ class Task:
     `baseline_X` is paired with `X` without being declared."""
     sample_config_cls: ClassVar[type[SampleConfig]] = SampleConfig
     """Options of `trainer sample` for a `GenerativeTask` (a subclass of SampleConfig)."""
+    progress_logs: ClassVar[tuple[str, ...]] = ()
+    """Names of `LossOutput.logs` shown beside the loss in the training progress bar (e.g. a reward)."""
 
     def __init__(self, cfg: TaskConfig, seed: int = 0):
         if isinstance(cfg, TaskConfig):
@@ -280,6 +287,16 @@ class GenerativeTask(Protocol):
 
     def score_samples(self, samples: list[Any], options: Any) -> dict[str, float]:
         """Main process: metrics of a set of samples, logged at evaluations with eval.sample_every."""
+
+
+@runtime_checkable
+class ReferenceModelTask(Protocol):
+    """A task whose loss compares the model with a frozen copy of its starting point (the KL penalty of reward
+    post-training, `trainer align`)."""
+
+    def keep_reference_model(self, model: nn.Module) -> None:
+        """Called once by the core with the single-device model holding the run's initial weights (`run.init_from`'s,
+        before any resume and before the model is wrapped): keep a frozen copy (the core never trains it)."""
 
 
 @runtime_checkable

@@ -29,6 +29,7 @@ from trainer.config import Config, save_config
 from trainer.core.batch_plan import plan_batch
 from trainer.core.checkpoint import pick_resume_target, store
 from trainer.core.checkpoint.convert import optimizer_param_names
+from trainer.core.checkpoint.export import load_initial_weights
 from trainer.core.checkpoint.manager import Checkpointer
 from trainer.core.checkpoint.parts import BackendState, DataPosition, EMAState, TaskStats, TrainState
 from trainer.core.command_line import interrupted_line, resume_command, started_by_front_end
@@ -46,7 +47,7 @@ from trainer.core.run_plan import build_run_plan
 from trainer.core.step_guard import NonFiniteLossError
 from trainer.registry import get_task
 from trainer.rundir import RunDir
-from trainer.task import GenerativeTask
+from trainer.task import GenerativeTask, ReferenceModelTask
 
 __all__ = ["NonFiniteLossError", "TrainState", "Trainer"]
 
@@ -75,6 +76,10 @@ class Trainer:
         self.task.attach_stats(data.stats)
         set_seed(cfg.run.seed)  # identical initial weights on every rank
         model = self.task.build_model(data.stats)
+        if cfg.run.init_from:  # fine-tuning: another run's weights; a resume below then takes precedence
+            load_initial_weights(model, cfg.run.init_from, cfg.run.init_weights)
+        if isinstance(self.task, ReferenceModelTask):
+            self.task.keep_reference_model(model)
         if t.compile:
             compile_model(model, acc.distributed_type)
         self.data = TrainBatches(cfg, batch, self.task, data.train, acc.process_index, world, acc.device)
@@ -206,7 +211,7 @@ class Trainer:
         """
         acc, accum = self.accelerator, len(batches)
         fractions, local_units = self._unit_fractions([b.batch for b in batches])
-        shares = []
+        shares, logs = [], defaultdict(list)
         for (batch, rng), fraction in zip(batches, fractions):
             with acc.accumulate(self.model) if accum > 1 else contextlib.nullcontext():
                 out = self.task.loss(self.model, batch, rng)
@@ -215,13 +220,15 @@ class Trainer:
                     share = share * fraction
                 self.engine.backward(share)
                 shares.append(share.detach())
+                for key, value in out.logs.items():
+                    logs[key].append(value.detach().float())
         grad_norm, skipped = self.engine.step()
         self.scheduler.step()
         if self.ema is not None:
             self.ema.update(unwrap_model(acc, self.model), skipped=skipped)
         step_loss = shares[0] if accum == 1 else torch.stack(shares).sum()
         return {"loss": step_loss, "units": local_units, "grad_norm": grad_norm,
-                **{k: v.detach() for k, v in out.logs.items()}}
+                **{k: v[0] if accum == 1 else torch.stack(v).mean() for k, v in logs.items()}}
 
     def _unit_fractions(self, batches: list[Any]) -> tuple[list, Any]:
         """Each micro-batch's share of the units of the whole step (all ranks), and this rank's units."""
@@ -239,13 +246,18 @@ class Trainer:
     def _log_train(self, window: StepWindow, stats: dict[str, Any], bar: tqdm) -> None:
         """The logging step: the only place the loop reads the device (losses, units, skipped steps)."""
         self.state.nonfinite_skipped += self.engine.check_skips(self.state.step)
+        task_logs = {k: v for k, v in stats.items() if k not in ("loss", "units", "grad_norm")}
+        if task_logs and self.accelerator.num_processes > 1:  # the step's mean over all ranks (equal micro-batches)
+            values = self.accelerator.reduce(torch.stack(list(task_logs.values())), reduction="mean")
+            task_logs = dict(zip(task_logs, values))
         extra = {"lr": self.scheduler.get_last_lr()[0], "grad_norm": self.engine.logged_grad_norm(stats["grad_norm"]),
                  "nonfinite_skipped": self.state.nonfinite_skipped,
                  "epoch": self.data.epoch(self.state.step * self.plan.grad_accum_steps),
-                 **{k: float(v) for k, v in stats.items() if k not in ("loss", "units", "grad_norm")}}
+                 **{k: float(v) for k, v in task_logs.items()}}
         record = self.log.train(window, self.state.step, extra)
         if self.is_main:
-            bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.2g}")
+            bar.set_postfix(loss=f"{record['loss']:.4g}", lr=f"{record['lr']:.2g}",
+                            **{k: f"{record[k]:.4g}" for k in self.task.progress_logs if k in record})
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()

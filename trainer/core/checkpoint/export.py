@@ -60,6 +60,24 @@ def consolidated_weights(run_dir: str | Path, checkpoint: str = "latest",
             for k, v in state_dict.items()}, ckpt_dir
 
 
+def load_initial_weights(model: torch.nn.Module, source: str | Path, weights: str = "auto") -> Path:
+    """`run.init_from`: load a run's (latest) or a checkpoint folder's full weights into `model`; every key must
+    match. Returns the checkpoint folder read."""
+    source = Path(source)
+    params, ckpt_dir = consolidated_weights(source, checkpoint="latest", weights=weights)  # a run or a checkpoint
+    missing, unexpected = model.load_state_dict(params, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"run.init_from={str(source)!r}: the weights of {ckpt_dir} do not fit this task's model "
+                              f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}): train it with "
+                              f"the same model options")
+    try:
+        model.load_state_dict(params, strict=True)
+    except RuntimeError as err:  # a shape mismatch
+        raise CheckpointError(f"run.init_from={str(source)!r}: the weights of {ckpt_dir} do not fit this task's "
+                              f"model: {str(err).splitlines()[-1].strip()}") from None
+    return ckpt_dir
+
+
 def export_run(run_dir: str | Path, out: str | Path | None = None, checkpoint: str = "latest",
                weights: str = "auto") -> Path:
     """Write RUN's weights (EMA when kept, unless weights='model') as fp32 safetensors plus its config.

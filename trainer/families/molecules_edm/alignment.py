@@ -68,12 +68,20 @@ How `trainer align` will use these (plan for the next step)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from trainer.families.molecules_edm.diffusion import EDMDiffusion, SampleOutput
+
 __all__ = [
     "GroupAdvantages",
+    "RolloutPlan",
+    "Rollouts",
+    "draw_rollouts",
     "clipped_objective",
     "force_rms_reward",
     "gaussian_log_prob",
@@ -238,3 +246,116 @@ def force_rms_reward(forces: torch.Tensor, node_mask: torch.Tensor,
     rms = torch.sqrt(squared.sum(dim=1) / counts.clamp(min=1).to(forces.dtype))
     reward = torch.where(valid, -rms, torch.full_like(rms, float("nan")))
     return reward, valid
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """What one micro-batch of groups draws: G groups of `group_size` rollouts (rollout r of group p is row
+    p * group_size + r). A group's rollouts share their start z_T and the first T - `trained_steps` reverse steps
+    (drawn from the group's generator), then branch: each draws its own noise, and the `transitions` steps
+    it stores for training, from its own generator."""
+
+    num_atoms: Sequence[int]
+    """[G] atoms of each group's molecules."""
+    group_generators: Sequence[torch.Generator]
+    """[G] the shared start and prefix of each group."""
+    rollout_generators: Sequence[torch.Generator]
+    """[G * group_size] each rollout's branch: which steps it stores, its noise, its decoding."""
+    group_size: int
+    trained_steps: int
+    """The last this many reverse steps are branched and may be trained (the reference: 400 of 1000)."""
+    transitions: int
+    """Transitions stored per rollout, drawn without replacement among the trained steps."""
+
+    def check(self, timesteps: int) -> None:
+        groups = len(self.num_atoms)
+        if groups < 1 or len(self.group_generators) != groups:
+            raise ValueError(f"RolloutPlan: {groups} groups but {len(self.group_generators)} group generators")
+        if len(self.rollout_generators) != groups * self.group_size:
+            raise ValueError(f"RolloutPlan: {groups} groups of {self.group_size} need {groups * self.group_size} "
+                             f"rollout generators, got {len(self.rollout_generators)}")
+        if not 1 <= self.trained_steps <= timesteps:
+            raise ValueError(f"RolloutPlan: trained_steps must be in [1, {timesteps}], got {self.trained_steps}")
+        if not 1 <= self.transitions <= self.trained_steps:
+            raise ValueError(f"RolloutPlan: transitions must be in [1, trained_steps={self.trained_steps}], "
+                             f"got {self.transitions}")
+
+
+@dataclass
+class Rollouts:
+    """B = G * K rollouts of `draw_rollouts`, with S stored transitions (z_t -> z_s) each."""
+
+    z_t: torch.Tensor
+    """[B, S, N, D] the state before each stored transition."""
+    z_s: torch.Tensor
+    """[B, S, N, D] the state drawn from it (re-centred, as the sampler keeps it)."""
+    steps: torch.Tensor
+    """[B, S] long: s of each transition (t = s + 1)."""
+    logp_old: torch.Tensor
+    """[B, S] log p(z_s | z_t) under the policy that drew them (`gaussian_log_prob`)."""
+    sigma: torch.Tensor
+    """[B, S] the step's standard deviation (a function of s alone)."""
+    final: SampleOutput
+    """The decoded molecules."""
+
+    @property
+    def node_mask(self) -> torch.Tensor:
+        """[B, N] bool real atoms."""
+        return self.final.node_mask
+
+
+@torch.no_grad()
+def draw_rollouts(diffusion: EDMDiffusion, plan: RolloutPlan) -> Rollouts:
+    """Sample `plan`'s groups of rollouts with EDM's ancestral sampler, storing the transitions to train.
+
+    The same reverse steps as `EDMDiffusion.sample` (`reverse_step`, re-centring, `decode`), so a group of one
+    rollout with trained_steps = T and generator g for both its group and its rollout draws what `sample`
+    draws from g, apart from the draw of the stored steps before the first step.
+    """
+    from trainer.families.molecules_edm.diffusion import remove_mean_with_mask
+
+    T, K = diffusion.T, plan.group_size
+    plan.check(T)
+    device = diffusion.gamma.device
+    atoms = [int(n) for n in plan.num_atoms]
+    rollout_atoms = [n for n in atoms for _ in range(K)]
+    nodes, rows = max(atoms), len(rollout_atoms)
+    width = diffusion.n_dims + diffusion.num_features
+    # Each rollout's stored steps, as indices among the trained steps (0 = the first trained step).
+    picks = torch.stack([torch.randperm(plan.trained_steps, generator=g, device=g.device)[:plan.transitions].cpu()
+                         for g in plan.rollout_generators]).sort(dim=1).values
+    slot = torch.full((rows, plan.trained_steps), -1, dtype=torch.long)
+    slot.scatter_(1, picks, torch.arange(plan.transitions).expand(rows, -1).contiguous())
+    slot = slot.to(device)
+    shape = (rows, plan.transitions, nodes, width)
+    z_t_store, z_s_store = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+    logp_store = torch.zeros((rows, plan.transitions), device=device)
+    sigma_store = torch.zeros((rows, plan.transitions), device=device)
+    steps_store = torch.zeros((rows, plan.transitions), dtype=torch.long, device=device)
+
+    mask = torch.arange(nodes, device=device).unsqueeze(0) < torch.tensor(atoms, device=device).unsqueeze(1)
+    z = diffusion._molecule_noise(atoms, plan.group_generators, mask)
+    generators, step_atoms, branch_at = plan.group_generators, atoms, T - plan.trained_steps
+    for step_index, s in enumerate(reversed(range(T))):
+        if step_index == branch_at:  # every rollout continues the group's chain with its own noise
+            z, mask = z.repeat_interleave(K, dim=0), mask.repeat_interleave(K, dim=0)
+            generators, step_atoms = plan.rollout_generators, rollout_atoms
+        mask_f = mask.to(torch.float32).unsqueeze(-1)
+        mu, sigma = diffusion.reverse_step(z, s, mask_f)
+        z_next = mu + sigma * diffusion._molecule_noise(step_atoms, generators, mask)
+        z_next = torch.cat([remove_mean_with_mask(z_next[..., :diffusion.n_dims], mask_f),
+                            z_next[..., diffusion.n_dims:]], dim=-1)
+        if step_index >= branch_at:
+            where = slot[:, step_index - branch_at]
+            stored = torch.nonzero(where >= 0).flatten()
+            if stored.numel():
+                at = where[stored]
+                z_t_store[stored, at] = z[stored]
+                z_s_store[stored, at] = z_next[stored]
+                logp_store[stored, at] = gaussian_log_prob(z_next[stored], mu[stored], sigma, mask[stored])
+                sigma_store[stored, at] = sigma.to(sigma_store.dtype)
+                steps_store[stored, at] = s
+        z = z_next
+    final = diffusion.decode(z, step_atoms, generators, mask)
+    return Rollouts(z_t=z_t_store, z_s=z_s_store, steps=steps_store, logp_old=logp_store, sigma=sigma_store,
+                    final=final)

@@ -542,10 +542,9 @@ class EDMDiffusion(nn.Module):
         if not 0 <= chain_for <= len(num_atoms):
             raise ConfigError(f"sample: chain_for={chain_for} must be in [0, {len(num_atoms)}]")
         device = self.gamma.device
-        batch, nodes = len(num_atoms), max(num_atoms)
+        nodes = max(num_atoms)
         mask = torch.arange(nodes, device=device).unsqueeze(0) < torch.tensor(num_atoms, device=device).unsqueeze(1)
         mask_f = mask.to(torch.float32).unsqueeze(-1)
-        k = self.num_classes
         frame_steps = set(self._chain_steps(chain_frames)) if chain_for > 0 else set()
         chains: list[list[ChainFrame]] | None = [[] for _ in range(chain_for)] if frame_steps else None
 
@@ -560,15 +559,8 @@ class EDMDiffusion(nn.Module):
         z = self._molecule_noise(num_atoms, generators, mask)
         record(0, z[..., :self.n_dims] * self.norm_values[0], self._decode_types(z, mask))
         for step_index, s in enumerate(reversed(range(self.T))):
-            gamma_s, gamma_t = self.gamma[s], self.gamma[s + 1]
-            sigma2_t_given_s = -torch.expm1(F.softplus(gamma_s) - F.softplus(gamma_t))
-            alpha_t_given_s = torch.exp(0.5 * (F.logsigmoid(-gamma_t) - F.logsigmoid(-gamma_s)))
-            sigma_t_given_s = torch.sqrt(sigma2_t_given_s)
-            sigma_s, sigma_t = self._sigma(gamma_s), self._sigma(gamma_t)
-            t = torch.full((batch,), (s + 1) / self.T, dtype=torch.float32, device=device)
-            eps_t = self.phi(z, t, mask_f)
-            mu = z / alpha_t_given_s - (sigma2_t_given_s / alpha_t_given_s / sigma_t) * eps_t
-            sigma = sigma_t_given_s * sigma_s / sigma_t
+            mu, sigma = self.reverse_step(z, s, mask_f)
+            sigma_t = self._sigma(self.gamma[s + 1])
             z = mu + sigma * self._molecule_noise(num_atoms, generators, mask)
             z = torch.cat([remove_mean_with_mask(z[..., :self.n_dims], mask_f), z[..., self.n_dims:]], dim=-1)
             if guidance is not None:
@@ -584,7 +576,49 @@ class EDMDiffusion(nn.Module):
             if on_step is not None:
                 on_step(step_index + 1)
 
-        # p(x, h | z_0): x ~ N(x0_hat, sigma_0 / alpha_0); h read from z_0 itself
+        out = self.decode(z, num_atoms, generators, mask)
+        positions, type_index = out.positions, out.type_index
+        record(self.T, positions, type_index)
+        out.chains = chains
+        return out
+
+    def reverse_step(self, z: torch.Tensor, s: int | torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and standard deviation of the ancestral step p(z_s | z_t), t = s + 1 (the policy of reward
+        post-training): mu = z_t / alpha_t|s - sigma_t|s^2 / (alpha_t|s sigma_t) eps_hat(z_t, t / T) and
+        sigma = sigma_t|s sigma_s / sigma_t.
+
+        z: [B, N, 3 + F]; s: an int (every molecule at the same step) or [B] integers; mask: [B, N, 1] float.
+        Returns mu [B, N, 3 + F] and sigma (a 0-d tensor for an int s, else [B]); gradients flow through eps_hat.
+        """
+        batch = z.shape[0]
+        per_row = isinstance(s, torch.Tensor) and s.dim() > 0
+        if per_row and tuple(s.shape) != (batch,):
+            raise ValueError(f"reverse_step: s has shape {tuple(s.shape)} for {batch} molecules")
+        s_index = s.to(self.gamma.device, torch.long) if per_row else int(s)
+        gamma_s, gamma_t = self.gamma[s_index], self.gamma[s_index + 1]
+        sigma2_t_given_s = -torch.expm1(F.softplus(gamma_s) - F.softplus(gamma_t))
+        alpha_t_given_s = torch.exp(0.5 * (F.logsigmoid(-gamma_t) - F.logsigmoid(-gamma_s)))
+        sigma_t_given_s = torch.sqrt(sigma2_t_given_s)
+        sigma_s, sigma_t = self._sigma(gamma_s), self._sigma(gamma_t)
+        if per_row:
+            t = (s_index + 1).to(torch.float32) / self.T
+        else:
+            t = torch.full((batch,), (s_index + 1) / self.T, dtype=torch.float32, device=z.device)
+        eps_t = self.phi(z, t.to(z.device), mask)
+        ratio = sigma2_t_given_s / alpha_t_given_s / sigma_t
+        sigma = sigma_t_given_s * sigma_s / sigma_t
+        if per_row:
+            mu = z / alpha_t_given_s.view(-1, 1, 1) - ratio.view(-1, 1, 1) * eps_t
+        else:
+            mu = z / alpha_t_given_s - ratio * eps_t
+        return mu, sigma
+
+    def decode(self, z: torch.Tensor, num_atoms: Sequence[int], generators: Sequence[torch.Generator],
+               mask: torch.Tensor) -> SampleOutput:
+        """p(x, h | z_0): positions ~ N(x0_hat, sigma_0 / alpha_0) with the noise from each molecule's generator,
+        re-centred; types by argmax and charges rounded, read from z_0 itself. mask: [B, N] bool."""
+        device, batch = z.device, z.shape[0]
+        mask_f = mask.to(torch.float32).unsqueeze(-1)
         gamma_0 = self.gamma[0]
         sigma_x = torch.exp(0.5 * gamma_0)
         eps_0 = self.phi(z, torch.zeros(batch, dtype=torch.float32, device=device), mask_f)
@@ -593,15 +627,14 @@ class EDMDiffusion(nn.Module):
         positions = remove_mean_with_mask(xh[..., :self.n_dims] * self.norm_values[0], mask_f)
         type_index = self._decode_types(z, mask)
         if self.include_charges:
-            charges = torch.round(z[..., self.n_dims + k] * self.norm_values[2] + self.norm_biases[1]).long()
+            charges = torch.round(z[..., self.n_dims + self.num_classes] * self.norm_values[2] + self.norm_biases[1]).long()
             charges = torch.where(mask, charges, torch.zeros_like(charges))
         else:
             charges = torch.zeros_like(type_index)
         table = torch.tensor(self.atomic_numbers_of_types, dtype=torch.long, device=device)
         atomic_numbers = torch.where(mask, table[type_index], torch.zeros_like(type_index))
-        record(self.T, positions, type_index)
         return SampleOutput(positions=positions, type_index=type_index, atomic_numbers=atomic_numbers,
-                            charges=charges, node_mask=mask, chains=chains)
+                            charges=charges, node_mask=mask, chains=None)
 
 
 def build_edm_diffusion(elements: Sequence[str] = QM9_ELEMENTS, hidden: int = 256, layers: int = 9,

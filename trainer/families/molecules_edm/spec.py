@@ -140,6 +140,67 @@ class MoleculeSampleConfig(SampleConfig):
             raise ValueError("chains must be >= 0, chain_frames >= 2 and num_atoms >= 0")
 
 
+@dataclass
+class MoleculesEDMAlignConfig(MoleculesEDMConfig):
+    """`trainer align RUN_DIR out=NEW_RUN_DIR`: reward post-training of a trained EDM with a force field (Elign's
+    group-relative clipped policy gradient, `alignment.py`). The model options come from the aligned run; a
+    micro-batch holds `train.per_device_batch_size` groups of `group_size` rollouts."""
+
+    name: str = "molecules_edm_align"
+    """Registered task name."""
+    group_size: int = 8
+    """Rollouts per group (K): they share their start and first reverse steps, and their rewards are normalised
+    within the group (the reference: 24)."""
+    trained_steps: int = 400
+    """The last this many of the T reverse steps branch into the group's rollouts and are trained (the reference:
+    400 of 1000); the steps before are shared by the group."""
+    transitions: int = 32
+    """Transitions per rollout in the loss, drawn without replacement among the trained steps (all of them:
+    `trained_steps`; fewer is an unbiased, cheaper estimate)."""
+    clip: float = 2e-3
+    """PPO clip of the per-transition probability ratio (the reference: 2e-3)."""
+    advantage_clip: float = 5.0
+    """Group-normalised advantages are clipped to +-this."""
+    kl_weight: float = 0.04
+    """Weight of the KL divergence of each trained step to the frozen starting model's step."""
+    reward_forcefield: str = "ani1x"
+    """Force field of the reward (as `guidance.forcefield`: ani1x, gfn2, gfn1, ase:<module.Class>, uma:<name or
+    file>, springs)."""
+    reward_forcefield_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the reward force field."""
+    reward_fallback_forcefield: str = "gfn2"
+    """Scores the molecules with an element the reward force field does not model (F under ani1x); `none`: such a
+    molecule is excluded from its group and counted, like a failed evaluation."""
+    force_weight: float = 1.0
+    """Weight of minus the RMS of the final molecule's forces (eV/Angstrom)."""
+    energy_weight: float = 0.0
+    """Weight of minus the final molecule's energy per atom above its isolated atoms (eV/atom, from the reward force
+    field; the reference uses 0.1 on a per-step variant)."""
+    stability_weight: float = 0.0
+    """Weight of the final molecule's share of stable atoms (EDM's bond-order rule), a bonus in [0, 1]."""
+    num_groups: int = 1048576
+    """Prompts in the pool: the group with index i draws its atom count, start and rollouts from (run.seed, i), so
+    step s of a run with global batch G reads groups s * G .. s * G + G - 1 (data.shuffle=false)."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.group_size < 2:
+            raise ConfigError(f"task.group_size must be >= 2 (advantages compare the rollouts of a group), got {self.group_size}")
+        if not 1 <= self.trained_steps <= self.timesteps:
+            raise ConfigError(f"task.trained_steps must be in [1, task.timesteps={self.timesteps}], got {self.trained_steps}")
+        if not 1 <= self.transitions <= self.trained_steps:
+            raise ConfigError(f"task.transitions must be in [1, task.trained_steps={self.trained_steps}], got {self.transitions}")
+        if self.clip <= 0 or self.advantage_clip <= 0 or self.kl_weight < 0:
+            raise ConfigError("task.clip and task.advantage_clip must be > 0 and task.kl_weight >= 0")
+        if self.reward_forcefield.strip().lower() in ("", "none"):
+            raise ConfigError("task.reward_forcefield must name a force field (ani1x, gfn2, gfn1, ase:..., uma:..., springs)")
+        if min(self.force_weight, self.energy_weight, self.stability_weight) < 0 or not (
+                self.force_weight or self.energy_weight or self.stability_weight):
+            raise ConfigError("task.force_weight, energy_weight and stability_weight must be >= 0, one of them > 0")
+        if self.num_groups < 1:
+            raise ConfigError(f"task.num_groups must be >= 1, got {self.num_groups}")
+
+
 PRESETS = {
     "tiny": {"task": {"model_preset": "tiny"},
              "train": {"per_device_batch_size": 64, "epochs": 20, "ema_decay": 0.999, "grad_clip_norm": 1.0},
@@ -158,6 +219,42 @@ SPEC = register_spec(TaskSpec(
     config_cls=MoleculesEDMConfig,
     presets=PRESETS,
     unit="molecules",
+    metrics=("nll", "loss"),
+    sample_config_cls=MoleculeSampleConfig,
+    requires=("rdkit",),
+    extra="molecules_edm",
+    aligned_by="molecules_edm_align",
+))
+
+_ALIGN_COMMON = {"train": {"ema_decay": 0.0, "grad_clip_norm": 1.0, "epochs": 0.0},
+                 "data": {"shuffle": False},
+                 "optim": {"weight_decay": 1e-4, "scheduler": "cosine"},
+                 "eval": {"every_steps": 0, "every_epochs": 0.0, "metric": "nll", "sample_every": 1},
+                 "log": {"every_steps": 1}}
+
+ALIGN_PRESETS = {
+    "tiny": {"task": {"model_preset": "tiny"},
+             "train": {**_ALIGN_COMMON["train"], "max_steps": 60, "per_device_batch_size": 4},
+             "optim": {**_ALIGN_COMMON["optim"], "lr": 1e-4, "warmup_steps": 5},
+             "eval": {**_ALIGN_COMMON["eval"], "num_samples": 32},
+             "ckpt": {"every_steps": 20},
+             "data": _ALIGN_COMMON["data"], "log": _ALIGN_COMMON["log"]},
+    "paper": {"task": {"model_preset": "paper", "group_size": 24, "transitions": 400},
+              "train": {**_ALIGN_COMMON["train"], "max_steps": 1500, "per_device_batch_size": 4},
+              "optim": {**_ALIGN_COMMON["optim"], "lr": 4e-6, "warmup_steps": 60},
+              "eval": {**_ALIGN_COMMON["eval"], "num_samples": 256},
+              "ckpt": {"every_steps": 100},
+              "data": _ALIGN_COMMON["data"], "log": _ALIGN_COMMON["log"]},
+}
+"""Named layers of `trainer align` (the aligned run's preset when the alignment has one of that name, else `tiny`):
+on top of them the aligned run's model options, then the command line."""
+
+ALIGN_SPEC = register_spec(TaskSpec(
+    name="molecules_edm_align",
+    task="trainer.families.molecules_edm.align_task:MoleculesEDMAlignTask",
+    config_cls=MoleculesEDMAlignConfig,
+    presets=ALIGN_PRESETS,
+    unit="groups",
     metrics=("nll", "loss"),
     sample_config_cls=MoleculeSampleConfig,
     requires=("rdkit",),

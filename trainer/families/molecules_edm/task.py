@@ -62,13 +62,23 @@ class EDMModel(nn.Module):
         super().__init__()
         self.diffusion = diffusion
 
-    def forward(self, batch: dict[str, torch.Tensor], mode: str = "loss", rng: Any = None) -> torch.Tensor:
+    def forward(self, batch: Any, mode: str = "loss", rng: Any = None) -> Any:
+        """`loss` / `nll` of a molecule batch; for reward post-training (`align_task.py`), `rollout` draws the
+        rollouts of an `alignment.RolloutPlan` (no gradient) and `policy` gives the reverse step's mean and standard
+        deviation of {"z": [M, N, D], "s": [M] steps, "mask": [M, N] bool}."""
+        if mode == "rollout":
+            from trainer.families.molecules_edm.alignment import draw_rollouts
+
+            return draw_rollouts(self.diffusion, batch)
+        if mode == "policy":
+            mask = batch["mask"].to(torch.float32).unsqueeze(-1)
+            return self.diffusion.reverse_step(batch["z"], batch["s"], mask)
         args = (batch["positions"], batch["one_hot"], batch["charges"], batch["node_mask"])
         if mode == "loss":
             return self.diffusion.training_loss(*args, rng=rng)
         if mode == "nll":
             return self.diffusion.nll(*args, rng=rng)
-        raise ValueError(f"mode must be 'loss' or 'nll', got {mode!r}")
+        raise ValueError(f"mode must be 'loss', 'nll', 'rollout' or 'policy', got {mode!r}")
 
 
 @register_task(SPEC)  # options, presets, unit, metrics and sampling options: spec.py

@@ -1,0 +1,200 @@
+"""`molecules_edm_align`: reward post-training of a trained EDM with a force field (`trainer align RUN_DIR`).
+
+The task is the molecules task with another training set and loss. Its training "samples" are prompts: group i
+of the pool draws its atom count, its shared start and its rollouts from the seeds of its row (run.seed, epoch,
+i: `trainer.sample_random`), so a group is the same on any rank and world size and after a resume. A micro-batch
+of G groups draws G * K rollouts through the model (no gradient), scores the final molecules with the reward force
+field, normalises the rewards within each group and takes the group-relative clipped policy gradient of the stored
+transitions plus the KL to the frozen starting model (`alignment.py`). Validation and test are the molecules
+task's (NLL of the held-out molecules, and samples' stability and validity), so an aligned run reports how far it
+moved from the data; `trainer sample` and `trainer export` read an aligned run like any molecules run.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from trainer.errors import TrainerError
+from trainer.families.molecules_edm import alignment as align
+from trainer.families.molecules_edm.spec import ALIGN_SPEC, GuidanceOptions, MoleculesEDMAlignConfig
+from trainer.families.molecules_edm.task import MoleculesEDMTask
+from trainer.registry import register_task
+from trainer.sample_random import SampleRandom
+from trainer.seeding import derive_seeds
+from trainer.task import LossOutput, TaskData
+
+
+class NonFiniteRewardError(TrainerError):
+    """A rollout the force field scored has a reward that is not a finite number."""
+
+
+class PromptPool(Dataset):
+    """Group indices 0 .. size - 1: the training set of an alignment (a group's randomness is keyed by its index)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = int(size)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, int]:
+        return {"group": int(index)}
+
+
+@register_task(ALIGN_SPEC)
+class MoleculesEDMAlignTask(MoleculesEDMTask):
+    cfg: MoleculesEDMAlignConfig
+    progress_logs = ("reward_mean", "force_rms_mean", "kl")
+
+    def __init__(self, cfg: MoleculesEDMAlignConfig, seed: int = 0):
+        super().__init__(cfg, seed)
+        self.reference: nn.Module | None = None
+        self._atom_energies: dict[int, float] = {}
+
+    # ------------------------------------------------------------------ data and model
+    def build_data(self) -> TaskData:
+        """The molecules task's validation and test molecules and statistics; the prompts to train on."""
+        data = super().build_data()
+        return TaskData(train=PromptPool(self.cfg.num_groups), eval=data.eval, test=data.test, stats=data.stats)
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if samples and "group" in samples[0]:
+            return {"group": torch.tensor([s["group"] for s in samples], dtype=torch.long)}
+        return super().collate(samples)  # validation / test molecules
+
+    def batch_size(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["group"].shape[0]) if "group" in batch else super().batch_size(batch)
+
+    def unit_sizes(self, dataset: Dataset) -> None:
+        return None  # every group costs the same: fixed batches only
+
+    def keep_reference_model(self, model: nn.Module) -> None:
+        """The KL penalty's frozen copy of the starting weights (single-device, never trained)."""
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+
+    # ------------------------------------------------------------------ loss
+    def rollout_plan(self, rng: SampleRandom) -> align.RolloutPlan:
+        """The groups of a micro-batch: each one's atom count and shared start from its "group" stream, rollout r's
+        branch from derive_seeds(its "rollouts" stream seed, r)."""
+        c = self.cfg
+        group_generators = rng.generators("group")
+        num_atoms = self._draw_num_atoms(group_generators, self.sample_config_cls())
+        rollout_seeds = derive_seeds(rng.stream_seeds("rollouts")[:, None], np.arange(c.group_size)[None, :])
+        rollout_generators = [torch.Generator().manual_seed(int(s)) for s in np.asarray(rollout_seeds).reshape(-1)]
+        return align.RolloutPlan(num_atoms=num_atoms, group_generators=group_generators,
+                                 rollout_generators=rollout_generators, group_size=c.group_size,
+                                 trained_steps=c.trained_steps, transitions=c.transitions)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], rng: SampleRandom) -> LossOutput:
+        """Rollouts of the micro-batch's groups (through the prepared model, no gradient), their rewards and
+        group-normalised advantages, then the clipped policy gradient of the stored transitions plus
+        kl_weight x the KL to the frozen start."""
+        c = self.cfg
+        if self.reference is None:
+            raise RuntimeError("molecules_edm_align: no reference model (the core calls keep_reference_model)")
+        with torch.no_grad():
+            rollouts: align.Rollouts = model(self.rollout_plan(rng), mode="rollout")
+            reward, force_rms, valid = self.rewards(rollouts.final, batch["group"])
+            advantages = align.group_advantages(reward, c.group_size, valid, clip=c.advantage_clip)
+        rows, steps = rollouts.steps.shape
+        mask = rollouts.node_mask.repeat_interleave(steps, dim=0)
+        inputs = {"z": rollouts.z_t.flatten(0, 1), "s": rollouts.steps.flatten(), "mask": mask}
+        mu, sigma = model(inputs, mode="policy")
+        logp = align.gaussian_log_prob(rollouts.z_s.flatten(0, 1), mu, sigma, mask).view(rows, steps)
+        policy_loss, clip_fraction = align.clipped_objective(logp, rollouts.logp_old, advantages.advantages, c.clip)
+        reference = self.reference.to(mu.device)
+        with torch.no_grad():
+            mu_ref, _ = reference(inputs, mode="policy")
+        kl = align.kl_to_reference(mu, mu_ref, sigma, mask).mean()
+        loss = policy_loss + c.kl_weight * kl if c.kl_weight else policy_loss
+        return LossOutput(loss=loss, logs=self._logs(reward, force_rms, valid, advantages, kl, clip_fraction,
+                                                     policy_loss))
+
+    def _logs(self, reward: torch.Tensor, force_rms: torch.Tensor, valid: torch.Tensor,
+              advantages: align.GroupAdvantages, kl: torch.Tensor, clip_fraction: torch.Tensor,
+              policy_loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Means over the micro-batch's scored rollouts (NaN-free: an all-excluded micro-batch logs 0)."""
+        def mean(values: torch.Tensor) -> torch.Tensor:
+            kept = values[valid]
+            return kept.mean() if kept.numel() else torch.zeros((), device=values.device)
+
+        grouped = torch.where(valid, reward, torch.zeros_like(reward)).view(-1, self.cfg.group_size)
+        weight = valid.view(-1, self.cfg.group_size).to(reward.dtype)
+        count = weight.sum(dim=1)
+        group_mean = grouped.sum(dim=1) / count.clamp(min=1)
+        group_std = (((grouped - group_mean[:, None]) * weight) ** 2).sum(dim=1).div(count.clamp(min=1)).sqrt()
+        scored = count >= 2
+        spread = group_std[scored].mean() if bool(scored.any()) else torch.zeros((), device=reward.device)
+        return {"reward_mean": mean(reward), "reward_group_std": spread, "force_rms_mean": mean(force_rms),
+                "excluded_fraction": (~valid).to(reward.dtype).mean(), "kl": kl.detach(),
+                "clip_fraction": clip_fraction, "policy_loss": policy_loss.detach()}
+
+    # ------------------------------------------------------------------ reward
+    def reward_forcefield(self) -> Any:
+        """The reward force field, routed to the fallback for elements it does not model (as guidance does)."""
+        c = self.cfg
+        return self._guiding_forcefield(GuidanceOptions(
+            forcefield=c.reward_forcefield, forcefield_kwargs=dict(c.reward_forcefield_kwargs),
+            fallback_forcefield=c.reward_fallback_forcefield))
+
+    def rewards(self, final: Any, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per rollout: the reward, the force RMS (eV/Angstrom) and whether it was scored. A molecule the force field
+        could not evaluate is not scored (excluded from its group and counted); a scored molecule whose reward is
+        not finite stops the run (NonFiniteRewardError)."""
+        from trainer.families.molecules_edm.forcefields.base import compute_on_device
+
+        c = self.cfg
+        mask = final.node_mask
+        result = compute_on_device(self.reward_forcefield(), final.atomic_numbers, final.positions, mask)
+        ok = result.ok.to(torch.bool)
+        force_reward, _ = align.force_rms_reward(torch.nan_to_num(result.forces, nan=float("inf")), mask)
+        force_rms = -force_reward
+        reward = c.force_weight * force_reward
+        if c.energy_weight:
+            reward = reward - c.energy_weight * self._energy_per_atom(final, result.energy)
+        if c.stability_weight:
+            reward = reward + c.stability_weight * self._stable_share(final).to(reward)
+        bad = ok & ~torch.isfinite(reward)
+        if bool(bad.any()):
+            row = int(torch.nonzero(bad)[0])
+            group = int(groups[row // c.group_size])
+            raise NonFiniteRewardError(
+                f"molecules_edm_align: the reward of rollout {row % c.group_size} of group {group} is {float(reward[row])} "
+                f"(force RMS {float(force_rms[row])} eV/A from {c.reward_forcefield}): stopping rather than training on it")
+        return torch.where(ok, reward, torch.full_like(reward, float("nan"))), force_rms, ok
+
+    def _energy_per_atom(self, final: Any, energy: torch.Tensor) -> torch.Tensor:
+        """(E - sum of the isolated atoms' energies) / atoms, each element's atom evaluated once by the force field."""
+        numbers = final.atomic_numbers.cpu().numpy()
+        mask = final.node_mask.cpu().numpy()
+        reference = np.zeros(len(numbers))
+        for b in range(len(numbers)):
+            reference[b] = sum(self._atom_energy(int(z)) for z in numbers[b][mask[b]])
+        atoms = final.node_mask.sum(dim=1).clamp(min=1).to(energy)
+        return (energy - torch.as_tensor(reference, dtype=energy.dtype, device=energy.device)) / atoms
+
+    def _atom_energy(self, number: int) -> float:
+        if number not in self._atom_energies:
+            result = self.reward_forcefield().compute(np.array([[number]]), np.zeros((1, 1, 3)), np.ones((1, 1), bool))
+            if not bool(result.ok[0]):
+                raise TrainerError(f"molecules_edm_align: task.energy_weight needs the energy of an isolated atom of "
+                                   f"element {number}, which {self.cfg.reward_forcefield} could not evaluate")
+            self._atom_energies[number] = float(result.energy[0])
+        return self._atom_energies[number]
+
+    @staticmethod
+    def _stable_share(final: Any) -> torch.Tensor:
+        """Each molecule's share of atoms whose bond orders sum to their valence (EDM's rule)."""
+        from trainer.families.molecules_edm.metrics import check_stability
+
+        numbers, positions = final.atomic_numbers.cpu().numpy(), final.positions.double().cpu().numpy()
+        mask = final.node_mask.cpu().numpy()
+        shares = [float(np.mean(check_stability(numbers[b][mask[b]], positions[b][mask[b]])[0]))
+                  for b in range(len(numbers))]
+        return torch.tensor(shares, device=final.positions.device)
