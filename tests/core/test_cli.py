@@ -48,7 +48,8 @@ def test_cli_reports_config_errors_clearly(tmp_path):
                    expect=2)
     assert "unknown config key 'train.max_stepz'" in proc.stderr and "train.max_steps" in proc.stderr
     proc = run_cmd([str(BIN / "python"), "-m", "trainer", "train", TINY, "task.name=protein"], expect=2)
-    assert "available tasks: crystal_property, molecules_edm, molecules_edm_align, perturbation_gears, protein_sedd, regression" in proc.stderr
+    assert ("available tasks: crystal_property, molecules_edm, molecules_edm_align, perturbation_gears, protein_sedd, "
+            "regression") in proc.stderr
 
 
 def test_tasks_and_config_help():

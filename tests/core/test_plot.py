@@ -10,7 +10,7 @@ import sys
 import matplotlib.pyplot as plt
 import pytest
 
-from trainer.core.plot import baseline_pairs, eval_figure, plot_run, task_baselines, train_figure
+from trainer.core.plot import baseline_pairs, eval_figure, plot_run, task_baselines, task_logs_figure, train_figure
 from trainer.rundir import RunDir
 
 UNIGRAM = 18.26
@@ -83,6 +83,17 @@ def test_train_figure_has_a_panel_per_logged_key_only():
     assert list(panels(train_figure([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]))) == ["loss"]
     assert train_figure([{"step": 0, "event": "start"}]) is None
     assert eval_figure([{"step": 1, "eval/num_sequences": 3.0, "eval/x": float("nan")}]) is None
+
+
+def test_task_logs_get_a_panel_each_and_bookkeeping_none():
+    """An alignment's logs (reward mean and spread, KL, clip fraction) are drawn; throughput, memory, epoch and eval
+    values are not (they have their own figures or are not curves of the task)."""
+    logged = [{"step": s, "loss": 1.0, "lr": 1e-3, "samples_per_s": 9.0, "groups_per_s": 9.0, "peak_memory_mb": 50.0,
+               "epoch": s / 10, "reward_mean": -s, "reward_group_std": 1.0 + s, "kl": 0.01 * s, "clip_fraction": 0.0}
+              for s in (1, 2, 3)]
+    logged.append({"step": 3, "eval/nll": 5.0})
+    assert sorted(panels(task_logs_figure(logged))) == ["clip_fraction", "kl", "reward_group_std", "reward_mean"]
+    assert task_logs_figure(records()) is None
 
 
 def write_run(root, records_, task_name="protein_sedd"):

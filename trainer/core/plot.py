@@ -1,4 +1,4 @@
-"""`trainer plot RUN_DIR`: PNG curves of training loss, learning rate and eval metrics.
+"""`trainer plot RUN_DIR`: PNG curves of training loss, learning rate, the task's own logs and eval metrics.
 
 Axes are labelled (optimizer step; the quantity); the loss gets a log axis only when it spans a decade, and a
 training quantity that never changed (a constant learning rate) is a line of text instead of a flat panel.
@@ -127,6 +127,23 @@ def train_figure(records: list[dict]) -> plt.Figure | None:
     return fig
 
 
+BOOKKEEPING_KEYS = frozenset({"step", "epoch", "step_time_s", "peak_memory_mb", "nonfinite_skipped"})
+"""Numbers of a training record that are not the task's own logs (nor TRAIN_KEYS)."""
+
+
+def task_logs_figure(records: list[dict]) -> plt.Figure | None:
+    """The task's own per-step logs (`LossOutput.logs`, e.g. an alignment's reward, KL and clip fraction): one panel
+    each, identical curves once. None when the task logs nothing."""
+    train = [r for r in records if "loss" in r and not any(k.startswith(EVAL_PREFIX) for k in r)]
+    keys = sorted({k for r in train for k in r if k not in BOOKKEEPING_KEYS and k not in TRAIN_KEYS
+                   and not k.endswith("_per_s") and "/" not in k})
+    series = _series(train, keys)
+    keys = [k for k in keys if k in series]
+    if not keys:
+        return None
+    return _figure(series, distinct_groups(series, keys))
+
+
 def eval_figure(records: list[dict], declared: Mapping[str, str] = ()) -> plt.Figure | None:
     """Every eval metric (but the eval/num_* counts) with its baseline in the same panel, identical curves
     once; `declared` is the task's metric -> baseline map. None without eval records."""
@@ -165,8 +182,9 @@ def task_baselines(run: RunDir) -> dict[str, str]:
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None,
              baselines: Mapping[str, str] | None = None) -> list[Path]:
-    """Write train.png (loss, lr, grad norm, throughput) and eval.png (every eval/* metric, each with its
-    baseline); `baselines` (metric -> baseline metric) defaults to the run's `TaskSpec.baselines`."""
+    """Write train.png (loss, lr, grad norm, throughput), train_logs.png (the task's own logs, where it has any) and
+    eval.png (every eval/* metric, each with its baseline); `baselines` (metric -> baseline metric) defaults to the
+    run's `TaskSpec.baselines`."""
     run = RunDir(run_dir)
     out_dir = Path(out_dir) if out_dir else run.plots
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -175,6 +193,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None,
     fig = train_figure(records)
     if fig is not None:
         written.append(_save(fig, out_dir / "train.png"))
+    fig = task_logs_figure(records)
+    if fig is not None:
+        written.append(_save(fig, out_dir / "train_logs.png"))
     if any(k.startswith(EVAL_PREFIX) for r in records for k in r):
         fig = eval_figure(records, task_baselines(run) if baselines is None else baselines)
         if fig is not None:

@@ -103,6 +103,10 @@ def test_rollouts_share_their_group_start_and_store_on_policy_transitions():
                                                            K, trained, 2))
     assert few.steps.shape == (6, 2) and bool((few.steps[:, 0] > few.steps[:, 1]).all())
     assert int(few.steps.max()) < trained
+    # The final steps left untrained: every stored s is at least lowest_step.
+    late = align.draw_rollouts(diffusion, align.RolloutPlan([4, 6], generators(1, 2), generators(*range(10, 16)),
+                                                            K, trained, 3, lowest_step=2))
+    assert sorted(set(late.steps.flatten().tolist())) == [2, 3, 4]
 
 
 # ------------------------------------------------------------------ rewards
@@ -170,6 +174,28 @@ def test_a_reward_that_is_not_finite_stops_the_run():
     task.reward_forcefield = lambda: FakeForceField(energy=float("inf"))
     with pytest.raises(NonFiniteRewardError, match="rollout 0 of group 7"):
         task.rewards(final_molecules(3), torch.tensor([7]))
+
+
+def test_align_config_layers_the_preset_the_aligned_run_and_the_command_line(tmp_path):
+    from trainer.errors import ConfigError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("run: {seed: 7}\ntask: {name: molecules_edm, preset: tiny, timesteps: 50, "
+                                     "hidden: 16, val_fraction: 0.2}\ntrain: {max_steps: 999}\n")
+    cfg = align_config(run, [f"out={tmp_path / 'new'}", "task.group_size=4"])
+    assert (cfg.task.name, cfg.task.timesteps, cfg.task.hidden, cfg.task.val_fraction) == ("molecules_edm_align", 50, 16, 0.2)
+    assert cfg.task.group_size == 4 and cfg.train.max_steps == 60  # the alignment's tiny preset, not the run's training
+    assert (cfg.run.init_from, cfg.run.seed, cfg.run.output_dir) == (str(run), 7, str(tmp_path / "new"))
+    with pytest.raises(ConfigError, match="needs out=NEW_RUN_DIR"):
+        align_config(run, [])
+    with pytest.raises(ConfigError, match="is the aligned run itself"):
+        align_config(run, [f"out={run}"])
+    with pytest.raises(ConfigError, match="not a run directory"):
+        align_config(tmp_path / "nothing", [f"out={tmp_path / 'new'}"])
+    (run / "config.yaml").write_text("task: {name: regression}\n")
+    with pytest.raises(ConfigError, match="task 'regression' .* has no alignment task"):
+        align_config(run, [f"out={tmp_path / 'new'}"])
 
 
 # ------------------------------------------------------------------ through the Trainer

@@ -30,6 +30,10 @@ from trainer.seeding import derive_seeds
 from trainer.task import LossOutput, TaskData
 
 
+LOG_RMS_FLOOR = 1e-3
+"""eV/Angstrom: force RMS values below it count as it under `task.force_reward=log_rms`."""
+
+
 class NonFiniteRewardError(TrainerError):
     """A rollout the force field scored has a reward that is not a finite number."""
 
@@ -89,7 +93,8 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
         rollout_generators = [torch.Generator().manual_seed(int(s)) for s in np.asarray(rollout_seeds).reshape(-1)]
         return align.RolloutPlan(num_atoms=num_atoms, group_generators=group_generators,
                                  rollout_generators=rollout_generators, group_size=c.group_size,
-                                 trained_steps=c.trained_steps, transitions=c.transitions)
+                                 trained_steps=c.branched_steps, transitions=c.trained_transitions,
+                                 lowest_step=c.lowest_trained_step)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], rng: SampleRandom) -> LossOutput:
         """Rollouts of the micro-batch's groups (through the prepared model, no gradient), their rewards and
@@ -155,6 +160,8 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
         ok = result.ok.to(torch.bool)
         force_reward, _ = align.force_rms_reward(torch.nan_to_num(result.forces, nan=float("inf")), mask)
         force_rms = -force_reward
+        if c.force_reward == "log_rms":  # a molecule with no force at all (isolated atoms) gets the floor's log
+            force_reward = -torch.log(force_rms.clamp(min=LOG_RMS_FLOOR))
         reward = c.force_weight * force_reward
         if c.energy_weight:
             reward = reward - c.energy_weight * self._energy_per_atom(final, result.energy)

@@ -266,6 +266,9 @@ class RolloutPlan:
     """The last this many reverse steps are branched and may be trained (the reference: 400 of 1000)."""
     transitions: int
     """Transitions stored per rollout, drawn without replacement among the trained steps."""
+    lowest_step: int = 0
+    """No transition with s below this is stored: the final steps move atoms by thousandths of an Angstrom but
+    carry the largest log-probability gradients, so in the estimate they are noise."""
 
     def check(self, timesteps: int) -> None:
         groups = len(self.num_atoms)
@@ -276,9 +279,12 @@ class RolloutPlan:
                              f"rollout generators, got {len(self.rollout_generators)}")
         if not 1 <= self.trained_steps <= timesteps:
             raise ValueError(f"RolloutPlan: trained_steps must be in [1, {timesteps}], got {self.trained_steps}")
-        if not 1 <= self.transitions <= self.trained_steps:
-            raise ValueError(f"RolloutPlan: transitions must be in [1, trained_steps={self.trained_steps}], "
-                             f"got {self.transitions}")
+        if not 0 <= self.lowest_step < self.trained_steps:
+            raise ValueError(f"RolloutPlan: lowest_step must be in [0, trained_steps={self.trained_steps}), "
+                             f"got {self.lowest_step}")
+        if not 1 <= self.transitions <= self.trained_steps - self.lowest_step:
+            raise ValueError(f"RolloutPlan: transitions must be in [1, trained_steps - lowest_step = "
+                             f"{self.trained_steps - self.lowest_step}], got {self.transitions}")
 
 
 @dataclass
@@ -322,7 +328,8 @@ def draw_rollouts(diffusion: EDMDiffusion, plan: RolloutPlan) -> Rollouts:
     nodes, rows = max(atoms), len(rollout_atoms)
     width = diffusion.n_dims + diffusion.num_features
     # Each rollout's stored steps, as indices among the trained steps (0 = the first trained step).
-    picks = torch.stack([torch.randperm(plan.trained_steps, generator=g, device=g.device)[:plan.transitions].cpu()
+    storable = plan.trained_steps - plan.lowest_step  # the first branched steps, s >= lowest_step
+    picks = torch.stack([torch.randperm(storable, generator=g, device=g.device)[:plan.transitions].cpu()
                          for g in plan.rollout_generators]).sort(dim=1).values
     slot = torch.full((rows, plan.trained_steps), -1, dtype=torch.long)
     slot.scatter_(1, picks, torch.arange(plan.transitions).expand(rows, -1).contiguous())

@@ -151,12 +151,16 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
     group_size: int = 8
     """Rollouts per group (K): they share their start and first reverse steps, and their rewards are normalised
     within the group (the reference: 24)."""
-    trained_steps: int = 400
-    """The last this many of the T reverse steps branch into the group's rollouts and are trained (the reference:
-    400 of 1000); the steps before are shared by the group."""
+    trained_steps: int = 0
+    """The last this many of the T reverse steps branch into the group's rollouts and are trained; the steps before
+    are shared by the group. 0: two fifths of `timesteps` (the reference: 400 of 1000)."""
     transitions: int = 32
-    """Transitions per rollout in the loss, drawn without replacement among the trained steps (all of them:
-    `trained_steps`; fewer is an unbiased, cheaper estimate)."""
+    """Transitions per rollout in the loss, drawn without replacement among the trained steps (at most all of them,
+    as the reference; fewer is an unbiased, cheaper estimate)."""
+    untrained_final_steps: int = -1
+    """The last this many reverse steps are not trained (their transitions are never stored): they move atoms by
+    thousandths of an Angstrom but carry the largest log-probability gradients, which then drown the estimate in
+    noise. -1: a tenth of `timesteps`; 0: every branched step, as the reference."""
     clip: float = 2e-3
     """PPO clip of the per-transition probability ratio (the reference: 2e-3)."""
     advantage_clip: float = 5.0
@@ -172,7 +176,11 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
     """Scores the molecules with an element the reward force field does not model (F under ani1x); `none`: such a
     molecule is excluded from its group and counted, like a failed evaluation."""
     force_weight: float = 1.0
-    """Weight of minus the RMS of the final molecule's forces (eV/Angstrom)."""
+    """Weight of the force term: minus the RMS of the final molecule's forces (eV/Angstrom), or of its log."""
+    force_reward: str = "rms"
+    """`rms`: minus the force RMS (the reference); `log_rms`: minus its natural log, so that halving a molecule's
+    forces counts the same at 100 and at 1 eV/Angstrom (for a model whose molecules range over decades, where a
+    group's few worst molecules would otherwise set every advantage)."""
     energy_weight: float = 0.0
     """Weight of minus the final molecule's energy per atom above its isolated atoms (eV/atom, from the reward force
     field; the reference uses 0.1 on a per-step variant)."""
@@ -182,16 +190,37 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
     """Prompts in the pool: the group with index i draws its atom count, start and rollouts from (run.seed, i), so
     step s of a run with global batch G reads groups s * G .. s * G + G - 1 (data.shuffle=false)."""
 
+    @property
+    def branched_steps(self) -> int:
+        """`trained_steps`, 0 resolved to two fifths of `timesteps` (at least 1)."""
+        return self.trained_steps or max(1, (2 * self.timesteps) // 5)
+
+    @property
+    def lowest_trained_step(self) -> int:
+        """`untrained_final_steps`, -1 resolved to a tenth of `timesteps`, below `branched_steps`."""
+        steps = self.timesteps // 10 if self.untrained_final_steps < 0 else self.untrained_final_steps
+        return min(steps, self.branched_steps - 1)
+
+    @property
+    def trained_transitions(self) -> int:
+        """`transitions`, at most the trained steps."""
+        return min(self.transitions, self.branched_steps - self.lowest_trained_step)
+
     def validate(self) -> None:
         super().validate()
         if self.group_size < 2:
             raise ConfigError(f"task.group_size must be >= 2 (advantages compare the rollouts of a group), got {self.group_size}")
-        if not 1 <= self.trained_steps <= self.timesteps:
-            raise ConfigError(f"task.trained_steps must be in [1, task.timesteps={self.timesteps}], got {self.trained_steps}")
-        if not 1 <= self.transitions <= self.trained_steps:
-            raise ConfigError(f"task.transitions must be in [1, task.trained_steps={self.trained_steps}], got {self.transitions}")
+        if not 0 <= self.trained_steps <= self.timesteps:
+            raise ConfigError(f"task.trained_steps must be in [0, task.timesteps={self.timesteps}], got {self.trained_steps}")
+        if self.untrained_final_steps < -1:
+            raise ConfigError(f"task.untrained_final_steps must be >= 0 (or -1: a tenth of timesteps), got "
+                              f"{self.untrained_final_steps}")
+        if self.transitions < 1:
+            raise ConfigError(f"task.transitions must be >= 1, got {self.transitions}")
         if self.clip <= 0 or self.advantage_clip <= 0 or self.kl_weight < 0:
             raise ConfigError("task.clip and task.advantage_clip must be > 0 and task.kl_weight >= 0")
+        if self.force_reward not in ("rms", "log_rms"):
+            raise ConfigError(f"task.force_reward must be 'rms' or 'log_rms', got {self.force_reward!r}")
         if self.reward_forcefield.strip().lower() in ("", "none"):
             raise ConfigError("task.reward_forcefield must name a force field (ani1x, gfn2, gfn1, ase:..., uma:..., springs)")
         if min(self.force_weight, self.energy_weight, self.stability_weight) < 0 or not (
@@ -233,13 +262,13 @@ _ALIGN_COMMON = {"train": {"ema_decay": 0.0, "grad_clip_norm": 1.0, "epochs": 0.
                  "log": {"every_steps": 1}}
 
 ALIGN_PRESETS = {
-    "tiny": {"task": {"model_preset": "tiny"},
+    "tiny": {"task": {"model_preset": "tiny", "reward_fallback_forcefield": "none"},
              "train": {**_ALIGN_COMMON["train"], "max_steps": 60, "per_device_batch_size": 4},
              "optim": {**_ALIGN_COMMON["optim"], "lr": 1e-4, "warmup_steps": 5},
              "eval": {**_ALIGN_COMMON["eval"], "num_samples": 32},
              "ckpt": {"every_steps": 20},
              "data": _ALIGN_COMMON["data"], "log": _ALIGN_COMMON["log"]},
-    "paper": {"task": {"model_preset": "paper", "group_size": 24, "transitions": 400},
+    "paper": {"task": {"model_preset": "paper", "group_size": 24, "transitions": 1000},
               "train": {**_ALIGN_COMMON["train"], "max_steps": 1500, "per_device_batch_size": 4},
               "optim": {**_ALIGN_COMMON["optim"], "lr": 4e-6, "warmup_steps": 60},
               "eval": {**_ALIGN_COMMON["eval"], "num_samples": 256},
