@@ -29,7 +29,6 @@ from trainer.sample_random import SampleRandom
 from trainer.seeding import derive_seeds
 from trainer.task import LossOutput, TaskData
 
-
 LOG_RMS_FLOOR = 1e-3
 """eV/Angstrom: force RMS values below it count as it under `task.force_reward=log_rms`."""
 
