@@ -452,8 +452,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
 def align_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
     """The config of `trainer align RUN_DIR out=NEW_RUN_DIR [key=value ...]`: the aligned task's preset (the name
     of RUN_DIR's preset when the alignment has one, else `tiny`), under RUN_DIR's task options that the alignment
-    shares (model sizes, elements, data), `run.init_from=RUN_DIR`, its seed, `run.output_dir=NEW_RUN_DIR`, under
-    the command line's `key=value`s. No torch is imported."""
+    shares (model sizes, elements, data), `run.init_from` = the absolute folder of RUN_DIR's latest checkpoint (so
+    a resume starts from, and compares with, the same weights whatever RUN_DIR does later), its seed,
+    `run.output_dir=NEW_RUN_DIR`, under the command line's `key=value`s. No torch is imported."""
     run_dir = Path(run_dir)
     source = run_dir / "config.yaml"
     if not source.is_file():
@@ -476,13 +477,28 @@ def align_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError("trainer align needs out=NEW_RUN_DIR (the aligned run's directory)")
     if Path(out).resolve() == run_dir.resolve():
         raise ConfigError(f"trainer align: out={out} is the aligned run itself; name a new run directory")
+    checkpoint = _latest_checkpoint_of(run_dir)  # pinned: the reference of a resume, whatever the run does later
     shared = ({f.name for f in dataclasses.fields(target.config_cls)}
               & {f.name for f in dataclasses.fields(spec.config_cls)})
     preset = str(saved_task.get("preset") or "")
     task = {k: v for k, v in saved_task.items() if k in shared and k not in ("name", "preset")}
-    layer = {"run": {"output_dir": out, "init_from": str(run_dir), "seed": (saved.get("run") or {}).get("seed", 0)},
+    layer = {"run": {"output_dir": out, "init_from": str(checkpoint), "seed": (saved.get("run") or {}).get("seed", 0)},
              "task": {**task, "name": target.name, "preset": preset if preset in target.presets else "tiny"}}
-    return load_config(None, rest, layer=layer, layer_source=f"trainer align {run_dir}")
+    cfg = load_config(None, rest, layer=layer, layer_source=f"trainer align {run_dir}")
+    if Path(cfg.run.output_dir).resolve() == run_dir.resolve():
+        raise ConfigError(f"trainer align: run.output_dir={cfg.run.output_dir} is the aligned run itself; name a new "
+                          f"run directory")
+    return cfg
+
+
+def _latest_checkpoint_of(run_dir: Path) -> Path:
+    """The absolute folder of RUN_DIR's latest checkpoint (its `checkpoints/latest` pointer)."""
+    pointer = run_dir / "checkpoints" / "latest"
+    name = pointer.read_text().strip() if pointer.is_file() else ""
+    folder = run_dir / "checkpoints" / name
+    if not name or not folder.is_dir():
+        raise ConfigError(f"trainer align: {run_dir} has no complete checkpoint ({pointer} names none that exists)")
+    return folder.resolve()
 
 
 def config_to_dict(cfg: Config) -> dict:

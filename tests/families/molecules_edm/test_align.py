@@ -180,17 +180,23 @@ def test_align_config_layers_the_preset_the_aligned_run_and_the_command_line(tmp
     from trainer.errors import ConfigError
 
     run = tmp_path / "run"
-    run.mkdir()
+    (run / "checkpoints" / "step_00000009").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_00000009\n")
     (run / "config.yaml").write_text("run: {seed: 7}\ntask: {name: molecules_edm, preset: tiny, timesteps: 50, "
                                      "hidden: 16, val_fraction: 0.2}\ntrain: {max_steps: 999}\n")
     cfg = align_config(run, [f"out={tmp_path / 'new'}", "task.group_size=4"])
     assert (cfg.task.name, cfg.task.timesteps, cfg.task.hidden, cfg.task.val_fraction) == ("molecules_edm_align", 50, 16, 0.2)
     assert cfg.task.group_size == 4 and cfg.train.max_steps == 60  # the alignment's tiny preset, not the run's training
-    assert (cfg.run.init_from, cfg.run.seed, cfg.run.output_dir) == (str(run), 7, str(tmp_path / "new"))
+    # The reference is pinned to the checkpoint that was latest when the alignment started.
+    pinned = str((run / "checkpoints" / "step_00000009").resolve())
+    assert (cfg.run.init_from, cfg.run.seed, cfg.run.output_dir) == (pinned, 7, str(tmp_path / "new"))
     with pytest.raises(ConfigError, match="needs out=NEW_RUN_DIR"):
         align_config(run, [])
-    with pytest.raises(ConfigError, match="is the aligned run itself"):
-        align_config(run, [f"out={run}"])
+    for same in ([f"out={run}"], [f"out={tmp_path / 'new'}", f"run.output_dir={run}"]):
+        with pytest.raises(ConfigError, match="is the aligned run itself"):
+            align_config(run, same)
+    with pytest.raises(ConfigError, match="untrained_final_steps"):
+        align_config(run, [f"out={tmp_path / 'new'}", "task.trained_steps=10", "task.untrained_final_steps=10"])
     with pytest.raises(ConfigError, match="not a run directory"):
         align_config(tmp_path / "nothing", [f"out={tmp_path / 'new'}"])
     (run / "config.yaml").write_text("task: {name: regression}\n")
@@ -248,3 +254,15 @@ def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_does(source_r
     killed = cut_run_back(reference, tmp_path / "killed", step=1)
     aligned(source_run, killed, "train.ema_decay=0.9")
     assert_run_matches(reference, killed, tolerance=0.0, steps=2)
+
+
+def test_a_start_that_does_not_fit_the_model_is_one_error(source_run):
+    from trainer.core.checkpoint.export import load_initial_weights
+    from trainer.errors import CheckpointError
+    from trainer.families.molecules_edm.task import EDMModel
+
+    other = EDMModel(build_edm_diffusion(hidden=16, layers=2, timesteps=20))
+    with pytest.raises(CheckpointError, match=r"do not fit this task's model \(shapes .*dynamics"):
+        load_initial_weights(other, source_run)
+    fits = EDMModel(build_edm_diffusion(hidden=32, layers=2, timesteps=20))
+    assert load_initial_weights(fits, source_run).name == "step_00000002"

@@ -65,16 +65,17 @@ def load_initial_weights(model: torch.nn.Module, source: str | Path, weights: st
     match. Returns the checkpoint folder read."""
     source = Path(source)
     params, ckpt_dir = consolidated_weights(source, checkpoint="latest", weights=weights)  # a run or a checkpoint
-    missing, unexpected = model.load_state_dict(params, strict=False)
-    if missing or unexpected:
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(params)), sorted(set(params) - set(own))
+    reshaped = [f"{k} {tuple(params[k].shape)} there, {tuple(own[k].shape)} here" for k in own
+                if k in params and tuple(params[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or reshaped:
+        detail = "; ".join(part for part in (f"missing {missing[:5]}" if missing else "",
+                                             f"unexpected {unexpected[:5]}" if unexpected else "",
+                                             f"shapes {reshaped[:3]}" if reshaped else "") if part)
         raise CheckpointError(f"run.init_from={str(source)!r}: the weights of {ckpt_dir} do not fit this task's model "
-                              f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}): train it with "
-                              f"the same model options")
-    try:
-        model.load_state_dict(params, strict=True)
-    except RuntimeError as err:  # a shape mismatch
-        raise CheckpointError(f"run.init_from={str(source)!r}: the weights of {ckpt_dir} do not fit this task's "
-                              f"model: {str(err).splitlines()[-1].strip()}") from None
+                              f"({detail}): start from a run with the same model options")
+    model.load_state_dict(params, strict=True)
     return ckpt_dir
 
 

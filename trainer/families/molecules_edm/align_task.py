@@ -58,7 +58,7 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
     def __init__(self, cfg: MoleculesEDMAlignConfig, seed: int = 0):
         super().__init__(cfg, seed)
         self.reference: nn.Module | None = None
-        self._atom_energies: dict[int, float] = {}
+        self._atom_energies: dict[tuple[str, int], float] = {}
 
     # ------------------------------------------------------------------ data and model
     def build_data(self) -> TaskData:
@@ -111,12 +111,17 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
         inputs = {"z": rollouts.z_t.flatten(0, 1), "s": rollouts.steps.flatten(), "mask": mask}
         mu, sigma = model(inputs, mode="policy")
         logp = align.gaussian_log_prob(rollouts.z_s.flatten(0, 1), mu, sigma, mask).view(rows, steps)
-        policy_loss, clip_fraction = align.clipped_objective(logp, rollouts.logp_old, advantages.advantages, c.clip)
-        reference = self.reference.to(mu.device)
-        with torch.no_grad():
-            mu_ref, _ = reference(inputs, mode="policy")
-        kl = align.kl_to_reference(mu, mu_ref, sigma, mask).mean()
-        loss = policy_loss + c.kl_weight * kl if c.kl_weight else policy_loss
+        # Under mixed precision the rollout's and this forward's roundings differ by more than the clip; one update per
+        # batch of rollouts makes the two policies the same, so the ratio is then taken against this forward's value.
+        logp_old = logp.detach() if torch.is_autocast_enabled(mu.device.type) else rollouts.logp_old
+        policy_loss, clip_fraction = align.clipped_objective(logp, logp_old, advantages.advantages, c.clip)
+        if c.kl_weight:
+            with torch.no_grad():
+                mu_ref, _ = self.reference.to(mu.device)(inputs, mode="policy")
+            kl = align.kl_to_reference(mu, mu_ref, sigma, mask).mean()
+            loss = policy_loss + c.kl_weight * kl
+        else:
+            kl, loss = torch.zeros((), device=mu.device), policy_loss
         return LossOutput(loss=loss, logs=self._logs(reward, force_rms, valid, advantages, kl, clip_fraction,
                                                      policy_loss))
 
@@ -163,7 +168,7 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
             force_reward = -torch.log(force_rms.clamp(min=LOG_RMS_FLOOR))
         reward = c.force_weight * force_reward
         if c.energy_weight:
-            reward = reward - c.energy_weight * self._energy_per_atom(final, result.energy)
+            reward = reward - c.energy_weight * self._energy_per_atom(final, result, ok)
         if c.stability_weight:
             reward = reward + c.stability_weight * self._stable_share(final).to(reward)
         bad = ok & ~torch.isfinite(reward)
@@ -175,24 +180,29 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
                 f"(force RMS {float(force_rms[row])} eV/A from {c.reward_forcefield}): stopping rather than training on it")
         return torch.where(ok, reward, torch.full_like(reward, float("nan"))), force_rms, ok
 
-    def _energy_per_atom(self, final: Any, energy: torch.Tensor) -> torch.Tensor:
-        """(E - sum of the isolated atoms' energies) / atoms, each element's atom evaluated once by the force field."""
-        numbers = final.atomic_numbers.cpu().numpy()
-        mask = final.node_mask.cpu().numpy()
-        reference = np.zeros(len(numbers))
-        for b in range(len(numbers)):
-            reference[b] = sum(self._atom_energy(int(z)) for z in numbers[b][mask[b]])
-        atoms = final.node_mask.sum(dim=1).clamp(min=1).to(energy)
-        return (energy - torch.as_tensor(reference, dtype=energy.dtype, device=energy.device)) / atoms
+    def _energy_per_atom(self, final: Any, result: Any, scored: torch.Tensor) -> torch.Tensor:
+        """(E - sum of the isolated atoms' energies) / atoms of each scored molecule (NaN elsewhere), the atoms'
+        energies from the force field that scored the molecule (the reward's, or its fallback), each evaluated once."""
+        forcefield = self.reward_forcefield()
+        source = result.source.cpu().numpy() if result.source is not None else np.zeros(len(scored), dtype=np.int64)
+        numbers, mask = final.atomic_numbers.cpu().numpy(), final.node_mask.cpu().numpy()
+        reference = np.full(len(numbers), np.nan)
+        for b in np.flatnonzero(scored.cpu().numpy()):
+            # source 0: the reward force field (a routed one's primary), 1: its fallback (built by then)
+            scorer = getattr(forcefield, "primary", forcefield) if int(source[b]) == 0 else forcefield.fallback
+            reference[b] = sum(self._atom_energy(scorer, int(z)) for z in numbers[b][mask[b]])
+        atoms = final.node_mask.sum(dim=1).clamp(min=1).to(result.energy)
+        return (result.energy - torch.as_tensor(reference, dtype=result.energy.dtype, device=result.energy.device)) / atoms
 
-    def _atom_energy(self, number: int) -> float:
-        if number not in self._atom_energies:
-            result = self.reward_forcefield().compute(np.array([[number]]), np.zeros((1, 1, 3)), np.ones((1, 1), bool))
-            if not bool(result.ok[0]):
+    def _atom_energy(self, forcefield: Any, number: int) -> float:
+        key = (getattr(forcefield, "name", "?"), number)
+        if key not in self._atom_energies:
+            one = forcefield.compute(np.array([[number]]), np.zeros((1, 1, 3)), np.ones((1, 1), bool))
+            if not bool(one.ok[0]):
                 raise TrainerError(f"molecules_edm_align: task.energy_weight needs the energy of an isolated atom of "
-                                   f"element {number}, which {self.cfg.reward_forcefield} could not evaluate")
-            self._atom_energies[number] = float(result.energy[0])
-        return self._atom_energies[number]
+                                   f"element {number}, which {key[0]} could not evaluate")
+            self._atom_energies[key] = float(one.energy[0])
+        return self._atom_energies[key]
 
     @staticmethod
     def _stable_share(final: Any) -> torch.Tensor:

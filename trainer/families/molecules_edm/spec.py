@@ -197,9 +197,11 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
 
     @property
     def lowest_trained_step(self) -> int:
-        """`untrained_final_steps`, -1 resolved to a tenth of `timesteps`, below `branched_steps`."""
-        steps = self.timesteps // 10 if self.untrained_final_steps < 0 else self.untrained_final_steps
-        return min(steps, self.branched_steps - 1)
+        """`untrained_final_steps`; -1: a tenth of `timesteps` when fewer than the branched steps, else 0."""
+        if self.untrained_final_steps >= 0:
+            return self.untrained_final_steps
+        tenth = self.timesteps // 10
+        return tenth if tenth < self.branched_steps else 0
 
     @property
     def trained_transitions(self) -> int:
@@ -215,6 +217,9 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
         if self.untrained_final_steps < -1:
             raise ConfigError(f"task.untrained_final_steps must be >= 0 (or -1: a tenth of timesteps), got "
                               f"{self.untrained_final_steps}")
+        if self.untrained_final_steps >= self.branched_steps:
+            raise ConfigError(f"task.untrained_final_steps={self.untrained_final_steps} leaves none of the "
+                              f"{self.branched_steps} branched steps (task.trained_steps) to train")
         if self.transitions < 1:
             raise ConfigError(f"task.transitions must be >= 1, got {self.transitions}")
         if self.clip <= 0 or self.advantage_clip <= 0 or self.kl_weight < 0:
@@ -268,8 +273,8 @@ ALIGN_PRESETS = {
              "eval": {**_ALIGN_COMMON["eval"], "num_samples": 32},
              "ckpt": {"every_steps": 20},
              "data": _ALIGN_COMMON["data"], "log": _ALIGN_COMMON["log"]},
-    "paper": {"task": {"model_preset": "paper", "group_size": 24, "transitions": 1000},
-              "train": {**_ALIGN_COMMON["train"], "max_steps": 1500, "per_device_batch_size": 4},
+    "paper": {"task": {"model_preset": "paper", "group_size": 24, "untrained_final_steps": 0, "transitions": 50},
+              "train": {**_ALIGN_COMMON["train"], "max_steps": 1500, "per_device_batch_size": 1, "grad_accum_steps": 4},
               "optim": {**_ALIGN_COMMON["optim"], "lr": 4e-6, "warmup_steps": 60},
               "eval": {**_ALIGN_COMMON["eval"], "num_samples": 256},
               "ckpt": {"every_steps": 100},
