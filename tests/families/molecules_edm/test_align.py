@@ -153,7 +153,8 @@ def final_molecules(batch: int):
 def test_failed_evaluations_are_excluded_and_counted():
     task = align_task()
     task.reward_forcefield = lambda: FakeForceField(failing={1, 4, 5})
-    reward, force_rms, scored = task.rewards(final_molecules(6), torch.tensor([7, 8]))
+    reward, force_rms, scored, clash = task.rewards(final_molecules(6), torch.tensor([7, 8]))
+    assert not clash.any()
     assert scored.tolist() == [True, False, True, True, False, False]
     assert torch.isnan(reward[~scored]).all()
     torch.testing.assert_close(reward[scored], -force_rms[scored])
@@ -162,9 +163,23 @@ def test_failed_evaluations_are_excluded_and_counted():
     assert advantages.excluded.tolist() == [1, 2] and advantages.total_excluded == 3
     # Group 2 has one scored rollout left: nothing to compare it with, no signal.
     assert advantages.advantages[3:].abs().sum() == 0 and advantages.advantages[[0, 2]].abs().sum() > 0
-    logs = task._logs(reward, force_rms, scored, advantages, torch.zeros(()), torch.zeros(()), torch.zeros(()))
+    logs = task._logs(reward, force_rms, scored, clash, advantages, torch.zeros(()), torch.zeros(()), torch.zeros(()))
     assert float(logs["excluded_fraction"]) == pytest.approx(0.5)
     assert float(logs["force_rms_mean"]) == pytest.approx((1 + 3 + 4) / 3)
+
+
+def test_clashing_atoms_get_the_worst_reward_of_their_group_not_an_exclusion():
+    """Collapsed atoms, which a force field may refuse (ANI-1x below 0.25 A), must not be a way out of a bad score."""
+    task = align_task()
+    task.reward_forcefield = lambda: FakeForceField(failing={0, 5})
+    final = final_molecules(6)
+    final.positions[[0, 2], 1] = torch.tensor([0.1, 0.0, 0.0])  # row 0: refused and clashing; row 2: scored, clashing
+    final.positions[5, 1] = torch.tensor([0.1, 0.0, 0.0])  # row 5: refused, clashing, in a group with sound rollouts
+    reward, force_rms, counted, clash = task.rewards(final, torch.tensor([7, 8]))
+    assert clash.tolist() == [True, False, True, False, False, True]
+    # Group 1: row 1 (RMS 2) is its only sound rollout; rows 0 and 2 get its reward, row 2 its own if worse (RMS 3).
+    assert reward[:3].tolist() == [-2.0, -2.0, -3.0] and counted.all()
+    assert reward[5] == -5.0  # the worst of rows 3 and 4 (RMS 4 and 5)
 
 
 def test_a_reward_that_is_not_finite_stops_the_run():

@@ -13,6 +13,7 @@ moved from the data; `trainer sample` and `trainer export` read an aligned run l
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import numpy as np
@@ -92,8 +93,7 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
         rollout_generators = [torch.Generator().manual_seed(int(s)) for s in np.asarray(rollout_seeds).reshape(-1)]
         return align.RolloutPlan(num_atoms=num_atoms, group_generators=group_generators,
                                  rollout_generators=rollout_generators, group_size=c.group_size,
-                                 trained_steps=c.branched_steps, transitions=c.trained_transitions,
-                                 lowest_step=c.lowest_trained_step)
+                                 trained_steps=c.branched_steps, transitions=c.trained_transitions)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], rng: SampleRandom) -> LossOutput:
         """Rollouts of the micro-batch's groups (through the prepared model, no gradient), their rewards and
@@ -104,7 +104,7 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
             raise RuntimeError("molecules_edm_align: no reference model (the core calls keep_reference_model)")
         with torch.no_grad():
             rollouts: align.Rollouts = model(self.rollout_plan(rng), mode="rollout")
-            reward, force_rms, valid = self.rewards(rollouts.final, batch["group"])
+            reward, force_rms, valid, clash = self.rewards(rollouts.final, batch["group"])
             advantages = align.group_advantages(reward, c.group_size, valid, clip=c.advantage_clip)
         rows, steps = rollouts.steps.shape
         mask = rollouts.node_mask.repeat_interleave(steps, dim=0)
@@ -114,7 +114,10 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
         # Under mixed precision the rollout's and this forward's roundings differ by more than the clip; one update per
         # batch of rollouts makes the two policies the same, so the ratio is then taken against this forward's value.
         logp_old = logp.detach() if torch.is_autocast_enabled(mu.device.type) else rollouts.logp_old
-        policy_loss, clip_fraction = align.clipped_objective(logp, logp_old, advantages.advantages, c.clip)
+        # The final steps carry no advantage (their gradients are noise) but stay in the KL, which anchors them.
+        trained = (rollouts.steps >= c.lowest_trained_step).to(logp.dtype)
+        per_transition = advantages.advantages[:, None] * trained
+        policy_loss, clip_fraction = align.clipped_objective(logp, logp_old, per_transition, c.clip)
         if c.kl_weight:
             with torch.no_grad():
                 mu_ref, _ = self.reference.to(mu.device)(inputs, mode="policy")
@@ -122,15 +125,16 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
             loss = policy_loss + c.kl_weight * kl
         else:
             kl, loss = torch.zeros((), device=mu.device), policy_loss
-        return LossOutput(loss=loss, logs=self._logs(reward, force_rms, valid, advantages, kl, clip_fraction,
+        return LossOutput(loss=loss, logs=self._logs(reward, force_rms, valid, clash, advantages, kl, clip_fraction,
                                                      policy_loss))
 
-    def _logs(self, reward: torch.Tensor, force_rms: torch.Tensor, valid: torch.Tensor,
+    def _logs(self, reward: torch.Tensor, force_rms: torch.Tensor, valid: torch.Tensor, clash: torch.Tensor,
               advantages: align.GroupAdvantages, kl: torch.Tensor, clip_fraction: torch.Tensor,
               policy_loss: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Means over the micro-batch's scored rollouts (NaN-free: an all-excluded micro-batch logs 0)."""
-        def mean(values: torch.Tensor) -> torch.Tensor:
-            kept = values[valid]
+        """Rewards over the rollouts that count in their groups, force RMS over the sound ones (no clash), fractions
+        over all (NaN-free: an all-excluded micro-batch logs 0)."""
+        def mean(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            kept = values[rows]
             return kept.mean() if kept.numel() else torch.zeros((), device=values.device)
 
         grouped = torch.where(valid, reward, torch.zeros_like(reward)).view(-1, self.cfg.group_size)
@@ -140,8 +144,9 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
         group_std = (((grouped - group_mean[:, None]) * weight) ** 2).sum(dim=1).div(count.clamp(min=1)).sqrt()
         scored = count >= 2
         spread = group_std[scored].mean() if bool(scored.any()) else torch.zeros((), device=reward.device)
-        return {"reward_mean": mean(reward), "reward_group_std": spread, "force_rms_mean": mean(force_rms),
-                "excluded_fraction": (~valid).to(reward.dtype).mean(), "kl": kl.detach(),
+        return {"reward_mean": mean(reward, valid), "reward_group_std": spread,
+                "force_rms_mean": mean(force_rms, valid & ~clash), "excluded_fraction": (~valid).to(reward.dtype).mean(),
+                "clash_fraction": clash.to(reward.dtype).mean(), "kl": kl.detach(),
                 "clip_fraction": clip_fraction, "policy_loss": policy_loss.detach()}
 
     # ------------------------------------------------------------------ reward
@@ -152,10 +157,13 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
             forcefield=c.reward_forcefield, forcefield_kwargs=dict(c.reward_forcefield_kwargs),
             fallback_forcefield=c.reward_fallback_forcefield))
 
-    def rewards(self, final: Any, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per rollout: the reward, the force RMS (eV/Angstrom) and whether it was scored. A molecule the force field
-        could not evaluate is not scored (excluded from its group and counted); a scored molecule whose reward is
-        not finite stops the run (NonFiniteRewardError)."""
+    def rewards(self, final: Any, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per rollout: the reward, the force RMS (eV/Angstrom), whether it counts in its group and whether its atoms
+        clash. A molecule with two atoms closer than `task.clash_distance` is broken: it gets the lowest reward of its
+        group's sound molecules (never better than its own), so collapsing atoms, which a force field may refuse to
+        evaluate, is never a way out of a bad score. Any other molecule the force field could not evaluate is
+        excluded from its group and counted. A scored molecule whose reward is not finite stops the run
+        (NonFiniteRewardError)."""
         from trainer.families.molecules_edm.forcefields.base import compute_on_device
 
         c = self.cfg
@@ -178,7 +186,21 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
             raise NonFiniteRewardError(
                 f"molecules_edm_align: the reward of rollout {row % c.group_size} of group {group} is {float(reward[row])} "
                 f"(force RMS {float(force_rms[row])} eV/A from {c.reward_forcefield}): stopping rather than training on it")
-        return torch.where(ok, reward, torch.full_like(reward, float("nan"))), force_rms, ok
+        clash = self._clashes(final)
+        sound = ok & ~clash
+        worst = torch.where(sound, reward, torch.full_like(reward, math.inf)).view(-1, c.group_size).amin(dim=1)
+        worst = torch.where(torch.isfinite(worst), worst, torch.full_like(worst, math.nan))
+        worst = worst.repeat_interleave(c.group_size)
+        broken = torch.where(ok, torch.minimum(reward, worst), worst)  # NaN (excluded) in a group with nothing sound
+        reward = torch.where(sound, reward, torch.where(clash, broken, torch.full_like(reward, math.nan)))
+        return reward, force_rms, torch.isfinite(reward), clash
+
+    def _clashes(self, final: Any) -> torch.Tensor:
+        """[B] bool: two real atoms closer than `task.clash_distance`."""
+        mask = final.node_mask
+        pair = mask.unsqueeze(2) & mask.unsqueeze(1) & ~torch.eye(mask.shape[1], dtype=torch.bool, device=mask.device)
+        distances = torch.cdist(final.positions.float(), final.positions.float()).masked_fill(~pair, math.inf)
+        return distances.amin(dim=(1, 2)) < self.cfg.clash_distance
 
     def _energy_per_atom(self, final: Any, result: Any, scored: torch.Tensor) -> torch.Tensor:
         """(E - sum of the isolated atoms' energies) / atoms of each scored molecule (NaN elsewhere), the atoms'

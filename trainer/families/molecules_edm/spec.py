@@ -158,9 +158,9 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
     """Transitions per rollout in the loss, drawn without replacement among the trained steps (at most all of them,
     as the reference; fewer is an unbiased, cheaper estimate)."""
     untrained_final_steps: int = -1
-    """The last this many reverse steps are not trained (their transitions are never stored): they move atoms by
-    thousandths of an Angstrom but carry the largest log-probability gradients, which then drown the estimate in
-    noise. -1: a tenth of `timesteps`; 0: every branched step, as the reference."""
+    """The last this many reverse steps get no advantage (only the KL to the start, which anchors them): they move
+    atoms by thousandths of an Angstrom but carry the largest log-probability gradients, which would drown the
+    estimate in noise. -1: a tenth of `timesteps`; 0: every branched step, as the reference."""
     clip: float = 2e-3
     """PPO clip of the per-transition probability ratio (the reference: 2e-3)."""
     advantage_clip: float = 5.0
@@ -186,6 +186,9 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
     field; the reference uses 0.1 on a per-step variant)."""
     stability_weight: float = 0.0
     """Weight of the final molecule's share of stable atoms (EDM's bond-order rule), a bonus in [0, 1]."""
+    clash_distance: float = 0.5
+    """Angstrom: a rollout with two atoms closer than this is broken and gets the lowest reward of its group's sound
+    rollouts (counted as `clash_fraction`) rather than being excluded like a failed evaluation."""
     num_groups: int = 1048576
     """Prompts in the pool: the group with index i draws its atom count, start and rollouts from (run.seed, i), so
     step s of a run with global batch G reads groups s * G .. s * G + G - 1 (data.shuffle=false)."""
@@ -205,8 +208,8 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
 
     @property
     def trained_transitions(self) -> int:
-        """`transitions`, at most the trained steps."""
-        return min(self.transitions, self.branched_steps - self.lowest_trained_step)
+        """`transitions`, at most the branched steps."""
+        return min(self.transitions, self.branched_steps)
 
     def validate(self) -> None:
         super().validate()
