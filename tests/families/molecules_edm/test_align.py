@@ -227,7 +227,8 @@ def test_one_iteration_starts_at_kl_zero_changes_the_weights_and_samples_like_an
     first = next(r for r in read_jsonl(out) if r.get("step") == 1 and "reward_mean" in r)
     assert first["kl"] == 0.0  # the reference is the starting model
     assert np.isfinite(first["reward_mean"]) and first["force_rms_mean"] > 0 and first["excluded_fraction"] == 0
-    assert first["grad_norm"] > 0 and first["clip_fraction"] == 0.0  # on-policy: every ratio is 1 to rounding
+    assert first["grad_norm"] > 0 and first["clip_fraction"] == 0.0  # on-policy: every ratio is 1
+    assert first["ratio_drift"] < 1e-3  # the rollout's log-probabilities are this forward's, to rounding
     start = load_file(source_run / "checkpoints" / "step_00000002" / "ema.safetensors")
     after = load_file(out / "checkpoints" / "step_00000001" / "model.safetensors")
     assert start.keys() <= after.keys()

@@ -111,13 +111,14 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
         inputs = {"z": rollouts.z_t.flatten(0, 1), "s": rollouts.steps.flatten(), "mask": mask}
         mu, sigma = model(inputs, mode="policy")
         logp = align.gaussian_log_prob(rollouts.z_s.flatten(0, 1), mu, sigma, mask).view(rows, steps)
-        # Under mixed precision the rollout's and this forward's roundings differ by more than the clip; one update per
-        # batch of rollouts makes the two policies the same, so the ratio is then taken against this forward's value.
-        logp_old = logp.detach() if torch.is_autocast_enabled(mu.device.type) else rollouts.logp_old
+        # One update per batch of rollouts: the policy that drew them is this one, so the ratio is taken against this
+        # forward's own value (exactly 1; the rollout's value differs by rounding, which under mixed precision alone
+        # would exceed the clip). How far the two are apart is logged as `ratio_drift`.
+        drift = (logp.detach() - rollouts.logp_old).exp().sub(1.0).abs().mean()
         # The final steps carry no advantage (their gradients are noise) but stay in the KL, which anchors them.
         trained = (rollouts.steps >= c.lowest_trained_step).to(logp.dtype)
         per_transition = advantages.advantages[:, None] * trained
-        policy_loss, clip_fraction = align.clipped_objective(logp, logp_old, per_transition, c.clip)
+        policy_loss, clip_fraction = align.clipped_objective(logp, logp.detach(), per_transition, c.clip)
         if c.kl_weight:
             with torch.no_grad():
                 mu_ref, _ = self.reference.to(mu.device)(inputs, mode="policy")
@@ -125,8 +126,8 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
             loss = policy_loss + c.kl_weight * kl
         else:
             kl, loss = torch.zeros((), device=mu.device), policy_loss
-        return LossOutput(loss=loss, logs=self._logs(reward, force_rms, valid, clash, advantages, kl, clip_fraction,
-                                                     policy_loss))
+        logs = self._logs(reward, force_rms, valid, clash, advantages, kl, clip_fraction, policy_loss)
+        return LossOutput(loss=loss, logs={**logs, "ratio_drift": drift})
 
     def _logs(self, reward: torch.Tensor, force_rms: torch.Tensor, valid: torch.Tensor, clash: torch.Tensor,
               advantages: align.GroupAdvantages, kl: torch.Tensor, clip_fraction: torch.Tensor,
