@@ -201,7 +201,7 @@ def test_align_config_layers_the_preset_the_aligned_run_and_the_command_line(tmp
                                      "hidden: 16, val_fraction: 0.2}\ntrain: {max_steps: 999}\n")
     cfg = align_config(run, [f"out={tmp_path / 'new'}", "task.group_size=4"])
     assert (cfg.task.name, cfg.task.timesteps, cfg.task.hidden, cfg.task.val_fraction) == ("molecules_edm_align", 50, 16, 0.2)
-    assert cfg.task.group_size == 4 and cfg.train.max_steps == 60  # the alignment's tiny preset, not the run's training
+    assert cfg.task.group_size == 4 and cfg.train.max_steps == 40  # the alignment's tiny preset, not the run's training
     # The reference is pinned to the checkpoint that was latest when the alignment started.
     pinned = str((run / "checkpoints" / "step_00000009").resolve())
     assert (cfg.run.init_from, cfg.run.seed, cfg.run.output_dir) == (pinned, 7, str(tmp_path / "new"))
