@@ -119,8 +119,10 @@ def main() -> None:
     records = [json.loads(line) for line in (aligned / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if "reward_mean" in r]
     first, last = train[: max(1, len(train) // 10)], train[-max(1, len(train) // 10):]
-    rows = {"ANI-1x (the reward)" if not args.smoke else "(none in a smoke run)": compare(sets["before"][0], sets["after"][0], "mlff_force_rms", "mlff_forcefield_ok"),
-            "GFN2-xTB (not the reward)" if not args.smoke else "springs": compare(sets["before"][0], sets["after"][0], "force_rms", "forcefield_ok")}
+    before, after = sets["before"][0], sets["after"][0]
+    names = ("(none in a smoke run)", "springs") if args.smoke else ("ANI-1x (the reward)", "GFN2-xTB (not the reward)")
+    rows = {names[0]: compare(before, after, "mlff_force_rms", "mlff_forcefield_ok"),
+            names[1]: compare(before, after, "force_rms", "forcefield_ok")}
     quality = {k: (sets["before"][1][k], sets["after"][1][k]) for k in ("validity", "atom_stability", "molecule_stability")}
 
     def pm(pair: tuple[float, float]) -> str:
