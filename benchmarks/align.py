@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 from bench_report import command_line, cpu_model, publish_section, utc_now
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +113,7 @@ def main() -> None:
         timings[f"sample_{name}"] = trainer("sample", str(run), *sample, f"out={out}", log=work / f"sample_{name}.log")
         sets[name] = (per_molecule(out), json.loads(out.with_name(out.name + ".stats.json").read_text())["sets"]["baseline"])
 
-    config = json.loads(json.dumps(__import__("yaml").safe_load((aligned / "config.yaml").read_text())))
+    config = yaml.safe_load((aligned / "config.yaml").read_text())
     steps, groups = config["train"]["max_steps"], config["train"]["per_device_batch_size"]
     group_size = config["task"]["group_size"]
     rollouts = steps * groups * group_size

@@ -492,12 +492,12 @@ def align_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
 
 
 def _latest_checkpoint_of(run_dir: Path) -> Path:
-    """The absolute folder of RUN_DIR's latest checkpoint (its `checkpoints/latest` pointer)."""
-    pointer = run_dir / "checkpoints" / "latest"
-    name = pointer.read_text().strip() if pointer.is_file() else ""
-    folder = run_dir / "checkpoints" / name
-    if not name or not folder.is_dir():
-        raise ConfigError(f"trainer align: {run_dir} has no complete checkpoint ({pointer} names none that exists)")
+    """The absolute folder of RUN_DIR's most recently completed checkpoint (`store.latest_checkpoint`; torch-free)."""
+    from trainer.core.checkpoint.store import latest_checkpoint
+
+    folder = latest_checkpoint(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else None
+    if folder is None:
+        raise ConfigError(f"trainer align: {run_dir} has no complete checkpoint under {run_dir / 'checkpoints'}")
     return folder.resolve()
 
 

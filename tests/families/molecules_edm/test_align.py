@@ -103,10 +103,14 @@ def test_rollouts_share_their_group_start_and_store_on_policy_transitions():
                                                            K, trained, 2))
     assert few.steps.shape == (6, 2) and bool((few.steps[:, 0] > few.steps[:, 1]).all())
     assert int(few.steps.max()) < trained
-    # The final steps left untrained: every stored s is at least lowest_step.
-    late = align.draw_rollouts(diffusion, align.RolloutPlan([4, 6], generators(1, 2), generators(*range(10, 16)),
-                                                            K, trained, 3, lowest_step=2))
-    assert sorted(set(late.steps.flatten().tolist())) == [2, 3, 4]
+
+
+def test_the_final_steps_get_no_advantage_and_groups_report_their_spread():
+    steps = torch.tensor([[7, 3, 1], [5, 2, 0]])
+    per_transition = align.step_advantages(torch.tensor([1.5, -2.0]), steps, lowest_step=2)
+    assert per_transition.tolist() == [[1.5, 1.5, 0.0], [-2.0, -2.0, -0.0]]
+    out = align.group_advantages(torch.tensor([1.0, 3.0, float("nan"), 5.0, 5.0, 5.0, 2.0, float("nan"), float("nan")]), 3)
+    torch.testing.assert_close(out.spread, torch.tensor([1.0, 0.0, 0.0]))  # population std; one member: no spread
 
 
 # ------------------------------------------------------------------ rewards
@@ -278,7 +282,8 @@ def test_a_start_that_does_not_fit_the_model_is_one_error(source_run):
     from trainer.families.molecules_edm.task import EDMModel
 
     other = EDMModel(build_edm_diffusion(hidden=16, layers=2, timesteps=20))
-    with pytest.raises(CheckpointError, match=r"do not fit this task's model \(shapes .*dynamics"):
+    with pytest.raises(CheckpointError, match=r"holds another model than this run's: parameter 'diffusion\.dynamics.* "
+                                              r"has shape .*run\.init_from="):
         load_initial_weights(other, source_run)
     fits = EDMModel(build_edm_diffusion(hidden=32, layers=2, timesteps=20))
     assert load_initial_weights(fits, source_run).name == "step_00000002"

@@ -123,8 +123,11 @@ def _deepspeed_model_states(path: Path) -> dict[str, Any]:
         return torch.load(files[0], map_location="cpu", weights_only=True)
 
 
-def check_same_model(path: Path, saved: dict[str, Any], model: torch.nn.Module) -> None:
-    """Refuse a checkpoint of another model, naming the first differences (parameter names and shapes)."""
+RESUME_HINT = "did the task or model settings change? start over with run.resume=none or a new run.output_dir"
+
+
+def check_same_model(path: Path, saved: dict[str, Any], model: torch.nn.Module, hint: str = RESUME_HINT) -> None:
+    """Refuse a checkpoint of another model, naming the first differences (parameter names and shapes) and `hint`."""
     shapes, with_buffers = saved_param_shapes(path, saved)
     now = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
     if with_buffers:  # the persistent ones: those a state dict holds
@@ -137,8 +140,7 @@ def check_same_model(path: Path, saved: dict[str, Any], model: torch.nn.Module) 
     if problems:
         more = f" and {len(problems) - 3} more differences" if len(problems) > 3 else ""
         raise CheckpointError(f"checkpoint {path} holds another model than this run's: {'; '.join(problems[:3])}{more} "
-                              f"(did the task or model settings change? start over with run.resume=none or a new "
-                              f"run.output_dir)")
+                              f"({hint})")
 
 
 # ------------------------------------------------------------------ into the topology-free form

@@ -115,9 +115,7 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
         # forward's own value (exactly 1; the rollout's value differs by rounding, which under mixed precision alone
         # would exceed the clip). How far the two are apart is logged as `ratio_drift`.
         drift = (logp.detach() - rollouts.logp_old).exp().sub(1.0).abs().mean()
-        # The final steps carry no advantage (their gradients are noise) but stay in the KL, which anchors them.
-        trained = (rollouts.steps >= c.lowest_trained_step).to(logp.dtype)
-        per_transition = advantages.advantages[:, None] * trained
+        per_transition = align.step_advantages(advantages.advantages, rollouts.steps, c.lowest_trained_step)
         policy_loss, clip_fraction = align.clipped_objective(logp, logp.detach(), per_transition, c.clip)
         if c.kl_weight:
             with torch.no_grad():
@@ -138,13 +136,8 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
             kept = values[rows]
             return kept.mean() if kept.numel() else torch.zeros((), device=values.device)
 
-        grouped = torch.where(valid, reward, torch.zeros_like(reward)).view(-1, self.cfg.group_size)
-        weight = valid.view(-1, self.cfg.group_size).to(reward.dtype)
-        count = weight.sum(dim=1)
-        group_mean = grouped.sum(dim=1) / count.clamp(min=1)
-        group_std = (((grouped - group_mean[:, None]) * weight) ** 2).sum(dim=1).div(count.clamp(min=1)).sqrt()
-        scored = count >= 2
-        spread = group_std[scored].mean() if bool(scored.any()) else torch.zeros((), device=reward.device)
+        scored = self.cfg.group_size - advantages.excluded >= 2
+        spread = advantages.spread[scored].mean() if bool(scored.any()) else torch.zeros((), device=reward.device)
         return {"reward_mean": mean(reward, valid), "reward_group_std": spread,
                 "force_rms_mean": mean(force_rms, valid & ~clash), "excluded_fraction": (~valid).to(reward.dtype).mean(),
                 "clash_fraction": clash.to(reward.dtype).mean(), "kl": kl.detach(),
@@ -198,10 +191,9 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
 
     def _clashes(self, final: Any) -> torch.Tensor:
         """[B] bool: two real atoms closer than `task.clash_distance`."""
-        mask = final.node_mask
-        pair = mask.unsqueeze(2) & mask.unsqueeze(1) & ~torch.eye(mask.shape[1], dtype=torch.bool, device=mask.device)
-        distances = torch.cdist(final.positions.float(), final.positions.float()).masked_fill(~pair, math.inf)
-        return distances.amin(dim=(1, 2)) < self.cfg.clash_distance
+        from trainer.families.molecules_edm.forcefields.base import closest_pair_distance
+
+        return closest_pair_distance(final.positions.float(), final.node_mask) < self.cfg.clash_distance
 
     def _energy_per_atom(self, final: Any, result: Any, scored: torch.Tensor) -> torch.Tensor:
         """(E - sum of the isolated atoms' energies) / atoms of each scored molecule (NaN elsewhere), the atoms'

@@ -19,50 +19,24 @@ group's statistics, given advantage 0 and counted (the reference scores failures
 and `force_rms_reward` takes the force field's `ok` flags, since `forcefields.base.compute_on_device` returns
 zero forces for a failed molecule (which would otherwise read as the best possible reward).
 
-Everything here is single-device tensor code without parameters: `trainer align` composes it.
+Everything here is single-device tensor code without parameters; `align_task.py` (`trainer align`) composes it:
 
-How `trainer align` will use these (plan for the next step)
-----------------------------------------------------------
-* Rollouts. An iteration draws P prompts (a prompt = an atom count N from the training histogram) and K
-  rollouts per prompt, laid out contiguously: rollout r of prompt p is row p * K + r, so `group_advantages`
-  takes `group_size=K` (paper: P = 4, K = 24, 96 rollouts). With shared initial noise the K rollouts of a prompt
-  share z_T and the first 600 of the 1000 reverse steps (one chain per prompt, then branched); only the last
-  400 transitions (t = 400 .. 1, s = t - 1) are stored and trained, so every stored transition has K
-  distinct continuations to compare.
-* Randomness. Each rollout's noise comes from its own CPU `torch.Generator` seeded with
-  `trainer.seeding.derive_seeds(derive_seed(seed, "align"), iteration, rollout index)` (the keying
-  `trainer.sample_random` uses for training samples), and a prompt's shared prefix (its z_T and first 600
-  steps) from one generator keyed by (seed, iteration, prompt index): a rollout does not depend on the batch
-  or rank it is drawn on, and a resumed run redraws the same rollouts. `EDMDiffusion.sample` already takes
-  one generator per molecule.
-* Policy. The reverse step's mean and standard deviation are those of `EDMDiffusion.sample` in
-  `diffusion.py`: with gamma_s = gamma[s], gamma_t = gamma[s + 1],
-  sigma2_t|s = -expm1(softplus(gamma_s) - softplus(gamma_t)), alpha_t|s = exp(0.5 (logsigmoid(-gamma_t) -
-  logsigmoid(-gamma_s))), eps_hat = `EDMDiffusion.phi(z_t, (s + 1) / T, mask)`,
-  mu = z_t / alpha_t|s - sigma2_t|s / (alpha_t|s sigma_t) eps_hat and
-  sigma = sigma_t|s sigma_s / sigma_t (sigma_s, sigma_t from `EDMDiffusion._sigma`). `sample` computes these
-  inline inside its loop (under `torch.no_grad`), so the next step factors them into one
-  `EDMDiffusion.reverse_step_mean_sigma(z_t, s, mask)` (gradients flowing through `phi`) that both `sample` and
-  the trainer call: the rollout stores (z_t, z_s, s, logp_old = `gaussian_log_prob(z_s, mu, sigma, mask)`)
-  per trained transition, with z_s the re-centred draw as `sample` keeps it.
-* Reward. The final samples' positions and decoded types (`SampleOutput`) go to the force field through
-  `forcefields.base.compute_on_device` (ANI-1x batched on the device; GFN2-xTB through its pool), then
-  `force_rms_reward(batch.forces, mask, ok=batch.ok)` -> `group_advantages`. The reference's paper config
-  (`elign/trainer/config/fed_grpo_qm9_paper_pbrs.yaml`) adds energy not to the reward but as a second
-  advantage ("FED-GRPO", `compute_advantage`): a potential Psi_t = minus the per-atom formation energy (atom
-  reference energies subtracted) of each trained step's predicted clean molecule z0_pred = (z_t - sigma_t
-  eps_hat) / alpha_t (a force-field call per rollout and trained step, in batches of 8), return-to-go
-  G_t = Psi_0 - Psi_t normalised within each group per step, then advantage_t = 1.0 * A_force + 0.1 *
-  A_energy_t, clipped to +-5 (so advantages become [B, S] per transition, which `clipped_objective`
-  accepts). Stability and valence terms are optional reward bonuses, off in that config.
-* Update. Per micro-batch of rollouts (paper: 4 rollouts per optimiser step, 24 steps an iteration) and per
-  stored transition: recompute mu_new with the policy,
-  `clipped_objective(gaussian_log_prob(z_s, mu_new, sigma, mask), logp_old, advantages, clip)` plus
-  `kl_weight * kl_to_reference(mu_new, mu_ref, sigma, mask).mean()` with mu_ref from the frozen initial model;
-  the loss is divided by the number of transitions and micro-batches of one optimiser step (gradient
-  accumulation), gradients clipped to norm 1 once per optimiser step, AdamW (betas 0.9 / 0.999, weight decay
-  1e-4, eps 1e-8), one epoch per rollout batch, cosine schedule with warm-up (paper config: lr 4e-6, clip 2e-3,
-  KL weight 0.04, 60 warm-up steps, 1500 total, floor 0.3 x lr). The decode step p(x, h | z_0) is not trained.
+* `draw_rollouts(diffusion, RolloutPlan)`: G groups of K rollouts (rollout r of group p is row p * K + r). A group
+  shares its start z_T and the first T - trained_steps reverse steps (one chain, from the group's generator), then
+  each rollout branches with its own generator, which also picks the `transitions` branched steps it stores as
+  (z_t, z_s, s, log p(z_s | z_t), sigma). The steps are `EDMDiffusion.reverse_step` and `decode`, as `sample` takes.
+* Rewards of the decoded molecules (`force_rms_reward` and the task's other terms), then `group_advantages`
+  (K per group), `step_advantages` (no advantage on the final steps), `clipped_objective` of the policy forward's
+  `gaussian_log_prob` and `kl_to_reference` against the frozen start's mean.
+
+The reference's paper config (`elign/trainer/config/fed_grpo_qm9_paper_pbrs.yaml`) adds energy not to the reward but
+as a second advantage ("FED-GRPO", `compute_advantage`): a potential Psi_t = minus the per-atom formation energy of
+each trained step's predicted clean molecule z0_pred = (z_t - sigma_t eps_hat) / alpha_t, return-to-go
+G_t = Psi_0 - Psi_t normalised within each group per step, advantage_t = A_force + 0.1 A_energy_t, clipped to +-5
+(`clipped_objective` accepts such [B, S] advantages; the task's energy term is the final molecule's instead). Its
+optimiser: AdamW (betas 0.9 / 0.999, weight decay 1e-4), gradients clipped to norm 1, cosine schedule with warm-up
+(lr 4e-6, clip 2e-3, KL weight 0.04, 60 warm-up steps, 1500 total, floor 0.3 x lr), 24 minibatch steps of 4 rollouts
+per batch of 96; here one optimizer step per batch of rollouts. The decode step p(x, h | z_0) is not trained.
 """
 
 from __future__ import annotations
@@ -87,6 +61,7 @@ __all__ = [
     "gaussian_log_prob",
     "group_advantages",
     "kl_to_reference",
+    "step_advantages",
 ]
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -100,6 +75,8 @@ class GroupAdvantages:
     """[B] float: group-normalised, clipped advantages; 0 for an excluded rollout."""
     excluded: torch.Tensor
     """[G] int64: rollouts of each group left out of its statistics (invalid or non-finite reward)."""
+    spread: torch.Tensor
+    """[G] the population standard deviation of each group's valid rewards (0 with fewer than two)."""
 
     @property
     def total_excluded(self) -> int:
@@ -137,7 +114,15 @@ def group_advantages(rewards: torch.Tensor, group_size: int, valid_mask: torch.T
     normalised = (values - mean) / (var.sqrt() + eps) * weight
     advantages = normalised.clamp(-clip, clip).reshape(-1)
     excluded = (group_size - count.squeeze(1)).to(torch.int64)
-    return GroupAdvantages(advantages=advantages, excluded=excluded)
+    spread = torch.where(count.squeeze(1) >= 2, var.squeeze(1).sqrt(), torch.zeros_like(var.squeeze(1)))
+    return GroupAdvantages(advantages=advantages, excluded=excluded, spread=spread)
+
+
+def step_advantages(advantages: torch.Tensor, steps: torch.Tensor, lowest_step: int) -> torch.Tensor:
+    """[B, S] per-transition advantages: each rollout's advantage [B] on its transitions at step s >= `lowest_step`,
+    0 on the final steps below it (their log-probability gradients are the largest while they move atoms least:
+    noise in the estimate; the KL still covers them)."""
+    return advantages[:, None] * (steps >= lowest_step).to(advantages.dtype)
 
 
 def _node_mask(node_mask: torch.Tensor, batch: int, nodes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -266,9 +251,6 @@ class RolloutPlan:
     """The last this many reverse steps are branched and may be trained (the reference: 400 of 1000)."""
     transitions: int
     """Transitions stored per rollout, drawn without replacement among the trained steps."""
-    lowest_step: int = 0
-    """No transition with s below this is stored: the final steps move atoms by thousandths of an Angstrom but
-    carry the largest log-probability gradients, so in the estimate they are noise."""
 
     def check(self, timesteps: int) -> None:
         groups = len(self.num_atoms)
@@ -279,12 +261,9 @@ class RolloutPlan:
                              f"rollout generators, got {len(self.rollout_generators)}")
         if not 1 <= self.trained_steps <= timesteps:
             raise ValueError(f"RolloutPlan: trained_steps must be in [1, {timesteps}], got {self.trained_steps}")
-        if not 0 <= self.lowest_step < self.trained_steps:
-            raise ValueError(f"RolloutPlan: lowest_step must be in [0, trained_steps={self.trained_steps}), "
-                             f"got {self.lowest_step}")
-        if not 1 <= self.transitions <= self.trained_steps - self.lowest_step:
-            raise ValueError(f"RolloutPlan: transitions must be in [1, trained_steps - lowest_step = "
-                             f"{self.trained_steps - self.lowest_step}], got {self.transitions}")
+        if not 1 <= self.transitions <= self.trained_steps:
+            raise ValueError(f"RolloutPlan: transitions must be in [1, trained_steps={self.trained_steps}], "
+                             f"got {self.transitions}")
 
 
 @dataclass
@@ -328,8 +307,7 @@ def draw_rollouts(diffusion: EDMDiffusion, plan: RolloutPlan) -> Rollouts:
     nodes, rows = max(atoms), len(rollout_atoms)
     width = diffusion.n_dims + diffusion.num_features
     # Each rollout's stored steps, as indices among the trained steps (0 = the first trained step).
-    storable = plan.trained_steps - plan.lowest_step  # the first branched steps, s >= lowest_step
-    picks = torch.stack([torch.randperm(storable, generator=g, device=g.device)[:plan.transitions].cpu()
+    picks = torch.stack([torch.randperm(plan.trained_steps, generator=g, device=g.device)[:plan.transitions].cpu()
                          for g in plan.rollout_generators]).sort(dim=1).values
     slot = torch.full((rows, plan.trained_steps), -1, dtype=torch.long)
     slot.scatter_(1, picks, torch.arange(plan.transitions).expand(rows, -1).contiguous())

@@ -4,7 +4,7 @@ imported only when a run needs it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainer.errors import ConfigError
 from trainer.registry import register_spec
@@ -289,14 +289,6 @@ ALIGN_PRESETS = {
 """Named layers of `trainer align` (the aligned run's preset when the alignment has one of that name, else `tiny`):
 on top of them the aligned run's model options, then the command line."""
 
-ALIGN_SPEC = register_spec(TaskSpec(
-    name="molecules_edm_align",
-    task="trainer.families.molecules_edm.align_task:MoleculesEDMAlignTask",
-    config_cls=MoleculesEDMAlignConfig,
-    presets=ALIGN_PRESETS,
-    unit="groups",
-    metrics=("nll", "loss"),
-    sample_config_cls=MoleculeSampleConfig,
-    requires=("rdkit",),
-    extra="molecules_edm",
-))
+ALIGN_SPEC = register_spec(replace(  # sampling, metrics and requirements as the molecules task's
+    SPEC, name="molecules_edm_align", task="trainer.families.molecules_edm.align_task:MoleculesEDMAlignTask",
+    config_cls=MoleculesEDMAlignConfig, presets=ALIGN_PRESETS, unit="groups", aligned_by=""))

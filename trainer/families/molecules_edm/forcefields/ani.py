@@ -37,7 +37,12 @@ import numpy as np
 
 from trainer.errors import ConfigError
 from trainer.families.molecules_edm.forcefields import validate_batch
-from trainer.families.molecules_edm.forcefields.base import ForceBatch, ForceResult, modelled_atoms
+from trainer.families.molecules_edm.forcefields.base import (
+    ForceBatch,
+    ForceResult,
+    closest_pair_distance,
+    modelled_atoms,
+)
 
 ANI1X_ELEMENTS = ("H", "C", "N", "O")
 ANI1X_NUMBERS = frozenset({1, 6, 7, 8})
@@ -216,9 +221,7 @@ class ANIForceField:
         real = mask.any(dim=1)
         supported = modelled_atoms(numbers, mask, ANI1X_NUMBERS)
         finite = torch.isfinite(x).all(dim=-1) | ~mask
-        pair = mask.unsqueeze(1) & mask.unsqueeze(2) & ~torch.eye(width, dtype=torch.bool, device=device)
-        distances = torch.cdist(torch.nan_to_num(x), torch.nan_to_num(x)).masked_fill(~pair, math.inf)
-        apart = distances.amin(dim=(1, 2)) >= MIN_DISTANCE
+        apart = closest_pair_distance(x, mask) >= MIN_DISTANCE
         good = real & supported.all(dim=1) & finite.all(dim=1) & apart
         self.last_errors = {}
         if not bool(good.all()):

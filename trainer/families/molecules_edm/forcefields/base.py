@@ -138,6 +138,19 @@ def modelled_atoms(numbers: torch.Tensor, mask: torch.Tensor, supported: Any) ->
     return table[numbers.clamp(0, 118)] | ~mask
 
 
+def closest_pair_distance(positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] the shortest distance between two real atoms of each molecule (inf with fewer than two; NaN positions
+    count as 0). positions [B, N, 3], mask [B, N] bool."""
+    import math
+
+    import torch
+
+    width = mask.shape[1]
+    pair = mask.unsqueeze(1) & mask.unsqueeze(2) & ~torch.eye(width, dtype=torch.bool, device=mask.device)
+    x = torch.nan_to_num(positions)
+    return torch.cdist(x, x).masked_fill(~pair, math.inf).amin(dim=(1, 2))
+
+
 def guidance_evaluator(forcefield: Any, needs_spread: bool = False) -> Any:
     """What evaluates `forcefield` during one guided sampling call: its `for_guidance()` evaluator (xTB's ladder,
     ANI-1x's pushing network; asked for the spread only when gating needs it, so a `for_guidance()` without
