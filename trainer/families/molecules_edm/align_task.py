@@ -106,26 +106,30 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
             rollouts: align.Rollouts = model(self.rollout_plan(rng), mode="rollout")
             reward, force_rms, valid, clash = self.rewards(rollouts.final, batch["group"])
             advantages = align.group_advantages(reward, c.group_size, valid, clip=c.advantage_clip)
-        rows, steps = rollouts.steps.shape
-        mask = rollouts.node_mask.repeat_interleave(steps, dim=0)
-        inputs = {"z": rollouts.z_t.flatten(0, 1), "s": rollouts.steps.flatten(), "mask": mask}
-        mu, sigma = model(inputs, mode="policy")
-        logp = align.gaussian_log_prob(rollouts.z_s.flatten(0, 1), mu, sigma, mask).view(rows, steps)
+        # The policy forward takes each group alone, as the rollouts drew it (`draw_rollouts`): a group's gradient is
+        # then the same whichever groups share its micro-batch, on any number of processes.
+        groups = [rollouts.group_transitions(g) for g in range(rollouts.num_groups)]
+        policy = model(groups, mode="policy")
+        logp = torch.cat([align.gaussian_log_prob(g["z_s"], mu, sigma, g["mask"]) for g, (mu, sigma) in zip(groups, policy)])
+        logp = logp.view(rollouts.steps.shape)
         # One update per batch of rollouts: the policy that drew them is this one, so the ratio is taken against this
-        # forward's own value (exactly 1; the rollout's value differs by rounding, which under mixed precision alone
-        # would exceed the clip). How far the two are apart is logged as `ratio_drift`.
-        drift = (logp.detach() - rollouts.logp_old).exp().sub(1.0).abs().mean()
+        # forward's own value (exactly 1). The rollout's value is the same density computed in other batch shapes; how
+        # far apart the two are, in units of what rounding alone makes (`logp_rounding`), is logged as `logp_drift`.
+        rounding = torch.cat([align.logp_rounding(g["z_s"], mu, sigma, g["mask"]) for g, (mu, sigma) in zip(groups, policy)])
+        drift = ((logp.detach() - rollouts.logp_old).abs() / rounding.view(logp.shape).clamp(min=1e-30)).mean()
         per_transition = align.step_advantages(advantages.advantages, rollouts.steps, c.lowest_trained_step)
         policy_loss, clip_fraction = align.clipped_objective(logp, logp.detach(), per_transition, c.clip)
+        device = logp.device
         if c.kl_weight:
             with torch.no_grad():
-                mu_ref, _ = self.reference.to(mu.device)(inputs, mode="policy")
-            kl = align.kl_to_reference(mu, mu_ref, sigma, mask).mean()
+                reference = self.reference.to(device)(groups, mode="policy")
+            kl = torch.cat([align.kl_to_reference(mu, mu_ref, sigma, g["mask"])
+                            for g, (mu, sigma), (mu_ref, _) in zip(groups, policy, reference)]).mean()
             loss = policy_loss + c.kl_weight * kl
         else:
-            kl, loss = torch.zeros((), device=mu.device), policy_loss
+            kl, loss = torch.zeros((), device=device), policy_loss
         logs = self._logs(reward, force_rms, valid, clash, advantages, kl, clip_fraction, policy_loss)
-        return LossOutput(loss=loss, logs={**logs, "ratio_drift": drift})
+        return LossOutput(loss=loss, logs={**logs, "logp_drift": drift})
 
     def _logs(self, reward: torch.Tensor, force_rms: torch.Tensor, valid: torch.Tensor, clash: torch.Tensor,
               advantages: align.GroupAdvantages, kl: torch.Tensor, clip_fraction: torch.Tensor,

@@ -61,6 +61,7 @@ __all__ = [
     "gaussian_log_prob",
     "group_advantages",
     "kl_to_reference",
+    "logp_rounding",
     "step_advantages",
 ]
 
@@ -268,7 +269,8 @@ class RolloutPlan:
 
 @dataclass
 class Rollouts:
-    """B = G * K rollouts of `draw_rollouts`, with S stored transitions (z_t -> z_s) each."""
+    """B = G * K rollouts of `draw_rollouts`, with S stored transitions (z_t -> z_s) each, padded to the largest
+    group's atoms (rollout r of group p is row p * K + r)."""
 
     z_t: torch.Tensor
     """[B, S, N, D] the state before each stored transition."""
@@ -282,54 +284,100 @@ class Rollouts:
     """[B, S] the step's standard deviation (a function of s alone)."""
     final: SampleOutput
     """The decoded molecules."""
+    group_size: int = 1
+    """K: rollouts per group."""
 
     @property
     def node_mask(self) -> torch.Tensor:
         """[B, N] bool real atoms."""
         return self.final.node_mask
 
+    @property
+    def num_groups(self) -> int:
+        return self.steps.shape[0] // self.group_size
+
+    def group_transitions(self, group: int) -> dict[str, torch.Tensor]:
+        """Group `group`'s K * S transitions without padding (its own atom count), as the policy forward takes them:
+        {"z": [K S, n, D] z_t, "s": [K S], "mask": [K S, n] bool, "z_s": [K S, n, D]}."""
+        rows = slice(group * self.group_size, (group + 1) * self.group_size)
+        atoms = int(self.node_mask[group * self.group_size].sum())
+        transitions = self.steps.shape[1]
+        return {"z": self.z_t[rows, :, :atoms].flatten(0, 1), "s": self.steps[rows].flatten(),
+                "mask": self.node_mask[rows, :atoms].repeat_interleave(transitions, dim=0),
+                "z_s": self.z_s[rows, :, :atoms].flatten(0, 1)}
+
+
+def _pad_nodes(tensor: torch.Tensor, nodes: int, dim: int) -> torch.Tensor:
+    """Zero-pad (False for bool) `tensor` along `dim` to `nodes`."""
+    missing = nodes - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, torch.zeros(shape, dtype=tensor.dtype, device=tensor.device)], dim=dim)
+
+
+def _stack_groups(groups: Sequence[Rollouts]) -> Rollouts:
+    """One Rollouts of several groups', padded to the largest group's atoms."""
+    from trainer.families.molecules_edm.diffusion import SampleOutput
+
+    nodes = max(g.z_t.shape[2] for g in groups)
+
+    def cat(get, dim: int | None = None) -> torch.Tensor:
+        return torch.cat([get(g) if dim is None else _pad_nodes(get(g), nodes, dim) for g in groups])
+
+    final = SampleOutput(**{name: cat(lambda g, name=name: getattr(g.final, name), 1)
+                            for name in ("positions", "type_index", "atomic_numbers", "charges", "node_mask")})
+    return Rollouts(z_t=cat(lambda g: g.z_t, 2), z_s=cat(lambda g: g.z_s, 2), steps=cat(lambda g: g.steps),
+                    logp_old=cat(lambda g: g.logp_old), sigma=cat(lambda g: g.sigma), final=final,
+                    group_size=groups[0].group_size)
+
 
 @torch.no_grad()
 def draw_rollouts(diffusion: EDMDiffusion, plan: RolloutPlan) -> Rollouts:
     """Sample `plan`'s groups of rollouts with EDM's ancestral sampler, storing the transitions to train.
 
-    The same reverse steps as `EDMDiffusion.sample` (`reverse_step`, re-centring, `decode`), so a group of one
-    rollout with trained_steps = T and generator g for both its group and its rollout draws what `sample`
-    draws from g, apart from the draw of the stored steps before the first step.
+    Each group is drawn in a batch of its own, at its own atom count: floating-point sums depend on the shapes a
+    kernel sees, so a group drawn beside others (padded, in a larger batch) would differ from itself drawn alone in
+    the last bits, and the sampler's chain carries such bits into different molecules. Alone, a group is the same
+    on every rank, world size and split of the global batch. The steps are `EDMDiffusion.ancestral_step` and
+    `decode`, as `sample` takes them, so a group of one rollout with trained_steps = T and generator g for both its
+    group and its rollout draws what `sample` draws from g, apart from the draw of the stored steps before the
+    first step.
     """
-    from trainer.families.molecules_edm.diffusion import remove_mean_with_mask
+    plan.check(diffusion.T)
+    K = plan.group_size
+    return _stack_groups([
+        _draw_group(diffusion, int(atoms), plan.group_generators[g], plan.rollout_generators[g * K:(g + 1) * K],
+                    plan.trained_steps, plan.transitions)
+        for g, atoms in enumerate(plan.num_atoms)])
 
-    T, K = diffusion.T, plan.group_size
-    plan.check(T)
+
+def _draw_group(diffusion: EDMDiffusion, atoms: int, group_generator: torch.Generator,
+                rollout_generators: Sequence[torch.Generator], trained_steps: int, transitions: int) -> Rollouts:
+    """One group of K = len(rollout_generators) rollouts of `atoms` atoms (no padding)."""
+    T, K = diffusion.T, len(rollout_generators)
     device = diffusion.gamma.device
-    atoms = [int(n) for n in plan.num_atoms]
-    rollout_atoms = [n for n in atoms for _ in range(K)]
-    nodes, rows = max(atoms), len(rollout_atoms)
     width = diffusion.n_dims + diffusion.num_features
     # Each rollout's stored steps, as indices among the trained steps (0 = the first trained step).
-    picks = torch.stack([torch.randperm(plan.trained_steps, generator=g, device=g.device)[:plan.transitions].cpu()
-                         for g in plan.rollout_generators]).sort(dim=1).values
-    slot = torch.full((rows, plan.trained_steps), -1, dtype=torch.long)
-    slot.scatter_(1, picks, torch.arange(plan.transitions).expand(rows, -1).contiguous())
+    picks = torch.stack([torch.randperm(trained_steps, generator=g, device=g.device)[:transitions].cpu()
+                         for g in rollout_generators]).sort(dim=1).values
+    slot = torch.full((K, trained_steps), -1, dtype=torch.long)
+    slot.scatter_(1, picks, torch.arange(transitions).expand(K, -1).contiguous())
     slot = slot.to(device)
-    shape = (rows, plan.transitions, nodes, width)
+    shape = (K, transitions, atoms, width)
     z_t_store, z_s_store = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
-    logp_store = torch.zeros((rows, plan.transitions), device=device)
-    sigma_store = torch.zeros((rows, plan.transitions), device=device)
-    steps_store = torch.zeros((rows, plan.transitions), dtype=torch.long, device=device)
+    logp_store = torch.zeros((K, transitions), device=device)
+    sigma_store = torch.zeros((K, transitions), device=device)
+    steps_store = torch.zeros((K, transitions), dtype=torch.long, device=device)
 
-    mask = torch.arange(nodes, device=device).unsqueeze(0) < torch.tensor(atoms, device=device).unsqueeze(1)
-    z = diffusion._molecule_noise(atoms, plan.group_generators, mask)
-    generators, step_atoms, branch_at = plan.group_generators, atoms, T - plan.trained_steps
+    mask = torch.ones((1, atoms), dtype=torch.bool, device=device)
+    z = diffusion.molecule_noise([atoms], [group_generator], mask)
+    generators, branch_at = [group_generator], T - trained_steps
     for step_index, s in enumerate(reversed(range(T))):
         if step_index == branch_at:  # every rollout continues the group's chain with its own noise
-            z, mask = z.repeat_interleave(K, dim=0), mask.repeat_interleave(K, dim=0)
-            generators, step_atoms = plan.rollout_generators, rollout_atoms
-        mask_f = mask.to(torch.float32).unsqueeze(-1)
-        mu, sigma = diffusion.reverse_step(z, s, mask_f)
-        z_next = mu + sigma * diffusion._molecule_noise(step_atoms, generators, mask)
-        z_next = torch.cat([remove_mean_with_mask(z_next[..., :diffusion.n_dims], mask_f),
-                            z_next[..., diffusion.n_dims:]], dim=-1)
+            z, mask, generators = z.expand(K, -1, -1).contiguous(), mask.expand(K, -1), rollout_generators
+        z_next, mu, sigma = diffusion.ancestral_step(z, s, mask, [atoms] * len(generators), generators)
         if step_index >= branch_at:
             where = slot[:, step_index - branch_at]
             stored = torch.nonzero(where >= 0).flatten()
@@ -341,6 +389,21 @@ def draw_rollouts(diffusion: EDMDiffusion, plan: RolloutPlan) -> Rollouts:
                 sigma_store[stored, at] = sigma.to(sigma_store.dtype)
                 steps_store[stored, at] = s
         z = z_next
-    final = diffusion.decode(z, step_atoms, generators, mask)
+    final = diffusion.decode(z, [atoms] * K, rollout_generators, mask)
     return Rollouts(z_t=z_t_store, z_s=z_s_store, steps=steps_store, logp_old=logp_store, sigma=sigma_store,
-                    final=final)
+                    final=final, group_size=K)
+
+
+def logp_rounding(z_s: torch.Tensor, mean: torch.Tensor, sigma: torch.Tensor | float,
+                  node_mask: torch.Tensor) -> torch.Tensor:
+    """[B] how much rounding alone moves `gaussian_log_prob(z_s, mean, sigma)`: its change to first order when every
+    element of `mean` moves by one unit in the last place of its float type, sum over the real atoms' features of
+    |z_s - mean| ulp(mean) / sigma^2. Two computations of the mean that differ only in the order of their sums (other
+    batch shapes, other vector units) give log-probabilities about this far apart: of the order of float32's 1e-7
+    relative precision times |z| / sigma per feature, which is large when states are large or steps small."""
+    _check_pair(z_s, mean, "logp_rounding(z_s, mean)")
+    mask = _node_mask(node_mask, z_s.shape[0], z_s.shape[1], z_s.dtype)
+    sigma = _per_molecule(sigma, z_s)
+    magnitude = mean.detach().abs()
+    ulp = torch.nextafter(magnitude, torch.full_like(magnitude, math.inf)) - magnitude
+    return ((z_s - mean.detach()).abs() * ulp / sigma ** 2 * mask).sum(dim=(1, 2))

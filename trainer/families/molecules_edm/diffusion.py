@@ -489,7 +489,7 @@ class EDMDiffusion(nn.Module):
 
     # --- sampling -----------------------------------------------------------------------------------------
 
-    def _molecule_noise(self, num_atoms: Sequence[int], generators: Sequence[torch.Generator],
+    def molecule_noise(self, num_atoms: Sequence[int], generators: Sequence[torch.Generator],
                         mask: torch.Tensor) -> torch.Tensor:
         """[B, N, 3 + F]: molecule k's block [n_k, 3 + F] drawn from generators[k] alone, x part zero-CoM."""
         width = self.n_dims + self.num_features
@@ -556,13 +556,11 @@ class EDMDiffusion(nn.Module):
                 n = num_atoms[j]
                 chains[j].append(ChainFrame(step, positions[j, :n].clone(), types[j, :n].clone()))
 
-        z = self._molecule_noise(num_atoms, generators, mask)
+        z = self.molecule_noise(num_atoms, generators, mask)
         record(0, z[..., :self.n_dims] * self.norm_values[0], self._decode_types(z, mask))
         for step_index, s in enumerate(reversed(range(self.T))):
-            mu, sigma = self.reverse_step(z, s, mask_f)
+            z, _, _ = self.ancestral_step(z, s, mask, num_atoms, generators)
             sigma_t = self._sigma(self.gamma[s + 1])
-            z = mu + sigma * self._molecule_noise(num_atoms, generators, mask)
-            z = torch.cat([remove_mean_with_mask(z[..., :self.n_dims], mask_f), z[..., self.n_dims:]], dim=-1)
             if guidance is not None:
                 positions = z[..., :self.n_dims] * self.norm_values[0]
                 types = self._decode_types(z, mask, getattr(guidance, "decode_among", None))
@@ -613,6 +611,16 @@ class EDMDiffusion(nn.Module):
             mu = z / alpha_t_given_s - ratio * eps_t
         return mu, sigma
 
+    def ancestral_step(self, z: torch.Tensor, s: int, mask: torch.Tensor, num_atoms: Sequence[int],
+                       generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step of the sampler, z_t -> z_s ~ p(z_s | z_t) (t = s + 1): mu + sigma * noise, molecule k's noise
+        from generators[k], then x re-centred. mask: [B, N] bool. Returns (z_s, mu, sigma) (`reverse_step`'s)."""
+        mask_f = mask.to(torch.float32).unsqueeze(-1)
+        mu, sigma = self.reverse_step(z, s, mask_f)
+        z_s = mu + sigma * self.molecule_noise(num_atoms, generators, mask)
+        z_s = torch.cat([remove_mean_with_mask(z_s[..., :self.n_dims], mask_f), z_s[..., self.n_dims:]], dim=-1)
+        return z_s, mu, sigma
+
     def decode(self, z: torch.Tensor, num_atoms: Sequence[int], generators: Sequence[torch.Generator],
                mask: torch.Tensor) -> SampleOutput:
         """p(x, h | z_0): positions ~ N(x0_hat, sigma_0 / alpha_0) with the noise from each molecule's generator,
@@ -623,7 +631,7 @@ class EDMDiffusion(nn.Module):
         sigma_x = torch.exp(0.5 * gamma_0)
         eps_0 = self.phi(z, torch.zeros(batch, dtype=torch.float32, device=device), mask_f)
         x0_hat = (z - self._sigma(gamma_0) * eps_0) / self._alpha(gamma_0)
-        xh = x0_hat + sigma_x * self._molecule_noise(num_atoms, generators, mask)
+        xh = x0_hat + sigma_x * self.molecule_noise(num_atoms, generators, mask)
         positions = remove_mean_with_mask(xh[..., :self.n_dims] * self.norm_values[0], mask_f)
         type_index = self._decode_types(z, mask)
         if self.include_charges:

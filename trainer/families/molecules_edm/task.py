@@ -65,14 +65,15 @@ class EDMModel(nn.Module):
     def forward(self, batch: Any, mode: str = "loss", rng: Any = None) -> Any:
         """`loss` / `nll` of a molecule batch; for reward post-training (`align_task.py`), `rollout` draws the
         rollouts of an `alignment.RolloutPlan` (no gradient) and `policy` gives the reverse step's mean and standard
-        deviation of {"z": [M, N, D], "s": [M] steps, "mask": [M, N] bool}."""
+        deviation of each part of a list of {"z": [M, N, D], "s": [M] steps, "mask": [M, N] bool} (one call, so that
+        a wrapped model sees one forward per loss)."""
         if mode == "rollout":
             from trainer.families.molecules_edm.alignment import draw_rollouts
 
             return draw_rollouts(self.diffusion, batch)
         if mode == "policy":
-            mask = batch["mask"].to(torch.float32).unsqueeze(-1)
-            return self.diffusion.reverse_step(batch["z"], batch["s"], mask)
+            return [self.diffusion.reverse_step(part["z"], part["s"], part["mask"].to(torch.float32).unsqueeze(-1))
+                    for part in batch]
         args = (batch["positions"], batch["one_hot"], batch["charges"], batch["node_mask"])
         if mode == "loss":
             return self.diffusion.training_loss(*args, rng=rng)
