@@ -69,14 +69,14 @@ test-all: setup
 	$(PY) -m pytest -q --durations=25 $(XDIST) $(PYTEST_ARGS) tests
 
 bench: setup
-	$(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS),bench]"
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS),bench]"
 	$(PY) benchmarks/overhead.py --out BENCHMARKS.md
 	$(PY) benchmarks/ingest.py --out BENCHMARKS.md
 	$(PY) benchmarks/throughput.py --device cpu --out BENCHMARKS.md
 
 # The documentation site: the docs extra (mkdocs-material, mkdocstrings) into the venv, then a strict build.
 docs: setup
-	$(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS),docs]"
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS),docs]"
 	$(VENV)/bin/mkdocs build --strict
 
 # The config key tables of docs/configuration.md, from the dataclass docstrings.

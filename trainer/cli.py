@@ -59,7 +59,7 @@ def _fit(cfg: Config, args: argparse.Namespace) -> int:
     return code
 
 
-_STOP_CODES = {"completed": 0, "preempted": 75, "interrupted": 128 + signal.SIGINT}
+_STOP_CODES = {"completed": 0, "already_complete": 0, "preempted": 75, "interrupted": 128 + signal.SIGINT}
 """Exit statuses of a training run (core/preemption.py: PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE)."""
 
 

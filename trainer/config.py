@@ -315,10 +315,21 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
     return nested
 
 
+def _close_config_files(path: Path) -> str:
+    """"; did you mean ..." with the YAML files nearest to a missing config path: its folder's (the first existing
+    parent), or those one folder down from there (a mistyped family folder)."""
+    folder = path.parent
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    candidates = {str(p.relative_to(folder)): p for pattern in ("*.yaml", "*/*.yaml", "*.yml") for p in folder.glob(pattern)}
+    close = difflib.get_close_matches(str(path.relative_to(folder)), list(candidates), n=3, cutoff=0.6)
+    return f"; did you mean {', '.join(str(candidates[c]) for c in close)}?" if close else ""
+
+
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path}{_close_config_files(path)}")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:

@@ -212,3 +212,14 @@ def test_deepspeed_refuses_value_clipping_and_says_what_to_add():
     check_backend_supports(cfg, DistributedType.MULTI_CPU)  # DDP clips by value itself
     fixed = load_config(gears_tiny, ["train.grad_clip_value=0", "train.grad_clip_norm=1"])
     check_backend_supports(fixed, DistributedType.DEEPSPEED)
+
+
+def test_a_missing_config_file_names_the_nearest_ones(tmp_path):
+    (tmp_path / "regression").mkdir()
+    (tmp_path / "regression" / "tiny.yaml").write_text("task: {name: regression}\n")
+    with pytest.raises(ConfigError, match=r"not found: .*regresion/tiny\.yaml; did you mean .*regression/tiny\.yaml\?"):
+        load_config(tmp_path / "regresion" / "tiny.yaml")
+    with pytest.raises(ConfigError, match=r"did you mean .*regression/tiny\.yaml\?"):
+        load_config(tmp_path / "regression" / "tiny.yml")
+    with pytest.raises(ConfigError, match=r"not found: [^;]*$"):
+        load_config(tmp_path / "elsewhere" / "other.yaml")

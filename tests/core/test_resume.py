@@ -181,3 +181,22 @@ def test_a_finished_run_rerun_says_so_in_one_line_and_writes_nothing(tmp_path, c
     cli_in_process(*args)
     assert not (out / "preempted.json").exists()
     assert len((out / "metrics.jsonl").read_text().splitlines()) > records  # the final eval and test ran
+
+
+@pytest.mark.distributed
+def test_a_run_past_this_configs_plan_says_so_and_its_result_says_nothing_was_trained(tmp_path, capfd):
+    """A config whose plan is shorter than the finished run in its folder (2 launched processes, as the README's
+    Python example after its command-line one): one line saying the run is past this plan, no note about the ranks'
+    random streams, and a result whose status says that nothing was trained."""
+    from trainer.api import train
+    from trainer.config import load_config
+
+    out = tmp_path / "run"
+    cli_in_process("train", TINY, *BASE, "train.max_steps=4", "eval.every_steps=0", f"run.output_dir={out}")
+    capfd.readouterr()
+    res = train(load_config(TINY, [*BASE, "train.max_steps=2", "eval.every_steps=0", f"run.output_dir={out}"]),
+                num_processes=2)
+    said = capfd.readouterr()
+    assert res.status == "already_complete" and res.world_size == 1  # the finished run's
+    assert "holds a run that ended at step 4, past this config's plan of 2 steps" in said.err + said.out
+    assert "no saved RNG state" not in said.err + said.out

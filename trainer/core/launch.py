@@ -49,8 +49,9 @@ class RunResult:
     `status`, `run_dir` and `main_process=False` are filled (the main process writes the metrics)."""
 
     status: str
-    """`completed`, `preempted` (stopped by SIGTERM/SIGUSR1 after a checkpoint) or `interrupted` (by Ctrl-C, after
-    a checkpoint); train again to resume a stopped run."""
+    """`completed`, `preempted` (stopped by SIGTERM/SIGUSR1 after a checkpoint), `interrupted` (by Ctrl-C, after
+    a checkpoint; train again to resume a stopped run) or `already_complete` (nothing trained: the run directory held
+    a finished run, whose results these are, `world_size` included)."""
     run_dir: Path
     main_process: bool = True
     world_size: int | None = None
@@ -183,7 +184,7 @@ def _launch(cfg: Config, num_processes: int, deepspeed_config: str | None, gpu_i
     run.root.mkdir(parents=True, exist_ok=True)
     config_file = run.root / LAUNCH_CONFIG
     save_config(cfg, config_file)
-    started = time.time()
+    started, metrics_before = time.time(), _file_signature(run.metrics)
     ended = run_ranks(launch_command(config_file, num_processes, deepspeed_config), num_processes, gpu_ids)
     marker = _stop_marker(run, started)
     if ended.interrupts and marker is None:  # before training started, or pressed twice before the checkpoint
@@ -201,7 +202,17 @@ def _launch(cfg: Config, num_processes: int, deepspeed_config: str | None, gpu_i
         return RunResult.read(run.root, status)
     raise_for_ranks(ended, f"the {num_processes}-process run",
                     f" and {run.metrics} (train again to resume from the latest checkpoint)")
-    return RunResult.read(run.root)
+    trained = metrics_before is None or _file_signature(run.metrics) != metrics_before
+    return RunResult.read(run.root, None if trained else "already_complete")
+
+
+def _file_signature(path: Path) -> tuple[int, int] | None:
+    """(size, mtime in ns) of a file, None if absent: a rerun of a finished run leaves its metrics.jsonl untouched."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 def write_rank_status(code: int, environ: Mapping[str, str] = os.environ) -> None:

@@ -63,8 +63,9 @@ class RunPlan:
 
     def describe(self) -> str:
         """One line for the start log (the batch, the lr and the checkpoint resumed have their own lines)."""
+        # A plan that covers a sliver of an epoch (a pool of prompts far larger than the run) is said in steps alone.
         epochs = f" ({self.max_steps / self.steps_per_epoch:.3g} epochs of {self.steps_per_epoch} steps)" \
-            if self.steps_per_epoch else ""
+            if self.steps_per_epoch and self.max_steps >= 0.01 * self.steps_per_epoch else ""
         return (f"plan: {self.max_steps} steps{epochs}, eval {_cadence(self.eval_every_steps)}, checkpoint "
                 f"{_cadence(self.ckpt_every_steps)}, best by {self.eval_metric}")
 

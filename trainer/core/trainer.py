@@ -116,7 +116,7 @@ class Trainer:
         if self.ema is not None:
             parts["ema"] = EMAState(self.ema, acc, self.model, self.state)
         self.checkpointer = Checkpointer(cfg, acc, self.run_dir, parts, target)
-        resumed = self.checkpointer.resume()
+        resumed = self.checkpointer.resume(finished=target.step >= plan.max_steps)
         self.resumed_from = resumed.path if resumed else None
         # A run resumed at its last step that was not stopped there has its final eval, test and checkpoint:
         # a rerun trains nothing and writes nothing (its results stay those of the run that made them).
@@ -189,18 +189,21 @@ class Trainer:
         return status
 
     def _say_already_complete(self) -> str:
-        """One line for a rerun of a finished run (nothing trained, nothing written); returns `completed`."""
+        """One line for a rerun of a finished run (nothing trained, nothing written); returns `already_complete`."""
         acc = self.accelerator
         if acc.is_main_process:
             when = datetime.datetime.fromtimestamp(Path(self.resumed_from).stat().st_mtime).strftime("%Y-%m-%d %H:%M")
-            logger.info("run already complete at step %d/%d: nothing to train; its results are from %s (%s, %s); "
-                        "run.resume=none or another run.output_dir trains again", self.state.step,
-                        self.plan.max_steps, when, self.run_dir.metrics, self.resumed_from)
+            step, planned = self.state.step, self.plan.max_steps
+            done = (f"run already complete at step {step}/{planned}" if step == planned else
+                    f"{self.run_dir.root} holds a run that ended at step {step}, past this config's plan of {planned} "
+                    f"steps (another config trained it)")
+            logger.info("%s: nothing to train; its results are from %s (%s, %s); run.resume=none or another "
+                        "run.output_dir trains this config", done, when, self.run_dir.metrics, self.resumed_from)
         acc.wait_for_everyone()
         acc.end_training()
         if acc.is_main_process:
             release_run_lock(self.cfg.run.output_dir)
-        return "completed"
+        return "already_complete"
 
     def train_step(self, batches: list[MicroBatch]) -> dict[str, Any]:
         """One optimizer step over `batches` (grad_accum_steps micro-batches of this rank).

@@ -143,3 +143,18 @@ def test_force_rms_reward_by_hand_with_padding_ignored_and_failures_marked():
     # and the failures drop out of the group statistics
     out = group_advantages(reward, group_size=4, valid_mask=valid)
     assert out.total_excluded == 2 and out.advantages[1].item() == 0.0 and out.advantages[2].item() == 0.0
+
+
+def test_clash_rule_gives_the_groups_worst_sound_reward_and_never_a_better_one():
+    from trainer.families.molecules_edm.alignment import apply_clash_rule
+
+    nan = float("nan")
+    rewards = torch.tensor([-1.0, -2.0, -9.0, nan, -4.0, -5.0, -1.0, nan, nan])
+    scored = torch.tensor([True, True, True, False, True, True, True, False, False])
+    clash = torch.tensor([False, False, True, True, False, False, True, True, False])
+    out = apply_clash_rule(rewards, scored, clash, group_size=3)
+    # group 0: row 2 clashes and scored -9, worse than the sound worst (-2): it keeps its own
+    # group 1: row 3 clashes unscored: the sound worst (-5)
+    # group 2: row 6 clashes with nothing sound beside it, row 7 too, row 8 is unscored: all excluded
+    assert out[:6].tolist() == [-1.0, -2.0, -9.0, -5.0, -4.0, -5.0]
+    assert torch.isnan(out[6:]).all()

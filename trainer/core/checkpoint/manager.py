@@ -127,8 +127,9 @@ class Checkpointer:
         return final
 
     # ------------------------------------------------------------------ resume
-    def resume(self) -> Resumed | None:
-        """Restore every part from the target checkpoint; None for a fresh start."""
+    def resume(self, finished: bool = False) -> Resumed | None:
+        """Restore every part from the target checkpoint; None for a fresh start. `finished`: the checkpoint is at or
+        past the run's last step, so nothing will be trained from it (no notes about continuing it)."""
         acc, root = self.acc, self.run_dir.checkpoints
         if self.target.problem is not None:
             warn_skipped(self.target.skipped, "no checkpoint is left to resume from")
@@ -148,7 +149,8 @@ class Checkpointer:
                 f"resume it with its own config, or start over with run.resume=none or a new run.output_dir"))
         self._warn_changed_batch(path, saved)
         warn_changed_task(self.run_dir, self.cfg, path)
-        rng_states = saved_rng_states(acc, path, saved.get("world_size"), self.cfg.run.allow_inexact_resume)
+        rng_states = saved_rng_states(acc, path, saved.get("world_size"), self.cfg.run.allow_inexact_resume,
+                                      warn=not finished)
         converted = self._load_backend(path, saved)
         if rng_states is not None:  # accelerate restores them too, but ignores any failure
             restore_rng(rng_states)

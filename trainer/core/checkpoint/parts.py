@@ -198,16 +198,18 @@ RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")
 
 
 def saved_rng_states(acc: Accelerator, path: Path, saved_world_size: int | None,
-                     allow_inexact: bool) -> dict[str, Any] | None:
+                     allow_inexact: bool, warn: bool = True) -> dict[str, Any] | None:
     """This rank's RNG states, loaded and checked before `load_state`, which swallows any error there
     (logging it at INFO) and resumes with other random streams. Every rank agrees: an unloadable state
     on any rank is a CheckpointError naming the file, or with run.allow_inexact_resume a warning (None).
-    A rank beyond the world size that wrote the checkpoint (DDP may grow) starts fresh streams (None)."""
+    A rank beyond the world size that wrote the checkpoint (DDP may grow) starts fresh streams (None), said unless
+    `warn` is False (nothing will be trained from the checkpoint)."""
     name = f"random_states_{acc.process_index}.pkl"
     states, problem = None, None
     if isinstance(saved_world_size, int) and acc.process_index >= saved_world_size:
-        logger.warning("rank %d has no saved RNG state (the checkpoint was written by %d processes): it "
-                       "continues with fresh random streams", acc.process_index, saved_world_size)
+        if warn:
+            logger.warning("rank %d has no saved RNG state (the checkpoint was written by %d processes): it "
+                           "continues with fresh random streams", acc.process_index, saved_world_size)
     else:
         try:
             states = _load_rng_states(path / name)

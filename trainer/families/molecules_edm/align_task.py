@@ -13,7 +13,6 @@ moved from the data; `trainer sample` and `trainer export` read an aligned run l
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import numpy as np
@@ -185,12 +184,7 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
                 f"molecules_edm_align: the reward of rollout {row % c.group_size} of group {group} is {float(reward[row])} "
                 f"(force RMS {float(force_rms[row])} eV/A from {c.reward_forcefield}): stopping rather than training on it")
         clash = self._clashes(final)
-        sound = ok & ~clash
-        worst = torch.where(sound, reward, torch.full_like(reward, math.inf)).view(-1, c.group_size).amin(dim=1)
-        worst = torch.where(torch.isfinite(worst), worst, torch.full_like(worst, math.nan))
-        worst = worst.repeat_interleave(c.group_size)
-        broken = torch.where(ok, torch.minimum(reward, worst), worst)  # NaN (excluded) in a group with nothing sound
-        reward = torch.where(sound, reward, torch.where(clash, broken, torch.full_like(reward, math.nan)))
+        reward = align.apply_clash_rule(reward, ok, clash, c.group_size)
         return reward, force_rms, torch.isfinite(reward), clash
 
     def _clashes(self, final: Any) -> torch.Tensor:

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from trainer.families.molecules_edm.diffusion import EDMDiffusion, SampleOutput
 
 __all__ = [
+    "apply_clash_rule",
     "GroupAdvantages",
     "RolloutPlan",
     "Rollouts",
@@ -117,6 +118,18 @@ def group_advantages(rewards: torch.Tensor, group_size: int, valid_mask: torch.T
     excluded = (group_size - count.squeeze(1)).to(torch.int64)
     spread = torch.where(count.squeeze(1) >= 2, var.squeeze(1).sqrt(), torch.zeros_like(var.squeeze(1)))
     return GroupAdvantages(advantages=advantages, excluded=excluded, spread=spread)
+
+
+def apply_clash_rule(rewards: torch.Tensor, scored: torch.Tensor, clash: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Rewards [B] after the clash rule: a rollout whose atoms clash gets the lowest reward of its group's sound
+    rollouts (scored, no clash), or its own if that is lower, so collapsing atoms (which a force field may refuse to
+    evaluate) is never a way out of a bad score; an unscored rollout without a clash is NaN (excluded). A clashing
+    rollout in a group with nothing sound is NaN too: there is nothing to rank it against."""
+    sound = scored & ~clash
+    worst = torch.where(sound, rewards, torch.full_like(rewards, math.inf)).view(-1, group_size).amin(dim=1)
+    worst = torch.where(torch.isfinite(worst), worst, torch.full_like(worst, math.nan)).repeat_interleave(group_size)
+    broken = torch.where(scored, torch.minimum(rewards, worst), worst)
+    return torch.where(sound, rewards, torch.where(clash, broken, torch.full_like(rewards, math.nan)))
 
 
 def step_advantages(advantages: torch.Tensor, steps: torch.Tensor, lowest_step: int) -> torch.Tensor:
