@@ -62,8 +62,16 @@ lint: setup
 # built once (xdist's loadgroup does not group under pytest 9.2); the regression runs are shared (conftest.py).
 TEST_WORKERS ?= 2
 XDIST       = -n $(TEST_WORKERS) --dist loadfile
+# Then the tests that compare two runs' weights or log-probabilities (marker `numerics`) again under torch's AVX2 and
+# portable kernels: a result must not depend on the CPU's vector unit, and a machine with AVX-512 must not hide it.
+NUMERICS_KERNELS ?= avx2 default
 test: setup
 	$(PY) -m pytest -q --durations=25 $(XDIST) -m "not extended" $(PYTEST_ARGS) tests
+	for kernels in $(NUMERICS_KERNELS); do \
+		echo "numerics under ATEN_CPU_CAPABILITY=$$kernels:"; \
+		ATEN_CPU_CAPABILITY=$$kernels $(PY) -m pytest -q $(XDIST) -m "numerics and not extended" $(PYTEST_ARGS) tests \
+			|| exit 1; \
+	done
 
 test-all: setup
 	$(PY) -m pytest -q --durations=25 $(XDIST) $(PYTEST_ARGS) tests
