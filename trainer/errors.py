@@ -33,6 +33,11 @@ class CheckpointError(TrainerError, RuntimeError):
     """A checkpoint that is missing, incomplete, corrupt or unsafe to load."""
 
 
+class DiskFullError(TrainerError, RuntimeError):
+    """An output that could not be written for lack of space: the message names the folder, its free space and the
+    size needed, and what was kept."""
+
+
 class LaunchError(TrainerError, RuntimeError):
     """A run started on several local processes (`trainer.api.train`) that exited with an error status.
 

@@ -117,8 +117,8 @@ def test_export_onto_a_full_disk_is_one_line_and_keeps_the_previous_export(run, 
     step = run / "checkpoints" / "step_00000006"
     assert re.fullmatch(
         rf"trainer: error: could not export checkpoint {re.escape(str(step))} to {re.escape(str(out))}: no space "
-        rf"left on device writing {re.escape(str(out.parent / written))} \({SIZE} free there, the export needs "
-        rf"{SIZE}\); the previous export {re.escape(str(out))} is intact", err[-1]), err[-1]
+        rf"left on device writing {re.escape(str(out.parent / written))} \({SIZE} free in {re.escape(str(out.parent))} "
+        rf"now, {SIZE} needed\); the previous export {re.escape(str(out))} is intact", err[-1]), err[-1]
     assert hashes(out.parent) == before  # the previous export, and no temp file left
     monkeypatch.undo()
     with pytest.raises(CheckpointError, match=r"no space left on device .*; nothing was written$"):
@@ -174,8 +174,8 @@ def test_checkpoint_save_on_a_full_disk_says_so(run, monkeypatch):
         message = str(raised.value)
         assert re.fullmatch(
             rf"could not save checkpoint step_00000008 \(rank 0: no space left on device writing {re.escape(str(tmp))} "
-            rf"\({SIZE} of it written\)\); {SIZE} free in {re.escape(str(root))} now, the checkpoint needs about "
-            rf"{re.escape(format_bytes(disk_bytes(previous)))} \(estimate: the previous checkpoint's size\); the "
+            rf"\({SIZE} of it written\)\); {SIZE} free in {re.escape(str(root))} now, about "
+            rf"{re.escape(format_bytes(disk_bytes(previous)))} needed \(estimate: the previous checkpoint's size\); the "
             rf"previous checkpoint {re.escape(str(previous))} is intact", message), (fill.__name__, message)
         assert not tmp.exists()
         assert (root / "latest").read_text().strip() == "step_00000006"
@@ -342,8 +342,8 @@ def test_disk_full_while_converting_a_checkpoint_is_one_line_and_changes_nothing
     assert re.fullmatch(
         rf"trainer: error: checkpoint {re.escape(str(root / 'step_00000004'))} could not be converted for this run: "
         rf"no space left on device writing {re.escape(str(root / '.universal-step_00000004' / 'universal'))}; "
-        rf"{SIZE} free in {re.escape(str(root))} now, the conversion needs about "
-        rf"{re.escape(format_bytes(disk_bytes(root / 'step_00000004')))} \(the checkpoint's size\); the checkpoint is "
+        rf"{SIZE} free in {re.escape(str(root))} now, about "
+        rf"{re.escape(format_bytes(disk_bytes(root / 'step_00000004')))} needed \(the checkpoint's size\); the checkpoint is "
         rf"intact: free space there, or resume with the layout that wrote it", errors[0]), errors[0]
     assert snapshot(run) == before  # no scratch folder, no pointer moved, nothing written
     # With room again the same resume converts and ends where the uninterrupted run did.

@@ -28,9 +28,9 @@ import yaml
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from trainer.atomic_io import temp_path, temp_paths_of
+from trainer.atomic_io import atomic_write_text, disk_bytes, no_space_reason, space_report, temp_path, temp_paths_of
 from trainer.config import config_from_dict, parse_options
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, DiskFullError
 from trainer.registry import get_task
 from trainer.seeding import derive_seed
 from trainer.task import GenerativeTask, SampleConfig, Task
@@ -150,7 +150,12 @@ def sample_run(run_dir: str | Path, options: SampleConfig | Sequence[str] = ()) 
         summary.update(num_samples=options.num_samples, world_size=state.num_processes, seed=options.seed,
                        checkpoint=str(source), options=_jsonable(options), sampling_seconds=round(sampling_s, 3))
         stats_path = out.with_name(out.name + ".stats.json")  # beside the samples, never over them
-        stats_path.write_text(json.dumps(summary, indent=1))
+        text = json.dumps(summary, indent=1)
+        try:
+            atomic_write_text(stats_path, text)
+        except OSError as err:
+            _raise_if_disk_full(err, stats_path, len(text.encode()), estimate="")
+            raise
         summary["stats_path"] = str(stats_path)
     _log_to_trackers(run_dir, summary or {})
     # Every rank leaves together and tears the process group down: a rank that exits while gloo's
@@ -167,10 +172,27 @@ def _write_whole(task: GenerativeTask, samples: Any, options: Any, out: Path) ->
     for leftover in temp_paths_of(out):  # of a write that was interrupted
         _remove(leftover)
     partial = temp_path(out)
-    summary = task.write_samples(samples, options, partial)
+    try:
+        summary = task.write_samples(samples, options, partial)
+    except Exception as err:
+        full = no_space_reason(err, partial)  # while the partial samples are there: a full disk shows
+        written = disk_bytes(partial)
+        _remove(partial)
+        if full is not None:
+            _raise_if_disk_full(err, out, written, estimate="at least what was written before the disk filled")
+        raise
     _remove(out)
     os.replace(partial, out)
     return json.loads(json.dumps(summary).replace(str(partial), str(out)))
+
+
+def _raise_if_disk_full(err: Exception, out: Path, needed: int, estimate: str) -> None:
+    """A DiskFullError naming `out`'s folder, its free space and `needed`, when `err` is a full disk."""
+    full = no_space_reason(err, out)
+    if full is None:
+        return
+    kept = f"the previous {out.name} is intact" if out.exists() else "nothing was written there"
+    raise DiskFullError(f"could not write {out}: {full} ({space_report(out.parent, needed, estimate)}); {kept}") from err
 
 
 def _remove(path: Path) -> None:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from trainer.atomic_io import disk_bytes, no_space_reason, space_report
+from trainer.errors import DiskFullError, TrainerError
 from trainer.sweep.scheduler import run_experiments
 from trainer.sweep.spec import ExperimentsError, load_experiments_file
 
@@ -79,6 +81,25 @@ def detect_gpus() -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run, resume, submit or collect the experiments file's runs or study; a full disk under OUT (the study
+    database, results, records) is one line naming it."""
+    try:
+        return _main(args)
+    except TrainerError:
+        raise
+    except Exception as err:
+        out = Path(args.out)
+        full = no_space_reason(err, out)  # Optuna wraps SQLite's "database or disk is full" in a StorageInternalError
+        if full is None:
+            raise
+        database = max(out.glob("study.*"), key=disk_bytes, default=None)
+        space = (space_report(out, disk_bytes(database), estimate=f"estimate: the size of {database.name} now")
+                 if database else space_report(out, None))
+        raise DiskFullError(f"run-experiments could not write under {out}: {full} ({space}); what was recorded "
+                            f"before is kept: free space there and continue with --resume") from err
+
+
+def _main(args: argparse.Namespace) -> int:
     cli_defaults = {"timeout": args.timeout, "gpus_per_experiment": args.gpus_per_experiment}
     experiments, search = load_experiments_file(args.experiments_file, cli_defaults)
     out = Path(args.out)

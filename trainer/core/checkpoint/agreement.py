@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from accelerate.utils import gather_object
 
-from trainer.atomic_io import disk_bytes, format_bytes, free_bytes, no_space_reason
+from trainer.atomic_io import disk_bytes, format_bytes, no_space_reason, space_report
 from trainer.core.checkpoint import store
 from trainer.core.checkpoint.target import ResumeTarget, passed_over
 from trainer.errors import CheckpointError, first_line
@@ -62,11 +62,12 @@ def failure_reason(err: BaseException, writing: Path) -> str:
     """One line for a failed read, conversion or write of checkpoint files, whatever the backend raised: a full
     disk (named as such however the writer reported it), the file an OSError names, a CheckpointError's own
     words (unreadable files and other models are named where they are read), else the error's first line.
-    `writing`: the file or folder being written, named when a full disk's error names none."""
+    `writing`: the file or folder being written, named when a full disk's error names none, and looked at when the
+    error's words do not tell a full disk (`no_space_reason`: call this before the partial output is removed)."""
     if isinstance(err, CheckpointError):
         return str(err)
     filename = err.filename if isinstance(err, OSError) and err.filename else None
-    full = no_space_reason(err)
+    full = no_space_reason(err, writing)
     if full is not None:
         _clear_frames(err)
         return f"{full} writing {filename or writing}"
@@ -76,13 +77,15 @@ def failure_reason(err: BaseException, writing: Path) -> str:
 
 
 def conversion_failure(err: BaseException, path: Path, scratch: Path) -> str:
-    """One line for a conversion of checkpoint `path` into `scratch` that failed (the scratch already removed)."""
+    """One line for a conversion of checkpoint `path` into `scratch` that failed; removes the scratch. A full disk
+    is judged while the scratch is still there (it shows), its free space measured once the scratch is gone."""
     reason = failure_reason(err, scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
     if no_space_reason(err) is not None:
         root = scratch.parents[1]  # RUN_DIR/checkpoints/.universal-step_N/universal
-        return (f"checkpoint {path} could not be converted for this run: {reason}; {format_bytes(free_bytes(root))} "
-                f"free in {root} now, the conversion needs about {format_bytes(disk_bytes(path))} (the checkpoint's "
-                f"size); the checkpoint is intact: free space there, or resume with the layout that wrote it")
+        space = space_report(root, disk_bytes(path), estimate="the checkpoint's size")
+        return (f"checkpoint {path} could not be converted for this run: {reason}; {space}; the checkpoint is intact: "
+                f"free space there, or resume with the layout that wrote it")
     if isinstance(err, CheckpointError):
         return reason
     return f"checkpoint {path} could not be converted for this run ({reason})"
@@ -112,18 +115,16 @@ class SaveErrors:
                 self.cause = err
 
     def _describe(self, err: Exception) -> str:
-        reason = failure_reason(err, self.tmp)
+        reason = failure_reason(err, self.tmp)  # while this rank's part is still there: a full disk shows
         if no_space_reason(err) is not None:
             return f"{reason} ({format_bytes(disk_bytes(self.tmp))} of it written)"
         return reason
 
     def _space(self) -> str:
         """Free space after the temp directory is removed, and how much the checkpoint needs (estimated)."""
-        free = f"{format_bytes(free_bytes(self.root))} free in {self.root} now"
         if self.previous is None:
-            return f"{free}, the checkpoint needs more than was written"
-        return (f"{free}, the checkpoint needs about {format_bytes(disk_bytes(self.previous))} (estimate: the "
-                f"previous checkpoint's size)")
+            return f"{space_report(self.root, None)}, more needed than was written"
+        return space_report(self.root, disk_bytes(self.previous), estimate="estimate: the previous checkpoint's size")
 
     def agree(self) -> None:
         problems = [self.error] if self.error else []

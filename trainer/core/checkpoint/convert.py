@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from trainer.atomic_io import no_space_reason
+from trainer.atomic_io import no_space_reason, require_space
 from trainer.core.checkpoint.safe_load import weights_only_loading
 from trainer.errors import CheckpointError, first_line
 
@@ -182,7 +182,7 @@ def _from_deepspeed(path: Path, out: Path) -> None:
         raise CheckpointError(f"checkpoint {path}: the optimizer state cannot be converted (DeepSpeed's "
                               f"ds_to_universal found no {err} in it: it converts Adam/AdamW moments only)") from err
     except Exception as err:  # noqa: BLE001 - whatever DeepSpeed raises, one line naming the part
-        if no_space_reason(err) is not None:  # the disk's fault, not the checkpoint's: said by the caller
+        if no_space_reason(err, out) is not None:  # the disk's fault, not the checkpoint's: said by the caller
             raise
         raise CheckpointError(f"checkpoint {path}: its DeepSpeed files cannot be converted to the universal form "
                               f"({first_line(err)})") from err
@@ -234,6 +234,9 @@ def _to_universal(path: Path, out: Path, weights: dict[str, torch.Tensor], optim
         raise CheckpointError(f"checkpoint {path}: the optimizer state cannot be converted: it has "
                               f"{[len(g['params']) for g in groups]} parameters per group, the recorded names "
                               f"{[len(n) for n in param_names]}")
+    # Every tensor in fp32, known before the first is written: a disk without room is said before it is filled.
+    require_space(out, sum(4 * t.numel() for t in [*weights.values(), *(v for s in state.values() for v in s.values())]
+                           if torch.is_tensor(t)))
     zero, step = out / "zero", None
     for group, names in zip(groups, param_names):
         for index, name in zip(group["params"], names):

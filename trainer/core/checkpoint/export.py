@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from trainer.atomic_io import disk_bytes, format_bytes, free_bytes, no_space_reason, temp_path
+from trainer.atomic_io import disk_bytes, no_space_reason, require_space, space_report, temp_path
 from trainer.core.checkpoint.store import STATE, TASK_STATS, resolve_checkpoint, verify_checkpoint
 from trainer.errors import CheckpointError
 
@@ -116,6 +116,7 @@ def export_run(run_dir: str | Path, out: str | Path | None = None, checkpoint: s
     target, replaced = out, 0
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        require_space(out.parent, needed)
         staged.append((temp_path(out), out))
         write_safetensors(staged[-1][0], header, ordered)
         for source, target in copies:
@@ -128,15 +129,14 @@ def export_run(run_dir: str | Path, out: str | Path | None = None, checkpoint: s
             _replace(tmp, target)
             replaced += 1
     except OSError as err:
+        full = no_space_reason(err, out.parent)  # while the temp files are there: a full disk shows
         for tmp, _ in staged:
             if tmp.is_dir():
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 tmp.unlink(missing_ok=True)
-        full = no_space_reason(err)
         if full:  # named by the target: shutil's copies name their source, our writes a temp file
-            why = (f"{full} writing {target} ({format_bytes(free_bytes(out.parent))} free there, the export needs "
-                   f"{format_bytes(needed)})")
+            why = f"{full} writing {target} ({space_report(out.parent, needed)})"
         else:
             named = err.filename and not Path(err.filename).name.startswith(".")
             why = f"{err.filename if named else target}: {err.strerror or err}"

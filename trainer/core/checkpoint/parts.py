@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,8 +120,7 @@ class BackendState:
             try:
                 convert.convert(path, scratch, saved, self.param_names)
             except Exception as err:  # noqa: BLE001 - whatever the backend raised: one line on every rank
-                shutil.rmtree(scratch, ignore_errors=True)  # before the free space is measured
-                problem = conversion_failure(err, path, scratch)
+                problem = conversion_failure(err, path, scratch)  # removes the scratch
         agree(self.acc, problem)
         try:
             engine.load_universal(scratch, saved, self.param_names)
