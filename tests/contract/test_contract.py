@@ -18,8 +18,14 @@ from trainer.task import GenerativeTask
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
+# The alignment's case draws groups of rollouts through all T steps of a trained-size model: `extended`, with
+# tests/families/molecules_edm/test_align.py (T = 20) as its lean stand-in for train, resume, export and sample.
+CONTRACT_CASES = [pytest.param(name, marks=pytest.mark.extended) if name == "molecules_edm_align" else name
+                  for name in available_tasks()]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", available_tasks())
+@pytest.mark.parametrize("name", CONTRACT_CASES)
 def test_tiny_preset_train_resume_eval_export_sample(name, tmp_path):
     run = tmp_path / "run"
     common = [f"task.name={name}", "task.preset=tiny", f"run.output_dir={run}", "train.epochs=0",

@@ -111,6 +111,7 @@ def test_under_a_launcher_every_rank_trains_in_place(tmp_path, monkeypatch, plai
     assert not (tmp_path / "run" / "launch_config.yaml").exists()
 
 
+@pytest.mark.numerics
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_accelerate")

@@ -59,6 +59,7 @@ def final_state(run_dir: Path) -> tuple[dict, dict]:
     return load_model_weights(ckpt), load_file(ckpt / "ema.safetensors")
 
 
+@pytest.mark.numerics
 def test_sigkill_and_resume_is_bit_identical(tmp_path):
     # Dropout draws from the RNG and 2 loader workers run: both must be restored/reseeded exactly.
     steps = ["train.max_steps=16", "ckpt.every_steps=4", "task.dropout=0.2", "data.num_workers=2"]

@@ -92,7 +92,9 @@ def _same_layout(source: str, target: str) -> bool:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("source, target", PAIRS, ids=[f"{a}-to-{b}" for a, b in PAIRS])
+@pytest.mark.parametrize("source, target", [  # one ZeRO conversion also under every vector unit (marker numerics)
+    pytest.param(a, b, id=f"{a}-to-{b}", marks=[pytest.mark.numerics] if (a, b) == ("zero2", "single") else [])
+    for a, b in PAIRS])
 def test_resume_under_another_backend_matches_uninterrupted(regression_runs, tmp_path, source, target):
     resume_and_compare(regression_runs, tmp_path, source, target)
 

@@ -31,6 +31,7 @@ TOLERANCE = 1e-5
 """Largest weight difference (absolute, on weights of order 0.1-1) between 1 and 2 processes after 3 steps."""
 
 
+@pytest.mark.numerics
 def test_rows_depend_on_their_sample_alone():
     seed, indices = 7, [5, 0, 13, 2, 8, 21, 3, 1]
     batch = SampleRandom.for_samples(seed, 4, indices)
@@ -58,6 +59,7 @@ def test_rows_depend_on_their_sample_alone():
     assert abs(float(normals.mean())) < 0.02 and abs(float(normals.std()) - 1) < 0.02
 
 
+@pytest.mark.numerics
 def test_cpu_numbers_are_fixed():
     """Stored values: the row seeds (`derive_seeds`) and torch's CPU generator must not drift across versions."""
     rng = SampleRandom.for_samples(0, 0, [0, 1])
@@ -128,6 +130,7 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 # extended repeat, as crystals.
 @pytest.mark.parametrize("family", ["protein_sedd", pytest.param("molecules_edm", marks=pytest.mark.extended),
                                     pytest.param("crystal_property", marks=pytest.mark.extended)])
+@pytest.mark.numerics
 def test_two_processes_train_the_weights_of_one(family, tmp_path, plain_process, capsys):
     """The same global batch of 4 (per device 2): 2 gloo processes x 1 micro-batch against 1 process x 2
     accumulated micro-batches (and, for SEDD, 1 process x 1 micro-batch of 4), 3 steps, dropout 0: the final

@@ -298,6 +298,7 @@ def test_permutation_invariance(si, variant):
     assert_close(m(permuted), ref)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_batch_equals_separate(si, variant):
     m = model(variant)

@@ -21,6 +21,8 @@ from trainer.config import align_config, load_config
 from trainer.families.molecules_edm import alignment as align
 from trainer.families.molecules_edm.diffusion import build_edm_diffusion
 
+pytestmark = pytest.mark.numerics  # compares log-probabilities and runs' weights (make test: every vector unit)
+
 CONFIG = str(ROOT / "configs" / "molecules_edm" / "edm_tiny.yaml")
 QUIET = ["log.progress_bar=false", "log.tensorboard=false"]
 # Small and fast: T = 20, 8 trained steps, 3 transitions, groups of 3; springs as the reward (it scores every element),

@@ -20,6 +20,8 @@ from trainer.families.molecules_edm.alignment import (
     kl_to_reference,
 )
 
+pytestmark = pytest.mark.numerics  # compares log-probabilities and runs' weights (make test: every vector unit)
+
 
 def test_clipped_objective_matches_a_hand_computation_with_one_clipped_transition():
     clip = 0.2

@@ -102,6 +102,7 @@ def test_forces_rotate_with_the_molecule_and_permute_with_its_atoms(ani, qm9):
     assert permuted.energy_spread[0] == pytest.approx(base.energy_spread[0], rel=1e-3)
 
 
+@pytest.mark.numerics
 def test_a_molecule_gives_the_same_values_alone_and_in_a_padded_batch(ani, qm9):
     molecules, with_f = qm9
     batch = ani.compute(*pad_molecules([*molecules, with_f[0]], num_atoms=30))

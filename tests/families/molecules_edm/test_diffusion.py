@@ -206,6 +206,7 @@ def test_nll_is_finite_and_sums_its_terms() -> None:
     torch.testing.assert_close(nll, sum(terms.values()))
 
 
+@pytest.mark.numerics
 def test_nll_with_row_streams_depends_on_the_molecule_alone() -> None:
     """Evaluation keys each molecule's t, eps and eps_0 by the molecule (SampleRandom rows): its NLL is the same
     alone or in a batch, padded wider or not, and the global RNG is not touched."""
@@ -272,6 +273,7 @@ def test_sampler_replays_by_hand_with_per_molecule_streams() -> None:
         assert torch.all(out.positions[k, n:] == 0) and torch.all(out.atomic_numbers[k, n:] == 0)
 
 
+@pytest.mark.numerics
 def test_sample_is_independent_of_batch_composition_and_centred_every_step() -> None:
     torch.manual_seed(0)
     model = build_edm_diffusion(hidden=16, layers=2, timesteps=8)

@@ -175,6 +175,7 @@ def _model(T: int) -> EDMDiffusion:
     return build_edm_diffusion(hidden=16, layers=2, timesteps=T)
 
 
+@pytest.mark.numerics
 def test_scale_zero_equals_baseline_bit_for_bit() -> None:
     model = _model(10)
     num_atoms, seeds = [4, 6, 5], [31, 32, 33]

@@ -51,6 +51,7 @@ def test_two_process_training_reports_nll_and_sample_metrics(trained_run):
     assert stats["elements"] == ["H", "C", "N", "O", "F"] and sum(stats["node_count_histogram"].values()) > 2000
 
 
+@pytest.mark.numerics
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_one_process_with_accumulation_trains_the_weights_of_two(trained_run, tmp_path):
