@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 # The alignment's case draws groups of rollouts through all T steps of a trained-size model: `extended`, with
-# tests/families/molecules_edm/test_align.py (T = 20) as its lean stand-in for train, resume, export and sample.
+# tests/families/molecules_edm/test_align_task.py (T = 20) as its lean stand-in for train, resume, export and sample.
 CONTRACT_CASES = [pytest.param(name, marks=pytest.mark.extended) if name == "molecules_edm_align" else name
                   for name in available_tasks()]
 

@@ -208,8 +208,8 @@ def announce_deepspeed_cpu_op_build() -> None:
 
 def quiet_deprecated_collective_warnings() -> None:
     """torch 2.13 deprecates the collectives DeepSpeed's ZeRO calls (`all_gather_into_tensor`,
-    `reduce_scatter_tensor`) with a FutureWarning that was printed again on every call, on every rank: 163 of a
-    20-step ZeRO-3 run's 346 lines. The user cannot act on it (the calls are DeepSpeed's), so it is hidden."""
+    `reduce_scatter_tensor`) with a FutureWarning printed again on every call, on every rank, so that it drowns a
+    run's own lines. The user cannot act on it (the calls are DeepSpeed's), so it is hidden."""
     for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
         warnings.filterwarnings("ignore", message=f"`torch.distributed.{name}` is deprecated", category=FutureWarning)
 

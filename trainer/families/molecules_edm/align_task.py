@@ -127,12 +127,12 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
             loss = policy_loss + c.kl_weight * kl
         else:
             kl, loss = torch.zeros((), device=device), policy_loss
-        logs = self._logs(reward, force_rms, valid, clash, advantages, kl, clip_fraction, policy_loss)
+        logs = self.step_logs(reward, force_rms, valid, clash, advantages, kl, clip_fraction, policy_loss)
         return LossOutput(loss=loss, logs={**logs, "logp_drift": drift})
 
-    def _logs(self, reward: torch.Tensor, force_rms: torch.Tensor, valid: torch.Tensor, clash: torch.Tensor,
-              advantages: align.GroupAdvantages, kl: torch.Tensor, clip_fraction: torch.Tensor,
-              policy_loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    def step_logs(self, reward: torch.Tensor, force_rms: torch.Tensor, valid: torch.Tensor, clash: torch.Tensor,
+                  advantages: align.GroupAdvantages, kl: torch.Tensor, clip_fraction: torch.Tensor,
+                  policy_loss: torch.Tensor) -> dict[str, torch.Tensor]:
         """Rewards over the rollouts that count in their groups, force RMS over the sound ones (no clash), fractions
         over all (NaN-free: an all-excluded micro-batch logs 0)."""
         def mean(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

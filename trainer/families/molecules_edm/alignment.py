@@ -1,4 +1,4 @@
-"""Reward post-training of EDM with a force field as reward (issue 33): the policy-gradient pieces.
+"""Reward post-training of EDM with a force field as reward: the policy-gradient pieces.
 
 What this follows: liyy2/Elign (arXiv 2601.21985), which treats EDM's Gaussian reverse step
 p(z_s | z_t) = N(mu, sigma^2 I) as a policy and trains it with a PPO / GRPO objective:
@@ -29,14 +29,7 @@ Everything here is single-device tensor code without parameters; `align_task.py`
   (K per group), `step_advantages` (no advantage on the final steps), `clipped_objective` of the policy forward's
   `gaussian_log_prob` and `kl_to_reference` against the frozen start's mean.
 
-The reference's paper config (`elign/trainer/config/fed_grpo_qm9_paper_pbrs.yaml`) adds energy not to the reward but
-as a second advantage ("FED-GRPO", `compute_advantage`): a potential Psi_t = minus the per-atom formation energy of
-each trained step's predicted clean molecule z0_pred = (z_t - sigma_t eps_hat) / alpha_t, return-to-go
-G_t = Psi_0 - Psi_t normalised within each group per step, advantage_t = A_force + 0.1 A_energy_t, clipped to +-5
-(`clipped_objective` accepts such [B, S] advantages; the task's energy term is the final molecule's instead). Its
-optimiser: AdamW (betas 0.9 / 0.999, weight decay 1e-4), gradients clipped to norm 1, cosine schedule with warm-up
-(lr 4e-6, clip 2e-3, KL weight 0.04, 60 warm-up steps, 1500 total, floor 0.3 x lr), 24 minibatch steps of 4 rollouts
-per batch of 96; here one optimizer step per batch of rollouts. The decode step p(x, h | z_0) is not trained.
+The reference's paper settings, and how ours differ: docs/families/molecules_edm.md (force-field alignment).
 """
 
 from __future__ import annotations

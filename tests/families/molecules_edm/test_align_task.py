@@ -169,7 +169,7 @@ def test_failed_evaluations_are_excluded_and_counted():
     assert advantages.excluded.tolist() == [1, 2] and advantages.total_excluded == 3
     # Group 2 has one scored rollout left: nothing to compare it with, no signal.
     assert advantages.advantages[3:].abs().sum() == 0 and advantages.advantages[[0, 2]].abs().sum() > 0
-    logs = task._logs(reward, force_rms, scored, clash, advantages, torch.zeros(()), torch.zeros(()), torch.zeros(()))
+    logs = task.step_logs(reward, force_rms, scored, clash, advantages, torch.zeros(()), torch.zeros(()), torch.zeros(()))
     assert float(logs["excluded_fraction"]) == pytest.approx(0.5)
     assert float(logs["force_rms_mean"]) == pytest.approx((1 + 3 + 4) / 3)
 
