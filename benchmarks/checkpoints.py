@@ -34,6 +34,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_report import command_line, cpu_model, publish_section, utc_now  # noqa: E402
 
+TOPIC = "Checkpoints: save cost, FSDP, conversion at resume"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
+
 
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -147,7 +150,7 @@ def main() -> None:
               "of another layout (backend, ZeRO stage or number of DeepSpeed processes), once, on the main process; "
               "its folder is removed after the load."]
     section = "\n".join(lines) + "\n"
-    publish_section(section, args.out, args.smoke)
+    publish_section(section, args.out, args.smoke, topic=TOPIC)
 
 
 if __name__ == "__main__":

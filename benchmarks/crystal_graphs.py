@@ -40,6 +40,9 @@ from trainer.families.crystals.dataset import build_crystal_dataset
 from trainer.families.crystals.graphs import GraphSpec, build_crystal_graph
 from trainer.families.crystals.readers import bundled_crystal_path, iter_crystals
 
+TOPIC = "Crystals: graphs, property quality, step cost"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
+
 
 def sources(root: Path | None) -> list[Path]:
     """mlearn Si/Mo training/test (from `root`/mlearn, else the fetch cache) and the bundled JARVIS folder."""
@@ -123,7 +126,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per method; median reported")
     p.add_argument("--radius", type=float, default=5.0, help="cutoff of the radius graph, Å")
     p.add_argument("--profile", action="store_true", help="print the top functions of (a) and (b)")
-    p.add_argument("--out", help="replace this benchmark's section (machine, command, table) in this markdown file")
+    p.add_argument("--out", help="add this benchmark's section (machine, command, table) atop its topic in this markdown file")
     p.add_argument("--smoke", action="store_true", help="10 bundled structures, each graph kind and backend once, "
                    "nothing written: checks the script runs")
     a = p.parse_args()
@@ -184,7 +187,7 @@ def main() -> None:
                     f"one process; both backends give identical edge sets\n"
                     f"- Target: b/a >= 10 for both graph kinds\n\n{table}\n\n{verdict}\n\n{e2e_line}\n"
                     + ("\nProfile (cumulative share of the run):\n\n" + "\n".join(profiles) + "\n"
-                       if profiles else "")))
+                       if profiles else "")), topic=TOPIC)
 
 
 def smoke(count: int = 10) -> None:

@@ -35,6 +35,9 @@ from bench_report import command_line, cpu_model, utc_now, write_section
 from trainer.families.molecules_edm.forcefields import build_forcefield, pad_molecules
 from trainer.families.molecules_edm.molecule import Molecule
 
+TOPIC = "Molecules: guidance and force fields"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
+
 DEFAULT_FILE = None
 """--file default: the bundled 3,000 QM9 molecules (the package's sample)."""
 BUNDLED = Path(__file__).resolve().parents[1] / "trainer" / "families" / "molecules_edm" / "samples" / "qm9_3k.extxyz.gz"
@@ -112,7 +115,7 @@ def main() -> None:
     p.add_argument("--file", default=DEFAULT_FILE, help="QM9 extxyz(.gz); the first --molecules frames are used")
     p.add_argument("--molecules", type=int, default=50, help="molecules per batch")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per force field; median reported")
-    p.add_argument("--out", help="replace this benchmark's section (machine, command, table) in this markdown file")
+    p.add_argument("--out", help="add this benchmark's section (machine, command, table) atop its topic in this markdown file")
     p.add_argument("--smoke", action="store_true", help="5 molecules, GFN2-xTB with one worker, one repeat; nothing written")
     a = p.parse_args()
     path = a.file or str(BUNDLED)
@@ -146,7 +149,7 @@ def main() -> None:
                "evaluate the whole padded batch.\n\n"
                f"{table}\n")
     if a.out:
-        write_section(a.out, section)
+        write_section(a.out, section, topic=TOPIC)
     else:
         print("\n" + section)
 

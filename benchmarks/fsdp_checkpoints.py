@@ -38,6 +38,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_report import command_line, cpu_model, publish_section, utc_now  # noqa: E402
 from checkpoints import add_size_args, folder_bytes, regression_trainer, smoke_sized  # noqa: E402
 
+TOPIC = "Checkpoints: save cost, FSDP, conversion at resume"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -157,7 +160,7 @@ def main() -> None:
              "adds: the EMA (still gathered whole onto the main process, `ema.safetensors`), the manifest's sha256 "
              "of every file and the rename. `before` is commit 11fdf1a's save, reproduced in the script with the "
              "same calls so that the three saves interleave in one process pair."]
-    publish_section("\n".join(lines) + "\n", args.out, args.smoke)
+    publish_section("\n".join(lines) + "\n", args.out, args.smoke, topic=TOPIC)
     print(json.dumps({k: statistics.median(v) for k, v in times.items()}))
 
 

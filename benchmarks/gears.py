@@ -15,7 +15,7 @@ subgroup, CPU training throughput (cells/s, s/epoch), peak RSS on a Norman-size 
    Norman et al. 2019) is simulated in a child process, then another fresh process builds the Trainer
    (read, split, graphs), trains `--norman-steps` steps and runs the final validation and test passes (at
    most `NORMAN_EVAL_CELLS` cells per condition, to keep the run short); it reports its peak RSS (VmHWM)
-   and the peak of each phase. Target (issue 10): peak RSS <= 2 x (bytes of the sparse matrix X: data +
+   and the peak of each phase. Target: peak RSS <= 2 x (bytes of the sparse matrix X: data +
    indices + indptr, + the model's parameters and buffers).
 3. Side by side (`--original-results FILE...` from `gears_original.py --seed S --json FILE`, one per
    seed): the same metrics of GEARS' best model (scored by the same `metrics.py` code) and s/epoch, as
@@ -54,6 +54,9 @@ from gears_original import (  # noqa: E402
     machine,
     simulate_benchmark_data,
 )
+
+TOPIC = "GEARS: against GEARS itself (cell-gears)"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
 
 CONFIG = ROOT / "configs" / "perturbation_gears" / "gears_norman.yaml"
 NORMAN_DATA: dict[str, Any] = {"num_genes": 5000, "num_perturbed_genes": 105, "num_doubles": 131, "cells_per_condition": 330,
@@ -488,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--norman-steps", type=int, default=20, help="training steps of the Norman-size memory run")
     p.add_argument("--skip-norman", action="store_true", help="leave out the Norman-size memory run (the longest part)")
     p.add_argument("--work", type=Path, default=None, help="working folder (default: a temp dir)")
-    p.add_argument("--out", help="replace this benchmark's section in this markdown file")
+    p.add_argument("--out", help="add this benchmark's section to this markdown file, at the top of its topic")
     p.add_argument("--smoke", action="store_true", help="a tiny set, 1 epoch, a tiny 'Norman' set, nothing written")
     p.add_argument("--norman-child", type=Path, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -525,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
         print("smoke run: nothing written")
         return
     if a.out:
-        write_section(a.out, text)
+        write_section(a.out, text, topic=TOPIC)
 
 
 if __name__ == "__main__":

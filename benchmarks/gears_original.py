@@ -50,6 +50,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+TOPIC = "GEARS: against GEARS itself (cell-gears)"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_ENV = Path("/tmp/gears_env")
 TORCH_PIN = "torch==2.13.0"
@@ -66,7 +69,8 @@ RECIPE = {"hidden_size": 64, "batch_size": 32, "test_batch_size": 128, "lr": 1e-
 """GEARS' defaults (model_initialize / train / the README's batch sizes); our run uses the same values."""
 THREADS = 1
 """Torch threads of both runs. One: on a shared 2-core machine two OpenMP threads spin-wait whenever the other
-is descheduled, which inflated both implementations' step times 4-5x (and their CPU seconds) in trials."""
+is descheduled, which inflated both implementations' step times and CPU seconds several-fold in trials
+(BENCHMARKS.md, "Figures moved from code comments")."""
 HEADLINE = ("mse_de", "pearson_delta", "pearson_delta_de", "pearson_de", "mse", "frac_correct_direction_20")
 GROUPS = ("all", "unseen_single", "combo_seen0", "combo_seen1", "combo_seen2")
 
@@ -375,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=Path, default=None, help="working folder (data, GEARS files, logs; default: a temp dir)")
     p.add_argument("--seed", type=int, default=0, help="GEARS' training seed (torch, numpy, random); the data and split stay")
     p.add_argument("--json", type=Path, default=None, help="write the results here (read by gears.py --original-results)")
-    p.add_argument("--out", help="replace this benchmark's section in this markdown file")
+    p.add_argument("--out", help="add this benchmark's section to this markdown file, at the top of its topic")
     p.add_argument("--smoke", action="store_true", help="a tiny set, 1 epoch, nothing written; without --env only the "
                    "data export is checked and GEARS is skipped")
     p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -409,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))
     if a.out:
-        write_section(a.out, text)
+        write_section(a.out, text, topic=TOPIC)
 
 
 if __name__ == "__main__":

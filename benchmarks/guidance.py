@@ -1,4 +1,4 @@
-"""GFN2-xTB guidance at force-field speed (issue 22): the guidance ladder against plain tblite single points.
+"""GFN2-xTB guidance at force-field speed: the guidance ladder against plain tblite single points.
 
 For each checkpoint (an early one and a trained one) and each guidance scale of the guided sampling command
 (docs/families/molecules_edm.md), guided sampling of `--molecules` molecules (T = 1000, the default noise
@@ -11,7 +11,7 @@ failures (molecules left unguided on that step), the guidance rate and the singl
 per second of wall time and of CPU time; CPU time is the fairer one on a shared machine) and their ratio.
 The machine's load average is recorded at start and end.
 
-Targets (issue 22): failed guidance evaluations <= 1 %, guidance rate >= 0.5x the single-point rate.
+Targets: failed guidance evaluations <= 1 %, guidance rate >= 0.5x the single-point rate.
 
     python benchmarks/guidance.py --early RUN --trained RUN --out BENCHMARKS.md
     python benchmarks/guidance.py --smoke        # 1 molecule, one scale, early checkpoint, last ~100 steps guided
@@ -36,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_report import command_line, cpu_model, publish_section, utc_now  # noqa: E402
 from forcefields import BUNDLED, stream_molecules  # noqa: E402
+
+TOPIC = "Molecules: guidance and force fields"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
 
 CONFIG = ROOT / "configs" / "molecules_edm" / "edm_tiny.yaml"
 SCALES = (0.0005, 0.0007, 0.008)
@@ -209,7 +212,7 @@ def main() -> None:
                      f"{r['single_wall']:.1f}, {r['single_cpu']:.1f} | {r['guided_wall'] / r['single_wall']:.2f}x, "
                      f"{r['guided_cpu'] / r['single_cpu']:.2f}x |")
     section = "\n".join(lines)
-    publish_section(section, args.out, args.smoke)
+    publish_section(section, args.out, args.smoke, topic=TOPIC)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ from trainer.families.protein_sedd.dataset import build_fasta_dataset, tokenize_
 from trainer.families.protein_sedd.fasta import iter_fasta_tables
 from trainer.families.protein_sedd.tokenizer import UNK_ID, VOCAB
 
+TOPIC = "Data ingest and streaming"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
+
 DEFAULT_FILE = None
 """--file default: the bundled 3,000-sequence UniProt sample (BENCHMARKS.md used the 16,000-record file
 of Debian's mmseqs2-examples, `example-data/DB.fasta.gz`: pass it with --file)."""
@@ -138,7 +141,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--file", default=DEFAULT_FILE, help="FASTA(.gz) file to ingest")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per method; median reported")
-    p.add_argument("--out", help="replace this benchmark's section (machine, command, table) in this markdown file")
+    p.add_argument("--out", help="add this benchmark's section (machine, command, table) atop its topic in this markdown file")
     p.add_argument("--smoke", action="store_true", help="200 records of the bundled sample, one repeat, nothing "
                    "written (the baseline only if biopython is installed): checks the script runs")
     a = p.parse_args()
@@ -209,7 +212,7 @@ def main() -> None:
                     f"{a.repeats} interleaved repeats after one untimed warm-up, one process (ours: plus one "
                     f"decompression thread, except b2)\n"
                     f"- Targets: b/a >= 5, c/b <= 3, streaming peak RSS {CONCAT}x/1x within 10 %\n\n"
-                    f"{table}\n\n{verdict}\n"))
+                    f"{table}\n\n{verdict}\n"), topic=TOPIC)
 
 
 def smoke(path: str | None, records: int = 200) -> None:

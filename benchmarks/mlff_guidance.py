@@ -1,4 +1,4 @@
-"""MLFF guidance (issue 35): ANI-1x against GFN2-xTB as the guiding force field of `trainer sample`.
+"""MLFF guidance: ANI-1x against GFN2-xTB as the guiding force field of `trainer sample`.
 
 For each checkpoint (an early and a trained tiny EDM), one process, `trainer sample` as users run it (the
 project's thread policy: OMP_NUM_THREADS is not set), the default sampling batch (32 molecules), T = 1000 with
@@ -39,6 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_report import command_line, cpu_model, publish_section, utc_now  # noqa: E402
 from guidance import train  # noqa: E402
+
+TOPIC = "Molecules: guidance and force fields"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
 
 SCALES = (0.0005, 0.0007, 0.008)
 BIN = Path(sys.executable).parent
@@ -164,7 +167,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
         *quality,
     ])
-    publish_section(text, args.out, args.smoke)
+    publish_section(text, args.out, args.smoke, topic=TOPIC)
 
 
 if __name__ == "__main__":

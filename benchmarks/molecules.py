@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_report import command_line, cpu_model, utc_now, write_section  # noqa: E402
 
+TOPIC = "Molecules: training and sampling throughput"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
+
 BIN = Path(sys.executable).parent
 CONFIG = ROOT / "configs" / "molecules_edm" / "edm_tiny.yaml"
 SHARED_QM9 = ROOT.parent / "shared" / "data" / "molecules" / "qm9_random_10k.extxyz.gz"
@@ -113,7 +116,7 @@ def sampling_throughput_only(model: Path, args: argparse.Namespace, work: Path) 
     if args.smoke:
         print("smoke run: nothing written")
     elif args.out:
-        write_section(args.out, section)
+        write_section(args.out, section, topic=TOPIC)
 
 
 def pct(x: float) -> str:
@@ -220,7 +223,7 @@ def main() -> None:
     if smoke:
         print("smoke run: nothing written")
     elif args.out:
-        write_section(args.out, section)
+        write_section(args.out, section, topic=TOPIC)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,9 @@ from trainer.config import load_config
 from trainer.core.trainer import Trainer
 from trainer.families.regression.task import RegressionConfig, SyntheticRegression, build_mlp
 
+TOPIC = "Loop overhead: against a hand-written loop and the HF Trainer"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
+
 SEED = 0
 GUARD_BLOCK = 250  # steps per block of the guard measurement: its spread is that of the blocks' ratios
 ROOT = Path(__file__).resolve().parents[1]  # the checkout this script belongs to
@@ -429,7 +432,7 @@ def main() -> None:
     p.add_argument("--versus", metavar="PATH",
                    help="with --paired: also (v), our Trainer imported from another checkout at PATH")
     p.add_argument("--child", choices=sorted(STEP_TIMERS), help=argparse.SUPPRESS)  # one paired-mode measurement
-    p.add_argument("--out", help="replace this benchmark's section (machine, command, table) in this markdown file")
+    p.add_argument("--out", help="add this benchmark's section (machine, command, table) atop its topic in this markdown file")
     p.add_argument("--smoke", action="store_true",
                    help="a few steps of the smallest config, one repeat (one pair), nothing written: checks the script "
                         "runs")
@@ -476,7 +479,7 @@ def main() -> None:
                              f"- Command: `{command_line()}`\n"
                              f"- {setup}, torch threads = {a.threads}, fp32; {clock}\n"
                              f"- Targets: b/a >= 0.97 on every config, b/c >= 1.0, the guard <= 2% of the "
-                             f"`overhead` config's step\n\n{table}\n\n{notes}\n")
+                             f"`overhead` config's step\n\n{table}\n\n{notes}\n", topic=TOPIC)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_report import command_line, cpu_model, utc_now
+from bench_report import command_line, cpu_model, utc_now, write_section
 
 from trainer.sweep import parse_experiments, run_experiments
+
+TOPIC = "Experiment runner and hyperparameter search"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "runner_utilisation.md"
 
@@ -91,7 +94,7 @@ def main() -> None:
     if a.out != "-":
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(block)
+        write_section(out, block, topic=TOPIC)
 
 
 if __name__ == "__main__":

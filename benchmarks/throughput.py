@@ -31,6 +31,9 @@ import warnings
 
 from bench_report import command_line, cpu_model, utc_now, write_section
 
+TOPIC = "Training throughput and MFU"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
+
 # (device, preset): (max_length, per-device batch, warm-up steps, timed steps)
 SETTINGS = {
     ("cpu", "tiny"): (128, 16, 10, 60),
@@ -115,7 +118,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: one per core)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak for MFU (default: 989 bf16 dense on cuda, H100 SXM; an fp32 estimate on cpu)")
-    p.add_argument("--out", help="replace this benchmark's section (machine, command, table) in this markdown file")
+    p.add_argument("--out", help="add this benchmark's section (machine, command, table) atop its topic in this markdown file")
     p.add_argument("--smoke", action="store_true", help="the tiny preset for a few short steps on CPU, one repeat, "
                    "nothing written: checks the script runs")
     a = p.parse_args()
@@ -177,7 +180,7 @@ def main() -> None:
                     f"- `Trainer.fit()` on the bundled 3k UniProt sample, one process, "
                     f"timed steps after warm-up steps, median of {a.repeats}; tokens = real residues (`num_tokens`); "
                     f"FLOPs from `count_flops_per_token` at the padded batch length; MFU peak = {peak_note}\n\n"
-                    f"{table}\n\nTotal wall time {elapsed:.0f} s (setup included).\n"))
+                    f"{table}\n\nTotal wall time {elapsed:.0f} s (setup included).\n"), topic=TOPIC)
 
 
 if __name__ == "__main__":
