@@ -274,7 +274,7 @@ def test_slurm_array_tasks_share_the_study_through_its_journal(tmp_path):
 def test_repeats_seed_statistics_and_verdict(tmp_path, capsys):
     # Two configs of a `repeats: 3` entry, as the runner leaves them: each run's config.yaml (the selection
     # metric) and metrics.jsonl; the statistics must equal numpy/scipy's, the winner is the better mean.
-    from trainer.sweep.cli import _seed_statistics
+    from trainer.sweep.stats import write_repeats_statistics
 
     values = {"good": [0.10, 0.12, 0.11], "bad": [0.30, 0.36, 0.33]}
     records = []
@@ -289,7 +289,7 @@ def test_repeats_seed_statistics_and_verdict(tmp_path, capsys):
                             "out_dir": str(run_dir), "group": group})
     records.append({"name": "other", "entry": 1, "kind": "config", "status": "completed",
                     "out_dir": str(tmp_path / "missing")})
-    _seed_statistics(records, tmp_path)
+    write_repeats_statistics(records, tmp_path, sys.stdout)
     rows = read_csv(tmp_path / "confirm.csv")
     assert [row["config"] for row in rows] == ["good", "bad"]
     for row in rows:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from trainer.atomic_io import disk_bytes, no_space_reason, space_report
 from trainer.errors import DiskFullError, TrainerError
+from trainer.sweep.parsing import ExperimentsError
 from trainer.sweep.scheduler import run_experiments
-from trainer.sweep.spec import ExperimentsError, load_experiments_file
+from trainer.sweep.spec import load_experiments_file
 
 
 def _positive_int(text: str) -> int:
@@ -132,7 +133,9 @@ def _main(args: argparse.Namespace) -> int:
     status, records = run_experiments(experiments, out, gpus=gpus, slots=slots, resume=args.resume, grace=args.grace,
                                       stream=sys.stdout, experiments_file=args.experiments_file)
     if any(exp.group is not None for exp in experiments):
-        _seed_statistics(records, out)
+        from trainer.sweep.stats import write_repeats_statistics
+
+        write_repeats_statistics(records, out, sys.stdout)
     return status
 
 
@@ -161,23 +164,6 @@ def _local_devices(args: argparse.Namespace) -> tuple[list[str] | None, int | No
         gpus = detect_gpus() or None
         slots = None if gpus else 1
     return gpus, slots
-
-
-def _seed_statistics(records: list[dict], out: Path) -> None:
-    """OUT/confirm.csv for entries with `repeats:`: the selection metric of the runs' own config."""
-    import yaml
-
-    from trainer.sweep.record import RunRecord
-    from trainer.sweep.stats import write_seed_statistics
-
-    runs = [RunRecord.from_dict(r) for r in records]
-    first = next((r for r in runs if r.extra.get("group") and (Path(r.out_dir) / "config.yaml").is_file()), None)
-    if first is None:
-        return
-    cfg = yaml.safe_load((Path(first.out_dir) / "config.yaml").read_text())
-    metric = f"eval/{cfg['eval']['metric']}"
-    direction = "maximize" if cfg["eval"].get("mode") == "max" else "minimize"
-    write_seed_statistics(runs, out / "confirm.csv", metric, direction, sys.stdout)
 
 
 def _main_search(args: argparse.Namespace, search, out: Path) -> int:

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from trainer.sweep.spec import ExperimentsError
+from trainer.sweep.parsing import ExperimentsError
 
 
 def _gpu_id(text: str) -> int | str:

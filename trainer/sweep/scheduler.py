@@ -15,10 +15,11 @@ from typing import IO, Any, TextIO
 
 from trainer.sweep.devices import SlotPool, gpu_memory_by_pid
 from trainer.sweep.display import StatusDisplay, count_line
+from trainer.sweep.parsing import ExperimentsError
 from trainer.sweep.processes import RunProcess
 from trainer.sweep.record import RunRecord, log_tail
 from trainer.sweep.results import read_results, write_results, write_run_record
-from trainer.sweep.spec import Experiment, ExperimentsError, free_port
+from trainer.sweep.spec import Experiment, free_port
 
 POLL_S = 0.05
 SAMPLE_EVERY_S = 0.5
@@ -27,7 +28,9 @@ INTERRUPTED_EXIT = 130
 
 
 @dataclass
-class _Run:
+class Run:
+    """One started experiment, as the scheduler (and a subclass's hooks) follow it until it ends."""
+
     exp: Experiment
     record: RunRecord
     proc: RunProcess
@@ -64,7 +67,7 @@ class Scheduler:
         self.display = StatusDisplay(stream, tty)
         self.stop_signal: int | None = None
         self.signals_seen = 0
-        self.running: dict[str, _Run] = {}
+        self.running: dict[str, Run] = {}
         self.experiments = list(experiments)
         self._last_sample = 0.0
         self._last_gpu_sample = 0.0
@@ -114,7 +117,7 @@ class Scheduler:
         if record is not None and record.status != "pending":
             write_run_record(record)
         if self.write_summary:
-            write_results(self.out_dir, self.records, self.meta)
+            write_results(self.out_dir, self.records, self.meta, summary=self._summary())
         self.display.table(self.records, self._live_rss(), force=True)
 
     # -- hooks for subclasses ----------------------------------------------------------------------
@@ -124,6 +127,10 @@ class Scheduler:
         return (f"run-experiments: {len(self.records)} experiment(s) on {self.pool.describe()}"
                 + (f", {skipped} already completed (--resume)" if skipped else "")
                 + f"; results in {self.out_dir / 'results.json'}")
+
+    def _summary(self) -> str | None:
+        """OUT/summary.csv's text; None: the standard one (results.summary_csv)."""
+        return None
 
     def _refill(self) -> None:
         """Add experiments to `pending` (called each turn of the loop while not stopping)."""
@@ -187,7 +194,7 @@ class Scheduler:
             return
         record.pid = proc.pid
         deadline = time.monotonic() + exp.timeout if exp.timeout else None
-        self.running[exp.name] = _Run(exp, record, proc, log, slots, deadline)
+        self.running[exp.name] = Run(exp, record, proc, log, slots, deadline)
         where = f"GPU {','.join(map(str, gpus))}" if gpus else f"CPU slot {','.join(map(str, slots))}"
         self.display.event(f"start  {exp.name} on {where} (pid {proc.pid})")
         self._save(record)
@@ -204,14 +211,14 @@ class Scheduler:
         self.pending = still_waiting
 
     # -- stopping --------------------------------------------------------------------------------
-    def _stop(self, run: _Run, reason: str) -> None:
+    def _stop(self, run: Run, reason: str) -> None:
         if run.stop_reason is None:
             run.stop_reason = reason
         if run.term_sent is None:
             run.term_sent = time.monotonic()
             run.proc.send(signal.SIGTERM)
 
-    def _kill(self, run: _Run) -> None:
+    def _kill(self, run: Run) -> None:
         if not run.killed:
             run.killed = True
             run.proc.send(signal.SIGKILL)
@@ -243,7 +250,7 @@ class Scheduler:
             if used:
                 run.peak_gpu = max(run.peak_gpu or 0.0, used)
 
-    def _finish(self, run: _Run, exit_code: int) -> None:
+    def _finish(self, run: Run, exit_code: int) -> None:
         del self.running[run.exp.name]
         end = time.time()
         # Whatever the run left behind (a stray worker, a setsid daemon) would keep holding the devices we

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError, load_config
-from trainer.sweep.spec import ExperimentsError, _check_keys, _parse_overrides, _parse_settings, format_value
+from trainer.sweep.parsing import ExperimentsError, check_keys, format_value, override_key, parse_overrides, parse_settings
 
 SEARCH_KEYS = ("name", "config", "overrides", "metric", "direction", "n_trials", "sampler", "pruner", "params",
                "confirm", "storage", "timeout", "env", "gpus_per_experiment", "accelerate_config")
@@ -122,7 +122,7 @@ def _parse_param(key: Any, raw: Any, where: str) -> ParamSpec:
     if not isinstance(raw, dict) or raw.get("type") not in PARAM_KEYS:
         raise ExperimentsError(f"{where}: expected {{type: float | int | categorical, ...}}, got {raw!r}")
     kind = raw["type"]
-    _check_keys(raw, PARAM_KEYS[kind], where)
+    check_keys(raw, PARAM_KEYS[kind], where)
     if kind == "categorical":
         choices = raw.get("choices")
         if not isinstance(choices, list) or not choices:
@@ -162,7 +162,7 @@ def _parse_choice(raw: Any, table: Mapping[str, tuple[str, ...]], default: str, 
     if raw not in table:
         raise ExperimentsError(f"{where}: expected one of {', '.join(table)} (or {{type: NAME, ...options}}), "
                                f"got {raw!r}")
-    _check_keys(options, table[raw], f"{where} ({raw})")
+    check_keys(options, table[raw], f"{where} ({raw})")
     return raw, options
 
 
@@ -171,7 +171,7 @@ def parse_search(raw: Any, source: str, defaults: Mapping[str, Any]) -> SearchSp
     where = f"{source} search"
     if not isinstance(raw, dict):
         raise ExperimentsError(f"{where}: must be a mapping (name, config, params, ...)")
-    _check_keys(raw, SEARCH_KEYS, where)
+    check_keys(raw, SEARCH_KEYS, where)
     for key in ("name", "config", "params", "n_trials"):
         if key not in raw:
             raise ExperimentsError(f"{where}: `{key}` is required")
@@ -181,13 +181,13 @@ def parse_search(raw: Any, source: str, defaults: Mapping[str, Any]) -> SearchSp
     config = Path(str(raw["config"])).resolve()
     if not config.is_file():
         raise ExperimentsError(f"{where}.config: file not found: {config}")
-    overrides = _parse_overrides(raw.get("overrides"), where)
-    if any(item.split("=", 1)[0].strip() == "run.seed" for item in overrides) and raw.get("confirm"):
+    overrides = parse_overrides(raw.get("overrides"), where)
+    if any(override_key(item) == "run.seed" for item in overrides) and raw.get("confirm"):
         raise ExperimentsError(f"{where}: run.seed is set by `confirm`; remove it from overrides")
     if not isinstance(raw["params"], dict) or not raw["params"]:
         raise ExperimentsError(f"{where}.params: a non-empty mapping of config key: {{type: ...}}")
     params = tuple(_parse_param(key, value, where) for key, value in raw["params"].items())
-    clash = sorted({p.key for p in params} & {item.split("=", 1)[0].strip() for item in overrides})
+    clash = sorted({p.key for p in params} & {override_key(item) for item in overrides})
     if clash:
         raise ExperimentsError(f"{where}: {clash} are both searched and overridden; keep one")
     n_trials = _positive_int(raw["n_trials"], f"{where}.n_trials")
@@ -215,7 +215,7 @@ def parse_search(raw: Any, source: str, defaults: Mapping[str, Any]) -> SearchSp
     confirm = raw.get("confirm") or {}
     if not isinstance(confirm, dict):
         raise ExperimentsError(f"{where}.confirm: expected {{top: N, seeds: M}}")
-    _check_keys(confirm, CONFIRM_KEYS, f"{where}.confirm")
+    check_keys(confirm, CONFIRM_KEYS, f"{where}.confirm")
     top = _positive_int(confirm.get("top", 1), f"{where}.confirm.top") if confirm else 0
     seeds = _positive_int(confirm.get("seeds", 3), f"{where}.confirm.seeds") if confirm else 0
     if confirm and seeds < 2:
@@ -224,7 +224,7 @@ def parse_search(raw: Any, source: str, defaults: Mapping[str, Any]) -> SearchSp
     if storage is not None and (not isinstance(storage, str) or "://" not in storage):
         raise ExperimentsError(f"{where}.storage: an Optuna storage URL such as sqlite:///path/study.db, got "
                                f"{storage!r}")
-    settings = _parse_settings(raw, where, dict(defaults))
+    settings = parse_settings(raw, where, dict(defaults))
     return SearchSpec(name=name, config=str(config), overrides=tuple(overrides), metric=metric, direction=direction,
                       n_trials=n_trials, params=params, sampler=sampler, sampler_options=sampler_options,
                       pruner=pruner, pruner_options=pruner_options, confirm_top=top, confirm_seeds=seeds,

@@ -18,10 +18,11 @@ from typing import Any, TextIO
 
 from trainer.sweep.devices import SlotPool
 from trainer.sweep.display import render_table
+from trainer.sweep.parsing import ExperimentsError
 from trainer.sweep.record import RunRecord
 from trainer.sweep.results import RESULT_FILE, read_results, write_results
 from trainer.sweep.scheduler import Scheduler
-from trainer.sweep.spec import Experiment, ExperimentsError
+from trainer.sweep.spec import Experiment
 
 SUBMITIT_FOLDER = ".submitit"
 
@@ -90,7 +91,8 @@ def make_executor(out_dir: Path, params: Mapping[str, Any], kind: str = "slurm")
     return executor
 
 
-def _task_id() -> str | None:
+def array_task_id() -> str | None:
+    """The SLURM id of the running job or array task (JOBID_TASKID), or None outside SLURM."""
     try:
         import submitit
 
@@ -103,7 +105,7 @@ def _task_id() -> str | None:
 def run_array_task(exp: Experiment, out_dir: str, grace: float = 10.0, resume: bool = False) -> dict[str, Any]:
     """Body of one array task: run `exp` on the task's devices, write OUT/<name>/result.json, return it (as a dict)."""
     pool = SlotPool(inherit=True)
-    task_id = _task_id()
+    task_id = array_task_id()
     extra = {"slurm_job_id": task_id, "host": socket.gethostname()}
     own_record = Path(out_dir) / exp.name / RESULT_FILE
     if own_record.is_file() and task_id is not None:

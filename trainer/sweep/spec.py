@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import shlex
 import socket
@@ -15,11 +14,19 @@ from typing import Any
 
 import yaml
 
-from trainer.config import ConfigError
+from trainer.sweep.parsing import (
+    SETTING_KEYS,
+    ExperimentsError,
+    check_keys,
+    format_value,
+    override_key,
+    parse_overrides,
+    parse_settings,
+)
+from trainer.sweep.searchspec import SearchSpec, parse_search
 
 TOP_KEYS = ("experiments", "defaults", "search")
-DEFAULT_KEYS = ("timeout", "env", "gpus_per_experiment", "accelerate_config")
-ENTRY_KEYS = ("name", "config", "overrides", "command", "grid", "repeats") + DEFAULT_KEYS
+ENTRY_KEYS = ("name", "config", "overrides", "command", "grid", "repeats") + SETTING_KEYS
 # Filled when an experiment starts; everything else in a template must be a grid key.
 RUNTIME_PLACEHOLDERS = ("name", "out_dir", "gpus", "port", "python")
 # Files the runner itself writes into the output folder; an experiment folder must not shadow them.
@@ -28,11 +35,6 @@ RESERVED_NAMES = ("results.json", "summary.csv", ".submitit", "confirm.csv", "co
 
 _NAME_OK = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.,=+\-]{0,199}$")
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smh]?)\s*$")
-
-
-class ExperimentsError(ConfigError):
-    """A problem in an experiments file that the user must fix (names the entry and key)."""
 
 
 @dataclass
@@ -117,17 +119,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def format_value(value: Any) -> str:
-    """How a grid value appears in names, commands and overrides (YAML-readable, so `key=value` round-trips)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, (list, dict)):
-        return json.dumps(value, separators=(",", ":"))
-    return str(value)
-
-
 def fill(template: str, values: Mapping[str, str], where: str) -> str:
     """Replace {key} with values[key]; {{ and }} stand for literal braces. No attribute or index access."""
 
@@ -153,71 +144,6 @@ def expand_grid(grid: Mapping[str, Sequence[Any]] | None) -> list[dict[str, Any]
     return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
 
 
-def parse_duration(value: Any, where: str) -> float | None:
-    """Seconds from a number or a string such as '90', '90s', '30m', '2h'; None means no limit."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ExperimentsError(f"{where}: timeout must be seconds or a string like '30m', got {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    else:
-        match = _DURATION.match(str(value))
-        if not match:
-            raise ExperimentsError(f"{where}: timeout must be seconds or a string like '30m', got {value!r}")
-        seconds = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
-    if seconds <= 0:
-        raise ExperimentsError(f"{where}: timeout must be > 0, got {value!r}")
-    return seconds
-
-
-def _check_keys(mapping: Mapping, allowed: Sequence[str], where: str) -> None:
-    for key in mapping:
-        if key not in allowed:
-            raise ExperimentsError(f"{where}: unknown key '{key}' (allowed: {', '.join(allowed)})")
-
-
-def _parse_settings(raw: Mapping[str, Any], where: str, base: dict[str, Any]) -> dict[str, Any]:
-    """timeout / env / gpus_per_experiment / accelerate_config of `raw` laid over `base`."""
-    out = dict(base)
-    if "timeout" in raw:
-        out["timeout"] = parse_duration(raw["timeout"], where)
-    if "env" in raw:
-        env = raw["env"] or {}
-        if not isinstance(env, dict):
-            raise ExperimentsError(f"{where}: env must be a mapping of NAME: value")
-        out["env"] = {**base.get("env", {}), **{str(k): format_value(v) for k, v in env.items()}}
-    if "gpus_per_experiment" in raw:
-        k = raw["gpus_per_experiment"]
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ExperimentsError(f"{where}: gpus_per_experiment must be an integer >= 1, got {k!r}")
-        out["gpus_per_experiment"] = k
-    if "accelerate_config" in raw:
-        path = raw["accelerate_config"]
-        if path is not None:
-            path = Path(str(path)).resolve()
-            if not path.is_file():
-                raise ExperimentsError(f"{where}: accelerate_config file not found: {path}")
-            path = str(path)
-        out["accelerate_config"] = path
-    return out
-
-
-def _parse_overrides(raw: Any, where: str) -> list[str]:
-    if raw is None:
-        return []
-    if isinstance(raw, dict):
-        items = [f"{key}={format_value(value)}" for key, value in raw.items()]
-    elif isinstance(raw, list):
-        items = [str(item) for item in raw]
-    else:
-        raise ExperimentsError(f"{where}: overrides must be a list of key=value strings or a mapping")
-    for item in items:
-        if "=" not in item:
-            raise ExperimentsError(f"{where}: override {item!r} must look like section.key=value")
-        if item.split("=", 1)[0].strip() == "run.output_dir":
-            raise ExperimentsError(f"{where}: run.output_dir is set by the runner (OUT/<name>); remove it")
-    return items
 
 
 def _parse_grid(raw: Any, where: str) -> dict[str, list[Any]]:
@@ -247,12 +173,12 @@ def _entry_label(index: int, entry: Mapping) -> str:
 
 def _expand_entry(index: int, entry: Mapping, defaults: dict[str, Any]) -> list[Experiment]:
     where = _entry_label(index, entry)
-    _check_keys(entry, ENTRY_KEYS, where)
+    check_keys(entry, ENTRY_KEYS, where)
     if not isinstance(entry.get("name"), str) or not entry["name"]:
         raise ExperimentsError(f"{where}: every entry needs a `name` (a template such as 'lr{{optim.lr}}')")
     if ("config" in entry) == ("command" in entry):
         raise ExperimentsError(f"{where}: give exactly one of `config` (a trainer config) or `command`")
-    settings = _parse_settings(entry, where, defaults)
+    settings = parse_settings(entry, where, defaults)
     grid = _parse_grid(entry.get("grid"), where)
     repeats = entry.get("repeats")
     if repeats is not None:
@@ -260,8 +186,8 @@ def _expand_entry(index: int, entry: Mapping, defaults: dict[str, Any]) -> list[
             raise ExperimentsError(f"{where}: repeats must be an integer >= 2 (seeds 0..N-1), got {repeats!r}")
         if "config" not in entry:
             raise ExperimentsError(f"{where}: repeats applies to `config` entries (it sets run.seed)")
-        if "run.seed" in grid or any(item.split("=", 1)[0].strip() == "run.seed"
-                                     for item in _parse_overrides(entry.get("overrides"), where)):
+        if "run.seed" in grid or any(override_key(item) == "run.seed"
+                                     for item in parse_overrides(entry.get("overrides"), where)):
             raise ExperimentsError(f"{where}: run.seed is set by repeats; remove it from grid and overrides")
 
     config = None
@@ -272,7 +198,7 @@ def _expand_entry(index: int, entry: Mapping, defaults: dict[str, Any]) -> list[
         if not path.is_file():
             raise ExperimentsError(f"{where}: config file not found: {path}")
         config = str(path)
-        overrides = _parse_overrides(entry.get("overrides"), where)
+        overrides = parse_overrides(entry.get("overrides"), where)
     else:
         if "overrides" in entry:
             raise ExperimentsError(f"{where}: `overrides` only applies to `config` entries")
@@ -314,14 +240,14 @@ def _expand_entry(index: int, entry: Mapping, defaults: dict[str, Any]) -> list[
 
 def _parse_defaults(data: Any, source: str, cli_defaults: Mapping[str, Any] | None) -> dict[str, Any]:
     """The settings every entry starts from: command line (`cli_defaults`) over the file's `defaults:`."""
-    _check_keys(data, TOP_KEYS, source)
+    check_keys(data, TOP_KEYS, source)
     raw_defaults = data.get("defaults") or {}
     if not isinstance(raw_defaults, dict):
         raise ExperimentsError(f"{source}: defaults must be a mapping")
-    _check_keys(raw_defaults, DEFAULT_KEYS, f"{source} defaults")
-    defaults = _parse_settings(raw_defaults, f"{source} defaults", {"env": {}, "gpus_per_experiment": 1})
+    check_keys(raw_defaults, SETTING_KEYS, f"{source} defaults")
+    defaults = parse_settings(raw_defaults, f"{source} defaults", {"env": {}, "gpus_per_experiment": 1})
     cli = {k: v for k, v in (cli_defaults or {}).items() if v is not None}
-    return _parse_settings(cli, "command line", defaults)
+    return parse_settings(cli, "command line", defaults)
 
 
 def parse_experiments(data: Any, source: str = "<experiments>",
@@ -370,11 +296,10 @@ def load_experiments(path: str | Path, cli_defaults: Mapping[str, Any] | None = 
     return parse_experiments(_read_yaml(path), str(path), cli_defaults)
 
 
-def load_experiments_file(path: str | Path, cli_defaults: Mapping[str, Any] | None = None) -> tuple[list[Experiment], Any]:
+def load_experiments_file(path: str | Path, cli_defaults: Mapping[str, Any] | None = None
+                          ) -> tuple[list[Experiment], SearchSpec | None]:
     """(experiments, None) for a file of runs, or ([], SearchSpec) for a file with a `search:` block."""
     data = _read_yaml(path)
     if isinstance(data, dict) and "search" in data and "experiments" not in data:
-        from trainer.sweep.searchspec import parse_search  # it imports this module
-
         return [], parse_search(data["search"], str(path), _parse_defaults(data, str(path), cli_defaults))
     return parse_experiments(data, str(path), cli_defaults), None

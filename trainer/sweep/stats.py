@@ -93,3 +93,21 @@ def write_seed_statistics(records: Sequence[Any], path: Path, metric: str, direc
     if stream is not None:
         stream.write(f"seed statistics of {metric} in {path}\n{verdict(rows, metric)}\n")
     return rows
+
+
+def write_repeats_statistics(records: Sequence[Mapping[str, Any]], out_dir: Path,
+                             stream: TextIO | None) -> list[dict[str, Any]]:
+    """OUT/confirm.csv for entries with `repeats:` from their records (as in results.json), on the selection
+    metric and mode of the runs' own config.yaml; no file when no seed run has a config.yaml."""
+    import yaml
+
+    from trainer.sweep.record import RunRecord
+
+    runs = [RunRecord.from_dict(r) for r in records]
+    first = next((r for r in runs if r.extra.get("group") and (Path(r.out_dir) / "config.yaml").is_file()), None)
+    if first is None:
+        return []
+    cfg = yaml.safe_load((Path(first.out_dir) / "config.yaml").read_text())
+    metric = f"eval/{cfg['eval']['metric']}"
+    direction = "maximize" if cfg["eval"].get("mode") == "max" else "minimize"
+    return write_seed_statistics(runs, Path(out_dir) / "confirm.csv", metric, direction, stream)

@@ -24,6 +24,8 @@ import sys
 import time
 import warnings
 import zlib
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -32,11 +34,13 @@ import optuna
 from optuna.trial import TrialState
 
 from trainer.sweep.devices import SlotPool
+from trainer.sweep.parsing import ExperimentsError, format_value
 from trainer.sweep.record import RunRecord
 from trainer.sweep.results import read_results, write_results
-from trainer.sweep.scheduler import Scheduler, _Run
+from trainer.sweep.scheduler import Run, Scheduler
 from trainer.sweep.searchspec import SearchSpec
-from trainer.sweep.spec import Experiment, ExperimentsError, format_value
+from trainer.sweep.slurm import array_task_id
+from trainer.sweep.spec import Experiment
 from trainer.sweep.stats import metric_value, write_seed_statistics
 
 WATCH_EVERY_S = 0.5
@@ -125,7 +129,42 @@ def counted(trial: optuna.trial.FrozenTrial) -> bool:
     return trial.state.is_finished() and OUTCOME in trial.user_attrs
 
 
+def count_trials(trials: Iterable[optuna.trial.FrozenTrial]) -> int:
+    """How many of `trials` count towards n_trials."""
+    return sum(counted(t) for t in trials)
+
+
+def lost(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether a trial was interrupted: failed without an outcome (its runner stopped while it ran)."""
+    return trial.state == TrialState.FAIL and OUTCOME not in trial.user_attrs
+
+
+def requeue_lost(study: optuna.Study) -> set[int]:
+    """Mark the trials left running as failed and queue one re-run of each lost trial with its parameters;
+    the lost trials' numbers. Only for a study no runner works on now: a running trial is one it lost."""
+    trials = study.get_trials(deepcopy=False)
+    for trial in trials:
+        if trial.state == TrialState.RUNNING:
+            study.tell(trial.number, state=TrialState.FAIL)
+    rerun = {t.user_attrs[RERUN_OF] for t in trials if RERUN_OF in t.user_attrs}
+    lost_trials = [t for t in study.get_trials(deepcopy=False) if lost(t)]
+    for trial in lost_trials:
+        if trial.number not in rerun and trial.params:
+            study.enqueue_trial(trial.params, user_attrs={RERUN_OF: trial.number})
+    return {t.number for t in lost_trials}
+
+
+def best_line(spec: SearchSpec, study: optuna.Study) -> str | None:
+    """`best: trial_NNNN METRIC=value key=value ...`, or None before any trial has completed."""
+    if not any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
+        return None
+    best = study.best_trial
+    return (f"best: {trial_name(best.number)} {spec.metric}={best.value:.6g} "
+            + " ".join(f"{k}={format_value(v)}" for k, v in best.params.items()))
+
+
 def trial_name(number: int) -> str:
+    """The trial's folder (and record) name under OUT."""
     return f"trial_{number:04d}"
 
 
@@ -171,7 +210,7 @@ class StudyScheduler(Scheduler):
 
     def _intro(self) -> str:
         trials = self.study.get_trials(deepcopy=False)
-        done = sum(counted(t) for t in trials)
+        done = count_trials(trials)
         waiting = sum(t.state == TrialState.WAITING for t in trials)
         return (f"study {self.spec.name}: {self.spec.n_trials} trial(s) on {self.pool.describe()}"
                 + (f", {done} already counted" if done else "") + (f", {waiting} to re-run" if waiting else "")
@@ -181,21 +220,12 @@ class StudyScheduler(Scheduler):
     # -- resume ----------------------------------------------------------------------------------
     def _take_over_previous(self) -> None:
         """Keep the records of earlier trials; mark trials left running as interrupted and queue their re-runs."""
-        rerun = {t.user_attrs[RERUN_OF] for t in self.study.get_trials(deepcopy=False) if RERUN_OF in t.user_attrs}
-        for trial in self.study.get_trials(deepcopy=False):
-            if trial.state == TrialState.RUNNING:
-                # Only this runner works on a local study, so a running trial is one it lost when it stopped.
-                self.study.tell(trial.number, state=TrialState.FAIL)
-            elif trial.state != TrialState.FAIL or OUTCOME in trial.user_attrs:
-                continue
-            if trial.number not in rerun and trial.params:
-                self.study.enqueue_trial(trial.params, user_attrs={RERUN_OF: trial.number})
+        # Only this runner works on a local study, so a trial still running is one it lost when it stopped.
+        lost_numbers = requeue_lost(self.study)
         # The storage decides: a record saved just before the runner died may say more than the study does.
-        lost = {t.number for t in self.study.get_trials(deepcopy=False) if t.state == TrialState.FAIL
-                and OUTCOME not in t.user_attrs}
         previous = read_results(self.out_dir)
         for record in sorted(previous.values(), key=lambda r: r.extra.get("trial", -1)):
-            if record.extra.get("trial") in lost and record.status != "interrupted":
+            if record.extra.get("trial") in lost_numbers and record.status != "interrupted":
                 record.status = "interrupted"
                 record.error = "the runner stopped while this trial ran; --resume re-runs its parameters"
             self.records.append(record)
@@ -209,7 +239,7 @@ class StudyScheduler(Scheduler):
         if self.pending or not self.pool.free:
             return
         trials = self.study.get_trials(deepcopy=False)
-        done = sum(counted(t) for t in trials)
+        done = count_trials(trials)
         # Trials that other processes run on the same storage (SLURM array tasks) count too.
         done += max(0, sum(t.state == TrialState.RUNNING for t in trials) - len(self.watched))
         if done + self._active() >= self.spec.n_trials:
@@ -231,7 +261,7 @@ class StudyScheduler(Scheduler):
         self.watched[name] = _Watch(trial)
 
     # -- pruning ---------------------------------------------------------------------------------
-    def _read_new(self, run: _Run, watch: _Watch) -> None:
+    def _read_new(self, run: Run, watch: _Watch) -> None:
         """Report each new value of the metric in the trial's metrics.jsonl (complete lines only)."""
         path = Path(run.record.out_dir) / "metrics.jsonl"
         try:
@@ -275,7 +305,7 @@ class StudyScheduler(Scheduler):
                 self._stop(run, "pruned")
 
     # -- results ---------------------------------------------------------------------------------
-    def _finish(self, run: _Run, exit_code: int) -> None:
+    def _finish(self, run: Run, exit_code: int) -> None:
         super()._finish(run, exit_code)
         record, watch = run.record, self.watched.pop(run.exp.name, None)
         if watch is None:
@@ -304,7 +334,7 @@ class StudyScheduler(Scheduler):
 
     def _progress_line(self, record: RunRecord) -> str:
         trials = self.study.get_trials(deepcopy=False)
-        done = sum(counted(t) for t in trials)
+        done = count_trials(trials)
         value = record.extra.get("value")
         text = (f"[{done}/{self.spec.n_trials}] {record.name} {STATE_OF_STATUS.get(record.status, record.status)}"
                 + (f" at step {record.extra.get('step_reached')}: {self.spec.metric}={value:.6g}"
@@ -316,14 +346,8 @@ class StudyScheduler(Scheduler):
             text += f"; best {trial_name(best.number)} {best.value:.6g}"
         return text
 
-    def _save(self, record: RunRecord | None = None) -> None:
-        if record is not None and record.status != "pending":
-            from trainer.sweep.results import write_run_record
-
-            write_run_record(record)
-        if self.write_summary:
-            write_results(self.out_dir, self.records, self.meta, summary=study_summary_csv(self.spec, self.records))
-        self.display.table(self.records, self._live_rss(), force=True)
+    def _summary(self) -> str:
+        return study_summary_csv(self.spec, self.records)
 
 
 def study_summary_csv(spec: SearchSpec, records: list[RunRecord]) -> str:
@@ -439,18 +463,14 @@ def run_search(spec: SearchSpec, out_dir: str | Path, *, gpus: list[int | str] |
 def finish_study(spec: SearchSpec, study: optuna.Study, out_dir: Path, pool: SlotPool, *, resume: bool, grace: float,
                  stream: TextIO | None, status: int) -> int:
     """After the trials: the best trial, the confirm stage and the plots."""
-    trials = study.get_trials(deepcopy=False)
-    states = {s: sum(t.state == s and counted(t) for t in trials) for s in (TrialState.COMPLETE, TrialState.PRUNED,
-                                                                             TrialState.FAIL)}
+    states = Counter(t.state for t in study.get_trials(deepcopy=False) if counted(t))
     if stream is not None:
         stream.write(f"study {spec.name}: {states[TrialState.COMPLETE]} complete, {states[TrialState.PRUNED]} pruned, "
                      f"{states[TrialState.FAIL]} failed\n")
     confirm_rows: list[dict[str, Any]] = []
     if states[TrialState.COMPLETE]:
-        best = study.best_trial
         if stream is not None:
-            stream.write(f"best: {trial_name(best.number)} {spec.metric}={best.value:.6g} "
-                         + " ".join(f"{k}={format_value(v)}" for k, v in best.params.items()) + "\n")
+            stream.write(f"{best_line(spec, study)}\n")
         if spec.confirm_top:
             confirm_status, confirm_rows = confirm_best(spec, study, out_dir, pool, resume=resume, grace=grace,
                                                         stream=stream)
@@ -463,9 +483,7 @@ def finish_study(spec: SearchSpec, study: optuna.Study, out_dir: Path, pool: Slo
 
 def run_search_task(spec: SearchSpec, out_dir: str, storage: str, grace: float = 10.0) -> int:
     """Body of one array task: trials one after another on the task's devices until the study has n_trials."""
-    from trainer.sweep.slurm import _task_id
-
-    task_id = _task_id()
+    task_id = array_task_id()
     # Tasks start side by side: a seeded sampler gets a different seed in each.
     study = open_study(spec, storage, resume=True, seed_offset=zlib.crc32(str(task_id or os.getpid()).encode()) % 10**6)
     meta = {"out_dir": out_dir, "mode": "slurm", "study": spec.name, "storage": storage}
@@ -483,18 +501,10 @@ def submit_search(spec: SearchSpec, out_dir: str | Path, executor: Any, *, tasks
     out_dir.mkdir(parents=True, exist_ok=True)
     storage = spec.storage or default_storage(out_dir, journal=True)
     study = open_study(spec, storage, resume)
-    trials = study.get_trials(deepcopy=False)
-    done = sum(counted(t) for t in trials)
+    done = count_trials(study.get_trials(deepcopy=False))
     if resume:
         # The earlier array job has ended: its trials still marked running were lost with their tasks.
-        for trial in trials:
-            if trial.state == TrialState.RUNNING:
-                study.tell(trial.number, state=TrialState.FAIL)
-        rerun = {t.user_attrs[RERUN_OF] for t in trials if RERUN_OF in t.user_attrs}
-        for trial in study.get_trials(deepcopy=False):
-            if (trial.state == TrialState.FAIL and OUTCOME not in trial.user_attrs and trial.number not in rerun
-                    and trial.params):
-                study.enqueue_trial(trial.params, user_attrs={RERUN_OF: trial.number})
+        requeue_lost(study)
     tasks = max(0, min(tasks, spec.n_trials - done))
     jobs = executor.map_array(run_search_task, [spec] * tasks, [str(out_dir)] * tasks, [storage] * tasks,
                               [grace] * tasks) if tasks else []
@@ -522,14 +532,12 @@ def collect_search(spec: SearchSpec, out_dir: str | Path, stream: TextIO | None 
     meta = {"experiments_file": experiments_file, "out_dir": str(out_dir), "mode": "slurm", "study": spec.name,
             "storage": storage, "metric": spec.metric, "direction": spec.direction, "n_trials": spec.n_trials}
     write_results(out_dir, records, meta, summary=study_summary_csv(spec, records))
-    trials = study.get_trials(deepcopy=False)
-    done = sum(counted(t) for t in trials)
+    done = count_trials(study.get_trials(deepcopy=False))
     if stream is not None:
         stream.write(f"study {spec.name}: {done} of {spec.n_trials} trial(s) counted; {len(records)} trial folder(s); "
                      f"summary in {out_dir / 'summary.csv'}\n")
-        if any(t.state == TrialState.COMPLETE for t in trials):
-            best = study.best_trial
-            stream.write(f"best: {trial_name(best.number)} {spec.metric}={best.value:.6g} "
-                         + " ".join(f"{k}={format_value(v)}" for k, v in best.params.items()) + "\n")
+        best = best_line(spec, study)
+        if best is not None:
+            stream.write(best + "\n")
     write_plots(spec, study, out_dir, [], stream)
     return 0 if done >= spec.n_trials else 1
