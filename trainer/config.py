@@ -23,6 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
+from trainer.atomic_io import atomic_write_text
 from trainer.data.fetch import resolve_fetch
 from trainer.errors import ConfigError, TrainerError
 from trainer.registry import get_spec
@@ -506,7 +507,8 @@ def config_to_dict(cfg: Config) -> dict:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    # Atomic: the agents of an elastic run each write the launch config while a restarted group may be reading it.
+    atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False), durable=False)
 
 
 def config_from_dict(data: dict) -> Config:
