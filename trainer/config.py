@@ -172,6 +172,10 @@ class CkptConfig:
     """Checkpoint every N optimizer steps (0: none in between); also at the end and at every eval that improves eval.metric."""
     every_epochs: float = 0.0
     """When > 0, replaces every_steps by this many epochs' worth of optimizer steps."""
+    every_seconds: float = 0.0
+    """Also checkpoint once this many seconds passed since the run's last checkpoint (0: no time cadence), beside
+    every_steps: bounds the work a lost node costs whatever the step time. With several processes the ranks agree
+    on the step (the one after the time is up)."""
     keep_last: int = 2
     """Keep this many most recent checkpoints (the best one is kept in addition)."""
     verify: bool = True
@@ -386,7 +390,7 @@ def _validate(cfg: Config) -> None:
         if getattr(getattr(cfg, section), key) < 1:
             raise ConfigError(f"config key '{section}.{key}' must be >= 1")
     non_negative = [("train", "epochs"), ("eval", "every_epochs"), ("ckpt", "every_epochs"), ("eval", "every_steps"),
-                    ("ckpt", "every_steps"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
+                    ("ckpt", "every_steps"), ("ckpt", "every_seconds"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
                     ("data", "num_workers"), ("data", "max_units_per_batch"), ("data", "bucket_size"),
                     ("eval", "batch_size"), ("train", "grad_clip_norm"),
                     ("train", "grad_clip_value"), ("train", "global_batch_size")]

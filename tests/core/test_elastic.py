@@ -182,7 +182,8 @@ def test_the_agent_that_would_host_the_store_dies_the_job_finishes(agents, refer
                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait("the rendezvous store", lambda: _listening(port), procs=(store,))
-        group = agents(port, "task.delay_s=0.05")
+        # The time cadence instead of the step cadence: the two ranks agree on the step of each save.
+        group = agents(port, "task.delay_s=0.05", "ckpt.every_steps=0", "ckpt.every_seconds=0.01")
         group.start()
         group.start()
         _kill_at_random_step(group, victim=0)
@@ -191,6 +192,20 @@ def test_the_agent_that_would_host_the_store_dies_the_job_finishes(agents, refer
         store.send_signal(signal.SIGTERM)
         assert store.wait(timeout=30) == 0
     assert f"rendezvous store on 127.0.0.1:{port}" in store.stdout.read()
+
+
+def test_the_time_cadence_is_due_once_the_time_is_up(monkeypatch):
+    from trainer.core.checkpoint import cadence
+
+    now = [100.0]
+    monkeypatch.setattr(cadence.time, "monotonic", lambda: now[0])
+    clock = cadence.SaveClock(60.0, world_size=1)
+    assert not clock.due()
+    now[0] += 61
+    assert clock.due()
+    clock.reset()
+    assert not clock.due()
+    assert not cadence.SaveClock(0.0, world_size=1).due()
 
 
 def test_progress_is_read_back(tmp_path):

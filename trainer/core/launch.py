@@ -177,7 +177,7 @@ def run_ranks(cmd: list[str], num_processes: int, gpu_ids: Sequence[int] | None 
         env.update({FRONT_END_ENV: "1", RANK_STATUS_ENV: status_dir,
                     # The agent (torchrun's --signals-to-handle) leaves Ctrl-C to the front end, which passes it on.
                     "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGHUP,SIGQUIT"})
-        code, interrupts = _FrontEnd(cmd, env, quiet_agent=env.get(ELASTIC_ENV) == "1").run()
+        code, interrupts = _FrontEnd(cmd, env).run()
         return RanksEnded(code, interrupts, frozenset(read_rank_statuses(status_dir)))
 
 
@@ -281,9 +281,9 @@ class _FrontEnd:
     traceback naming the ranks' exit statuses) is left out: the ranks' `trainer:` lines said it.
     """
 
-    def __init__(self, cmd: list[str], env: dict[str, str], quiet_agent: bool = False):
-        """quiet_agent: leave out the elastic agent's log lines (a restart is said by the next worker group)."""
-        self.cmd, self.env, self.quiet_agent = cmd, env, quiet_agent
+    def __init__(self, cmd: list[str], env: dict[str, str]):
+        self.cmd, self.env = cmd, env
+        self.quiet_agent = env.get(ELASTIC_ENV) == "1"  # the next worker group says what a restart changed
         self.interrupts = 0
         self.quiet = False
         self.status_dir = Path(env[RANK_STATUS_ENV])

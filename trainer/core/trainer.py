@@ -28,6 +28,7 @@ from trainer.atomic_io import atomic_write_text
 from trainer.config import Config, save_config
 from trainer.core.batch_plan import plan_batch
 from trainer.core.checkpoint import pick_resume_target, store
+from trainer.core.checkpoint.cadence import SaveClock
 from trainer.core.checkpoint.convert import optimizer_param_names
 from trainer.core.checkpoint.export import load_initial_weights
 from trainer.core.checkpoint.manager import Checkpointer
@@ -118,6 +119,7 @@ class Trainer:
         if self.ema is not None:
             parts["ema"] = EMAState(self.ema, acc, self.model, self.state)
         self.checkpointer = Checkpointer(cfg, acc, self.run_dir, parts, target)
+        self.save_clock = SaveClock(cfg.ckpt.every_seconds, world)
         resumed = self.checkpointer.resume()
         self.resumed_from = resumed.path if resumed else None
         # A run resumed at its last step that was not stopped there has its final eval, test and checkpoint:
@@ -176,13 +178,16 @@ class Trainer:
             improved = False
             if plan.eval_every_steps and step % plan.eval_every_steps == 0 and step < plan.max_steps:
                 improved = self._track_best(self.evaluate())
-            if step < plan.max_steps and (improved or (plan.ckpt_every_steps and step % plan.ckpt_every_steps == 0)):
+            timed = self.save_clock.due()  # every rank, every step: the time cadence is agreed
+            if step < plan.max_steps and (improved or timed or (plan.ckpt_every_steps
+                                                                and step % plan.ckpt_every_steps == 0)):
                 self.save(best=improved)
                 saved_at = step
             if watcher.should_stop():
                 status = "interrupted" if watcher.stop_signal == "SIGINT" else "preempted"
                 break
         bar.close()
+        self.save_clock.close()
         self._finish(status, saved_at, watcher, quiet)
         watcher.close()
         acc.wait_for_everyone()
@@ -337,7 +342,9 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self, best: bool = False) -> Path:
         """Write a complete checkpoint atomically (every rank takes part) and rotate old ones."""
-        return self.checkpointer.save(best=best)
+        path = self.checkpointer.save(best=best)
+        self.save_clock.reset()
+        return path
 
     def _finish(self, status: str, saved_at: int, watcher: PreemptionWatcher, quiet: bool = False) -> None:
         """Final eval, test and checkpoint of a completed run, or the checkpoint and marker of a stopped one."""
