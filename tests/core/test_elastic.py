@@ -19,11 +19,19 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, TINY, assert_run_matches, child_env, free_port, read_jsonl, run_cmd
+from conftest import BIN, ROOT, TINY, assert_run_matches, child_env, free_port, read_jsonl, run_cmd
 
 from trainer.core.elastic import ElasticSpec, agent_command, lost_peer, read_progress, sizes_that_keep
 from trainer.errors import ConfigError
 
+# backend -> (trainer train flags, environment): FSDP2 as `accelerate launch` with accelerate_configs/fsdp.yaml
+# exports it (the survivor alone runs one plain process, from the converted FSDP checkpoint).
+BACKENDS = {
+    "ddp": ([], {}),
+    "fsdp": ([], {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "NO_WRAP",
+                  "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}),
+    "zero2": (["--deepspeed", str(ROOT / "ds_configs" / "zero2.json")], {}),
+}
 RUN = ["train.max_steps=30", "train.global_batch_size=32", "train.per_device_batch_size=16", "train.ema_decay=0.9",
        "eval.every_steps=0", "ckpt.every_steps=1", "ckpt.keep_last=2", "log.every_steps=1", "log.progress_bar=false",
        "log.tensorboard=false", "optim.lr=0.01"]
@@ -93,16 +101,17 @@ def _wait(what: str, until, timeout: float = 120, procs: tuple[subprocess.Popen,
 class Agents:
     """Agents of one elastic run, each in a process group of its own; the output of agent i in `out`.i.log."""
 
-    def __init__(self, out: Path, port: int, extra: list[str]):
+    def __init__(self, out: Path, port: int, extra: list[str], backend: str = "ddp"):
         self.out, self.port, self.extra = out, port, extra
+        self.flags, self.env = BACKENDS[backend]
         self.procs: list[subprocess.Popen] = []
 
     def start(self) -> subprocess.Popen:
         log = open(f"{self.out}.{len(self.procs)}.log", "w")  # noqa: SIM115 - closed with the test's tmp dir
         proc = subprocess.Popen(
             [str(BIN / "trainer"), "train", TINY, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv",
-             f"127.0.0.1:{self.port}", *RUN, f"run.output_dir={self.out}", *self.extra],
-            env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+             f"127.0.0.1:{self.port}", *self.flags, *RUN, f"run.output_dir={self.out}", *self.extra],
+            env={**child_env(), **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
         return proc
 
@@ -128,8 +137,8 @@ class Agents:
 def agents(tmp_path):
     made: list[Agents] = []
 
-    def make(port: int | None = None, *extra: str) -> Agents:
-        made.append(Agents(tmp_path / "run", port or free_port(), list(extra)))
+    def make(port: int | None = None, *extra: str, backend: str = "ddp") -> Agents:
+        made.append(Agents(tmp_path / "run", port or free_port(), list(extra), backend))
         return made[-1]
     yield make
     for group in made:
@@ -154,8 +163,9 @@ def _kill_at_random_step(group: Agents, victim: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_node_lost_the_survivor_finishes_at_world_size_one(agents, reference):
-    group = agents(None, "task.delay_s=0.05")
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", pytest.param("zero2", marks=pytest.mark.extended)])
+def test_a_node_lost_the_survivor_finishes_at_world_size_one(agents, reference, backend):
+    group = agents(None, "task.delay_s=0.05", backend=backend)
     group.start()
     _wait("the first agent to host the rendezvous store", lambda: _listening(group.port), procs=tuple(group.procs))
     group.start()

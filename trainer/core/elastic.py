@@ -143,7 +143,8 @@ def lost_peer(err: BaseException, environ: Mapping[str, str] = os.environ) -> st
             marker in text for marker in _PEER_LOST):
         return None
     first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-    return (f"trainer: rank {environ.get('RANK', '?')} lost a peer of its worker group ({first[:200]}); "
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo's source location, then its advice
+    return (f"trainer: rank {environ.get('RANK', '?')} lost a peer of its worker group ({first[:160]}); "
             f"the elastic agent restarts the group")
 
 
