@@ -176,6 +176,10 @@ class CkptConfig:
     """Also checkpoint once this many seconds passed since the run's last checkpoint (0: no time cadence), beside
     every_steps: bounds the work a lost node costs whatever the step time. With several processes the ranks agree
     on the step (the one after the time is up)."""
+    async_save: bool = False
+    """Checkpoints in the loop return once every rank's files are written; the main process hashes, syncs and
+    renames them into place in a background thread while training goes on (atomic and verified as ever; the final
+    checkpoint is waited for). Cuts the stall of frequent checkpoints, e.g. every step of an elastic run."""
     keep_last: int = 2
     """Keep this many most recent checkpoints (the best one is kept in addition)."""
     verify: bool = True

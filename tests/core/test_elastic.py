@@ -19,7 +19,17 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, TINY, assert_run_matches, child_env, free_port, read_jsonl, run_cmd
+from conftest import (
+    BIN,
+    ROOT,
+    TINY,
+    assert_run_matches,
+    child_env,
+    cli_in_process,
+    free_port,
+    read_jsonl,
+    run_cmd,
+)
 
 from trainer.core.elastic import ElasticSpec, agent_command, lost_peer, read_progress, sizes_that_keep
 from trainer.errors import ConfigError
@@ -216,6 +226,24 @@ def test_the_time_cadence_is_due_once_the_time_is_up(monkeypatch):
     clock.reset()
     assert not clock.due()
     assert not cadence.SaveClock(0.0, world_size=1).due()
+
+
+def test_async_saves_end_where_synchronous_ones_do(tmp_path):
+    """ckpt.async_save: checkpoints completed in the background (or skipped while one is), every one complete and
+    verified, the last one the final step's, and the same weights as synchronous saves."""
+    from trainer.core.checkpoint import store
+
+    runs = {}
+    for mode in ("true", "false"):
+        out = tmp_path / mode
+        cli_in_process("train", TINY, *RUN, "train.max_steps=12", f"ckpt.async_save={mode}", "ckpt.keep_last=20",
+                       f"run.output_dir={out}")
+        checkpoints = sorted((out / "checkpoints").glob("step_*"))
+        assert checkpoints[-1].name == "step_00000012" and not list((out / "checkpoints").glob(".tmp-*"))
+        for path in checkpoints:
+            store.verify_checkpoint(path)
+        runs[mode] = out
+    assert_run_matches(runs["false"], runs["true"], 0.0)
 
 
 def test_progress_is_read_back(tmp_path):

@@ -181,8 +181,8 @@ class Trainer:
             timed = self.save_clock.due()  # every rank, every step: the time cadence is agreed
             if step < plan.max_steps and (improved or timed or (plan.ckpt_every_steps
                                                                 and step % plan.ckpt_every_steps == 0)):
-                self.save(best=improved)
-                saved_at = step
+                if self.save(best=improved, wait=False) is not None:  # None: the last one is still being written
+                    saved_at = step
             if watcher.should_stop():
                 status = "interrupted" if watcher.stop_signal == "SIGINT" else "preempted"
                 break
@@ -340,10 +340,12 @@ class Trainer:
         return better
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, best: bool = False) -> Path:
-        """Write a complete checkpoint atomically (every rank takes part) and rotate old ones."""
-        path = self.checkpointer.save(best=best)
-        self.save_clock.reset()
+    def save(self, best: bool = False, wait: bool = True) -> Path | None:
+        """Write a complete checkpoint atomically (every rank takes part) and rotate old ones; wait=False (with
+        ckpt.async_save) returns before it is complete, or skips it while the last one is (`Checkpointer.save`)."""
+        path = self.checkpointer.save(best=best, wait=wait)
+        if path is not None:
+            self.save_clock.reset()
         return path
 
     def _finish(self, status: str, saved_at: int, watcher: PreemptionWatcher, quiet: bool = False) -> None:
@@ -353,6 +355,7 @@ class Trainer:
             improved = self._track_best(self.evaluate())
         if saved_at != self.state.step or improved:
             self.save(best=improved)
+        self.checkpointer.wait()
         if status == "completed" and self.test_loader is not None:
             self._load_test_weights()
             self.evaluate("test")
