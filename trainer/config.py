@@ -56,6 +56,10 @@ class RunConfig:
     empty: the task's own initialisation."""
     init_weights: str = "auto"
     """Which weights of `init_from`: `auto` (its EMA weights when it kept an EMA), `ema` or `model`."""
+    collective_timeout_s: float = 0.0
+    """Seconds a collective may wait for its peers before it fails (0: torch's default, 10 min for NCCL, 30 for
+    gloo). An elastic run on GPUs sets it (e.g. 120, with TORCH_NCCL_ASYNC_ERROR_HANDLING=3) so a peer that hangs
+    rather than dies becomes a restart of the worker group within that time."""
 
 
 @dataclass
@@ -394,10 +398,10 @@ def _validate(cfg: Config) -> None:
         if getattr(getattr(cfg, section), key) < 1:
             raise ConfigError(f"config key '{section}.{key}' must be >= 1")
     non_negative = [("train", "epochs"), ("eval", "every_epochs"), ("ckpt", "every_epochs"), ("eval", "every_steps"),
-                    ("ckpt", "every_steps"), ("ckpt", "every_seconds"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
-                    ("data", "num_workers"), ("data", "max_units_per_batch"), ("data", "bucket_size"),
-                    ("eval", "batch_size"), ("train", "grad_clip_norm"),
-                    ("train", "grad_clip_value"), ("train", "global_batch_size")]
+                    ("ckpt", "every_steps"), ("ckpt", "every_seconds"), ("run", "collective_timeout_s"),
+                    ("ckpt", "keep_last"), ("optim", "warmup_steps"), ("data", "num_workers"),
+                    ("data", "max_units_per_batch"), ("data", "bucket_size"), ("eval", "batch_size"),
+                    ("train", "grad_clip_norm"), ("train", "grad_clip_value"), ("train", "global_batch_size")]
     for section, key in non_negative:
         if getattr(getattr(cfg, section), key) < 0:
             raise ConfigError(f"config key '{section}.{key}' must be >= 0")
