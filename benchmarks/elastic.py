@@ -51,11 +51,9 @@ def free_port() -> int:
 
 
 def listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
+    from trainer.core.elastic import reachable
+
+    return reachable(f"127.0.0.1:{port}")
 
 
 def records(out: Path) -> list[dict]:

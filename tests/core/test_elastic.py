@@ -13,7 +13,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from conftest import (
     run_cmd,
 )
 
-from trainer.core.elastic import ElasticSpec, agent_command, lost_peer, read_progress, sizes_that_keep
+from trainer.core.elastic import ElasticSpec, agent_command, lost_peer, reachable, read_progress, sizes_that_keep
 from trainer.errors import ConfigError
 
 # backend -> (trainer train flags, environment): FSDP2 as `accelerate launch` with accelerate_configs/fsdp.yaml
@@ -89,11 +88,7 @@ def reference(tmp_path_factory) -> Path:
 
 
 def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
+    return reachable(f"127.0.0.1:{port}")
 
 
 def _wait(what: str, until, timeout: float = 120, procs: tuple[subprocess.Popen, ...] = ()):

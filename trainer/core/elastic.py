@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -115,6 +116,16 @@ def agent_command(spec: ElasticSpec, run_id: str, trainer_args: Sequence[str]) -
             f"--nproc-per-node={spec.nproc_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={spec.endpoint}",
             f"--rdzv-id={run_id}", f"--rdzv-conf={spec.conf()}", f"--max-restarts={spec.max_restarts}",
             "--monitor-interval=0.1", "-m", "trainer", *trainer_args]
+
+
+def reachable(endpoint: str, timeout: float = 0.2) -> bool:
+    """Whether something listens at HOST:PORT (a rendezvous store)."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def sizes_that_keep(global_batch: int, low: int = 1, high: int | None = None) -> list[int]:
