@@ -241,6 +241,33 @@ def test_async_saves_end_where_synchronous_ones_do(tmp_path):
     assert_run_matches(runs["false"], runs["true"], 0.0)
 
 
+def test_a_restarted_group_takes_over_the_lock_of_an_earlier_one(tmp_path, monkeypatch):
+    """The lock of an earlier worker group of the same elastic run, still flocked (a lost node's, as a shared file
+    system may keep it), is taken over at once; another run's is not."""
+    import sys
+
+    from trainer.core.run_lock import RunLockedError, acquire_run_lock
+
+    lock = tmp_path / ".lock"
+    holder = json.dumps({"host": "lost-node", "pid": 1, "elastic_run": "job-1"})
+    hold = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
+        "os.write(fd, sys.argv[2].encode()); print('held', flush=True); time.sleep(60)"), str(lock), holder],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert hold.stdout.readline().strip() == "held"
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")
+        with pytest.raises(RunLockedError):
+            acquire_run_lock(tmp_path)
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+        taken = acquire_run_lock(tmp_path)
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+        taken.release()
+    finally:
+        hold.kill()
+        hold.wait()
+
+
 def test_progress_is_read_back(tmp_path):
     (tmp_path / "elastic.json").write_text(json.dumps({"run_id": "r", "step": 3}))
     assert read_progress(tmp_path) == {"run_id": "r", "step": 3}

@@ -6,7 +6,9 @@ second run on a held directory refuses to start, naming the holder's host and pi
 an exclusive `flock` on the file for as long as it lives (the kernel drops it when the process dies,
 however it dies) and refreshes the file's mtime every `HEARTBEAT_S`. A lock left behind by a dead
 process is taken over with a warning: on this host when its pid is gone, from another host when its
-heartbeat is older than `STALE_AFTER_S` (file systems do not always share flocks between hosts).
+heartbeat is older than `STALE_AFTER_S` (file systems do not always share flocks between hosts). A
+restarted worker group of an elastic run takes over the lock of an earlier group of the same run at once,
+even from a lost node (`_earlier_group`).
 Within one process the lock is re-entrant; a forked child (a DataLoader worker) drops its copy, so it
 cannot keep the lock of a killed main process alive.
 """
@@ -44,7 +46,17 @@ class RunLockedError(TrainerError, RuntimeError):
 def _this_process() -> dict[str, Any]:
     me = psutil.Process()
     return {"host": socket.gethostname(), "pid": os.getpid(), "create_time": me.create_time(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cmdline": " ".join(me.cmdline())[:500]}
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cmdline": " ".join(me.cmdline())[:500],
+            "elastic_run": os.environ.get("TORCHELASTIC_RUN_ID") or None}
+
+
+def _earlier_group(holder: dict[str, Any] | None) -> bool:
+    """Whether the lock was taken by an earlier worker group of this elastic run: the agents stopped every worker
+    of it before this group started, so it is gone, even when its host's flock or heartbeat does not say so yet
+    (a lost node's lock on a shared file system)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    return bool(run) and holder is not None and holder.get("elastic_run") == run and not (
+        holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid())
 
 
 def _pid_alive(pid: int, create_time: float | None) -> bool:
@@ -178,7 +190,12 @@ def acquire_run_lock(output_dir: str | Path) -> RunLock:
             except BlockingIOError:
                 holder = _read_holder(fd)
                 os.close(fd)
-                raise _in_use(path, holder) from None
+                if not _earlier_group(holder):
+                    raise _in_use(path, holder) from None
+                logger.info("taking over the lock of %s from an earlier worker group of this elastic run (%s)",
+                            path.parent, _describe(holder))
+                path.unlink(missing_ok=True)  # a new file: the old one's flock stays with the old group's file
+                continue
             except OSError as err:
                 if err.errno not in _NO_FLOCK:
                     os.close(fd)
@@ -192,7 +209,7 @@ def acquire_run_lock(output_dir: str | Path) -> RunLock:
                 os.close(fd)
                 continue
             holder = _read_holder(fd)
-            if os.fstat(fd).st_size:
+            if os.fstat(fd).st_size and not _earlier_group(holder):
                 reason = _stale_reason(holder, fd)
                 if reason is None:
                     os.close(fd)
