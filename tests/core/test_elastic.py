@@ -268,6 +268,19 @@ def test_a_restarted_group_takes_over_the_lock_of_an_earlier_one(tmp_path, monke
         hold.wait()
 
 
+def test_only_a_restarted_group_overrides_run_resume(tmp_path):
+    from trainer.config import load_config
+    from trainer.core.elastic import resume_on_restart
+
+    (tmp_path / "elastic.json").write_text(json.dumps({"run_id": "r", "step": 3, "nodes": 2}))
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "run.resume=none"])
+    same = {"TORCHELASTIC_RUN_ID": "r", "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert resume_on_restart(cfg, same).run.resume == "none"  # a new launch of the same run at the same size
+    assert resume_on_restart(cfg, {**same, "GROUP_WORLD_SIZE": "1"}).run.resume == "auto"  # a node lost or added
+    assert resume_on_restart(cfg, {**same, "TORCHELASTIC_RESTART_COUNT": "1"}).run.resume == "auto"  # a failure
+    assert resume_on_restart(cfg, {**same, "TORCHELASTIC_RUN_ID": "other"}).run.resume == "none"
+
+
 def test_progress_is_read_back(tmp_path):
     (tmp_path / "elastic.json").write_text(json.dumps({"run_id": "r", "step": 3}))
     assert read_progress(tmp_path) == {"run_id": "r", "step": 3}

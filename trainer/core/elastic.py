@@ -179,8 +179,15 @@ def restarted_group(run_dir: str | Path, environ: Mapping[str, str] = os.environ
 
 
 def resume_on_restart(cfg: Config, environ: Mapping[str, str] = os.environ) -> Config:
-    """A restarted worker group continues from the latest checkpoint, whatever run.resume named at the start."""
-    if cfg.run.resume == "auto" or restarted_group(cfg.run.output_dir, environ) is None:
+    """A restarted worker group continues from the latest checkpoint, whatever run.resume named at the start.
+
+    Restarted: after a failure (TORCHELASTIC_RESTART_COUNT > 0) or at another node count than the last group of
+    this rendezvous run; a new launch that finds the progress of an old one at its own size keeps run.resume."""
+    if cfg.run.resume == "auto":
+        return cfg
+    before = restarted_group(cfg.run.output_dir, environ)
+    failed = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if before is None or not (failed or before.get("nodes") != int(environ.get("GROUP_WORLD_SIZE") or 1)):
         return cfg
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume="auto"))
 
@@ -196,7 +203,8 @@ class MembershipWatch:
         self.active = is_main and self.run_id is not None
         self.world, self.resumed_step, self.write = world, resumed_step, write
         self.nodes = int(environ.get("GROUP_WORLD_SIZE") or 1)
-        self.before = restarted_group(run_dir, environ) if self.active else None
+        # A group that resumed nothing is a run's first (a restart resumes the checkpoint the last group left).
+        self.before = restarted_group(run_dir, environ) if self.active and resumed_step else None
         self._tmp = self.path.with_name(f".{PROGRESS_FILE}.{os.getpid()}")
 
     def after_step(self, step: int) -> None:
@@ -210,6 +218,11 @@ class MembershipWatch:
         self._tmp.write_text(json.dumps({"run_id": self.run_id, "step": step, "time": now, "world_size": self.world,
                                          "nodes": self.nodes}))
         os.replace(self._tmp, self.path)
+
+    def finish(self, status: str) -> None:
+        """At the end of fit: a completed run has no next group, and a later launch must not read it as one."""
+        if self.active and status == "completed":
+            self.path.unlink(missing_ok=True)
 
     def _announce(self, step: int, now: float) -> None:
         old_nodes, old_world = self.before.get("nodes", "?"), self.before.get("world_size", "?")

@@ -189,6 +189,7 @@ class Trainer:
         bar.close()
         self.save_clock.close()
         self._finish(status, saved_at, watcher, quiet)
+        self.membership.finish(status)
         watcher.close()
         acc.wait_for_everyone()
         acc.end_training()
