@@ -186,7 +186,7 @@ def percentile(values: list[float], q: float) -> float:
 def fault_section(args: argparse.Namespace, work: Path) -> list[str]:
     rng = random.Random(args.seed)
     rate2 = fault_free(work / "free2", args.steps, args.delay, 2)
-    rate1 = fault_free(work / "free1", args.steps, args.delay, 1)
+    rate1 = fault_free(work / "free1", min(args.steps, 300), args.delay, 1)  # its rate only
     run = faulty(work / "faulty", args.steps, args.delay, args.faults, args.interval, rng)
     changes = [r for r in records(work / "faulty") if r.get("event") == "membership"]
     kills = [e for e in run["events"] if e[0] == "kill"]
@@ -209,7 +209,6 @@ def fault_section(args: argparse.Namespace, work: Path) -> list[str]:
     wall = run["wall_s"]
     lost_per_fault = (wall - useful) / max(1, len(run["events"]))
     dist = distance(work / "free2", work / "faulty")
-    noise = distance(work / "free2", work / "free1")
 
     def fmt(values: list[float]) -> str:
         return (f"median {statistics.median(values):.1f} s, p95 {percentile(values, 0.95):.1f} s "
@@ -232,7 +231,6 @@ def fault_section(args: argparse.Namespace, work: Path) -> list[str]:
         f"{useful / wall:.1%} | |",
         f"| throughput kept at a fault every 60 s (1 - lost / 60) | {max(0.0, 1 - lost_per_fault / 60):.1%} | >= 80 % |",
         f"| final weights, max difference to the fault-free run on 2 nodes | {dist:.2e} | <= 1e-5 |",
-        f"| (fault-free on 1 node against 2 nodes) | {noise:.2e} | |",
         ""]
 
 
@@ -273,8 +271,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--faults", type=int, default=20)
     parser.add_argument("--interval", type=float, default=10.0, help="mean seconds between faults")
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--delay", type=float, default=0.02, help="task.delay_s: seconds per micro-batch")
+    parser.add_argument("--steps", type=int, default=4000, help="enough for the faults: the run must outlast them")
+    parser.add_argument("--delay", type=float, default=0.05, help="task.delay_s: seconds per micro-batch")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--ckpt-steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
