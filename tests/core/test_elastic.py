@@ -256,6 +256,7 @@ def test_a_restarted_group_takes_over_the_lock_of_an_earlier_one(tmp_path, monke
         stdout=subprocess.PIPE, text=True)
     try:
         assert hold.stdout.readline().strip() == "held"
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")
         with pytest.raises(RunLockedError):
             acquire_run_lock(tmp_path)

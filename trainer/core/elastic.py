@@ -42,10 +42,9 @@ logger = logging.getLogger("trainer")
 
 RDZV_CONF = {"join_timeout": 600, "last_call_timeout": 2, "close_timeout": 10, "keep_alive_interval": 1,
              "keep_alive_max_attempt": 3}
-"""c10d rendezvous settings (torch's defaults: last call 30 s, a keep-alive every 5 s with 3 misses, so a dead
-node is noticed after ~15 s and a round waits 30 s for late nodes): a dead node leaves the rendezvous after
-keep_alive_interval x keep_alive_max_attempt s, and a round closes last_call_timeout s after its minimum is
-there. `--rdzv-conf key=value,...` overrides any of them."""
+"""c10d rendezvous settings over torch's defaults (last call 30 s, a keep-alive every 5 s with 3 misses allowed):
+a dead node leaves the rendezvous after keep_alive_interval x keep_alive_max_attempt s, and a round closes
+last_call_timeout s after its minimum is there. `--rdzv-conf key=value,...` overrides any of them."""
 
 ELASTIC_ENV = "TRAINER_ELASTIC"
 """Set by `trainer train --nnodes` for its agent's workers: they run under an agent that restarts them."""
@@ -60,6 +59,7 @@ AGENT_LOG_LINE = re.compile(rb"^[IWE]\d{4} [\d:.]+ +\d+ torch/distributed/")
 
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
               "ProcessGroupNCCL", "DistNetworkError", "Socket Timeout", "Connection refused")
+"""What a collective's error says when a peer died (gloo raises plain RuntimeErrors) or NCCL's watchdog aborted."""
 
 PROGRESS_FILE = "elastic.json"
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import psutil
 
+from trainer.core.elastic import restartable
 from trainer.errors import TrainerError
 from trainer.rundir import RunDir
 
@@ -47,16 +48,25 @@ def _this_process() -> dict[str, Any]:
     me = psutil.Process()
     return {"host": socket.gethostname(), "pid": os.getpid(), "create_time": me.create_time(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cmdline": " ".join(me.cmdline())[:500],
-            "elastic_run": os.environ.get("TORCHELASTIC_RUN_ID") or None}
+            "elastic_run": _elastic_run()}
+
+
+def _elastic_run() -> str | None:
+    """The rendezvous run of a worker group its agent restarts (launches that never restart record none: a
+    static rendezvous names every launch alike)."""
+    return (os.environ.get("TORCHELASTIC_RUN_ID") or None) if restartable() else None
 
 
 def _earlier_group(holder: dict[str, Any] | None) -> bool:
     """Whether the lock was taken by an earlier worker group of this elastic run: the agents stopped every worker
-    of it before this group started, so it is gone, even when its host's flock or heartbeat does not say so yet
-    (a lost node's lock on a shared file system)."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID")
-    return bool(run) and holder is not None and holder.get("elastic_run") == run and not (
-        holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid())
+    of it before this group started, so it is gone, even when another host's flock or heartbeat does not say so
+    yet (a lost node's lock on a shared file system). On this host its pid says it."""
+    run = _elastic_run()
+    if not run or holder is None or holder.get("elastic_run") != run:
+        return False
+    if holder.get("host") == socket.gethostname():
+        return not _pid_alive(int(holder.get("pid", -1)), holder.get("create_time"))
+    return True
 
 
 def _pid_alive(pid: int, create_time: float | None) -> bool:
