@@ -181,7 +181,7 @@ def test_a_node_lost_the_survivor_finishes_at_world_size_one(agents, reference, 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_node_joins_the_group_restarts_at_world_size_two(agents, reference):
-    group = agents(None, "task.delay_s=0.2")
+    group = agents(None, "task.delay_s=0.35")  # the run outlasts the new agent's start-up
     group.start()
     _wait("two steps at world size 1", lambda: group.progress().get("step", 0) >= 2, procs=tuple(group.procs))
     group.start()
