@@ -37,6 +37,7 @@ from trainer.errors import ConfigError
 # exports it (the survivor alone runs one plain process, from the converted FSDP checkpoint).
 BACKENDS = {
     "ddp": ([], {}),
+    "ddp_async": ([], {}),
     "fsdp": ([], {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "NO_WRAP",
                   "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}),
     "zero2": (["--deepspeed", str(ROOT / "ds_configs" / "zero2.json")], {}),
@@ -168,9 +169,11 @@ def _kill_at_random_step(group: Agents, victim: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("backend", ["ddp", "fsdp", pytest.param("zero2", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("backend", ["ddp_async", "fsdp", pytest.param("zero2", marks=pytest.mark.extended)])
 def test_a_node_lost_the_survivor_finishes_at_world_size_one(agents, reference, backend):
-    group = agents(None, "task.delay_s=0.05", backend=backend)
+    # ddp_async: each checkpoint completed by the main process's background thread (ckpt.async_save)
+    extra = ["ckpt.async_save=true"] if backend.endswith("_async") else []
+    group = agents(None, "task.delay_s=0.05", *extra, backend=backend)
     group.start()
     _wait("the first agent to host the rendezvous store", lambda: _listening(group.port), procs=tuple(group.procs))
     group.start()
