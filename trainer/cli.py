@@ -40,6 +40,14 @@ def _fit(cfg: Config, args: argparse.Namespace) -> int:
     """Train `cfg` here, on --nproc local processes, or as one rank of a launcher's job; the run's exit status."""
     from trainer.core.watchdog import arm_exit_guard, started_by_launcher
 
+    elastic = getattr(args, "nnodes", None)
+    if elastic is not None and not started_by_launcher():
+        from trainer.core.elastic import ElasticSpec
+        from trainer.core.launch import train_elastic
+
+        spec = ElasticSpec.parse(elastic, args.nproc_per_node or args.nproc, args.rdzv, args.max_restarts,
+                                 args.rdzv_id, args.rdzv_conf)
+        return _STOP_CODES[train_elastic(cfg, spec, args.deepspeed).status]
     if args.nproc is not None and not started_by_launcher():
         from trainer.core.launch import train
 
@@ -57,6 +65,27 @@ def _fit(cfg: Config, args: argparse.Namespace) -> int:
             code = 0  # the front end reads the run's marker and exits with the stop's status; the launcher stays quiet
         arm_exit_guard(code)
     return code
+
+
+def _add_elastic_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("elastic training (torch's elastic agent, c10d rendezvous; one call per node)")
+    group.add_argument("--nnodes", default=None, metavar="MIN:MAX",
+                       help="nodes the run may have: it goes on at any size in MIN..MAX and resumes at the new size")
+    group.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, default=None,
+                       help="processes on this node (default: --nproc, else 1)")
+    group.add_argument("--rdzv", default=None, metavar="HOST:PORT", help="the rendezvous store, the same on every node")
+    group.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=None,
+                       help="worker-group restarts after a failure such as a lost node (default 3; a join is free)")
+    group.add_argument("--rdzv-id", dest="rdzv_id", default=None,
+                       help="rendezvous id (default: SLURM_JOB_ID, else derived from run.output_dir)")
+    group.add_argument("--rdzv-conf", dest="rdzv_conf", default=None, metavar="K=V,...",
+                       help="c10d rendezvous settings over trainer's (core/elastic.py RDZV_CONF)")
+
+
+def _rendezvous(args: argparse.Namespace) -> int:
+    from trainer.core.rendezvous import serve
+
+    return serve(args.host, args.port)
 
 
 _STOP_CODES = {"completed": 0, "already_complete": 0, "preempted": 75, "interrupted": 128 + signal.SIGINT}
@@ -183,7 +212,14 @@ def build_parser(sweep_arguments: bool = True) -> argparse.ArgumentParser:
                             "with a checkpoint. Ignored under a launcher, whose processes train")
     train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    _add_elastic_arguments(train)
     train.set_defaults(func=_train)
+
+    rendezvous = sub.add_parser("rendezvous", help="host an elastic run's rendezvous store where a node loss cannot "
+                                                   "take it: trainer rendezvous [--host H] [--port P]")
+    rendezvous.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
+    rendezvous.add_argument("--port", type=int, default=29400, help="port (0: a free one, printed)")
+    rendezvous.set_defaults(func=_rendezvous)
 
     align = sub.add_parser("align", help="post-train a run's model with a force-field reward: "
                                          "trainer align RUN_DIR out=NEW_RUN_DIR key=value ...")
@@ -323,6 +359,15 @@ def main(argv: list[str] | None = None) -> int:
         if not ((isinstance(err, ConfigError) or err.everywhere) and not main_rank):
             print(f"trainer: {kind}: {err}", file=sys.stderr)
         return _rank_status(getattr(err, "exit_code", 2))
+    except Exception as err:
+        from trainer.core.elastic import lost_peer
+
+        line = None if debug else lost_peer(err)
+        if line is None:
+            raise
+        if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:  # one line a node: the next group says what changed
+            print(line, file=sys.stderr, flush=True)
+        return 1
 
 
 def _rank_status(code: int) -> int:

@@ -23,6 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
+from trainer.atomic_io import atomic_write_text
 from trainer.data.fetch import resolve_fetch
 from trainer.errors import ConfigError, TrainerError
 from trainer.registry import get_spec
@@ -55,6 +56,10 @@ class RunConfig:
     empty: the task's own initialisation."""
     init_weights: str = "auto"
     """Which weights of `init_from`: `auto` (its EMA weights when it kept an EMA), `ema` or `model`."""
+    collective_timeout_s: float = 0.0
+    """Seconds a collective may wait for its peers before it fails (0: torch's default, its `default_pg_timeout`
+    or NCCL's own). An elastic run on GPUs sets it (e.g. 120, with TORCH_NCCL_ASYNC_ERROR_HANDLING=3) so a peer that hangs
+    rather than dies becomes a restart of the worker group within that time."""
 
 
 @dataclass
@@ -171,6 +176,14 @@ class CkptConfig:
     """Checkpoint every N optimizer steps (0: none in between); also at the end and at every eval that improves eval.metric."""
     every_epochs: float = 0.0
     """When > 0, replaces every_steps by this many epochs' worth of optimizer steps."""
+    every_seconds: float = 0.0
+    """Also checkpoint once this many seconds passed since the run's last checkpoint (0: no time cadence), beside
+    every_steps: bounds the work a lost node costs whatever the step time. With several processes the ranks agree
+    on the step (the one after the time is up)."""
+    async_save: bool = False
+    """Checkpoints in the loop return once every rank's files are written; the main process hashes, syncs and
+    renames them into place in a background thread while training goes on (atomic and verified as ever; the final
+    checkpoint is waited for). Cuts the stall of frequent checkpoints, e.g. every step of an elastic run."""
     keep_last: int = 2
     """Keep this many most recent checkpoints (the best one is kept in addition)."""
     verify: bool = True
@@ -396,10 +409,10 @@ def _validate(cfg: Config) -> None:
         if getattr(getattr(cfg, section), key) < 1:
             raise ConfigError(f"config key '{section}.{key}' must be >= 1")
     non_negative = [("train", "epochs"), ("eval", "every_epochs"), ("ckpt", "every_epochs"), ("eval", "every_steps"),
-                    ("ckpt", "every_steps"), ("ckpt", "keep_last"), ("optim", "warmup_steps"),
-                    ("data", "num_workers"), ("data", "max_units_per_batch"), ("data", "bucket_size"),
-                    ("eval", "batch_size"), ("train", "grad_clip_norm"),
-                    ("train", "grad_clip_value"), ("train", "global_batch_size")]
+                    ("ckpt", "every_steps"), ("ckpt", "every_seconds"), ("run", "collective_timeout_s"),
+                    ("ckpt", "keep_last"), ("optim", "warmup_steps"), ("data", "num_workers"),
+                    ("data", "max_units_per_batch"), ("data", "bucket_size"), ("eval", "batch_size"),
+                    ("train", "grad_clip_norm"), ("train", "grad_clip_value"), ("train", "global_batch_size")]
     for section, key in non_negative:
         if getattr(getattr(cfg, section), key) < 0:
             raise ConfigError(f"config key '{section}.{key}' must be >= 0")
@@ -517,7 +530,8 @@ def config_to_dict(cfg: Config) -> dict:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    # Atomic: the agents of an elastic run each write the launch config while a restarted group may be reading it.
+    atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False), durable=False)
 
 
 def config_from_dict(data: dict) -> Config:

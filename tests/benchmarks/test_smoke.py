@@ -11,8 +11,9 @@ from conftest import ROOT, run_cmd
 # Smoke runs of several minutes on 2 cores (whole pipelines: training, 1 and 2 process sampling, force-field
 # sweeps, MLFF against GFN2 guidance; simulated data, two child processes): in the full suite (`make test-all`),
 # not in `make test`.
-# fsdp_checkpoints.py launches 2 FSDP processes; checkpoints.py smoke-tests the shared code in one.
-HEAVY = {"molecules.py", "gears.py", "fsdp_checkpoints.py", "mlff_guidance.py"}
+# fsdp_checkpoints.py launches 2 FSDP processes; checkpoints.py smoke-tests the shared code in one; elastic.py runs
+# three elastic jobs of agents on this host (the faults' code paths are in tests/core/test_elastic.py).
+HEAVY = {"molecules.py", "gears.py", "fsdp_checkpoints.py", "mlff_guidance.py", "elastic.py"}
 SCRIPTS = [pytest.param(name, marks=pytest.mark.extended) if name in HEAVY else name
            for name in sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "bench_report.py")]
 

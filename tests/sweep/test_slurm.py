@@ -77,3 +77,39 @@ def test_sbatch_time_limit_checkpoints_requeues_and_resumes(tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert not (run_dir / "preempted.json").exists()
     assert max(r["step"] for r in read_jsonl(run_dir) if "loss" in r) == marker["step"] + 2
+
+
+@pytest.mark.extended
+def test_sbatch_elastic_mode_goes_on_without_a_lost_node(tmp_path):
+    """ELASTIC=1: one agent per "node" around the batch step's store; one node's task tree killed mid-run, the
+    other finishes at world size 1 and the job ends well, with no requeue."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    env = {**sbatch_env(tmp_path, run_dir), "ELASTIC": "1"}
+    args = ["bash", str(ROOT / "scripts" / "slurm" / "train.sbatch"), TINY, "train.max_steps=30", "task.delay_s=0.05",
+            "train.global_batch_size=32", "train.per_device_batch_size=16", "ckpt.every_steps=1", "log.every_steps=1",
+            "log.progress_bar=false", "log.tensorboard=false", "eval.every_steps=0"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    progress = run_dir / "elastic.json"
+
+    def at_world_two() -> bool:
+        try:
+            state = json.loads(progress.read_text())
+        except (OSError, ValueError):
+            return False
+        return state.get("world_size") == 2 and state.get("step", 0) >= 3
+    try:
+        wait_for(at_world_two, proc, timeout=240)
+        srun = next(p for p in psutil.Process(proc.pid).children() if "srun" in " ".join(p.cmdline()))
+        node = srun.children()[-1]  # the second node's task: its agent, worker and all
+        for p in [node, *node.children(recursive=True)]:
+            p.kill()
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "membership changed: 2 -> 1 nodes" in out and "the run completed" in out, out[-4000:]
+    assert not (tmp_path / "requeued").exists()

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 
 from trainer.config import Config, ConfigError
+from trainer.core.elastic import sizes_that_keep
 
 logger = logging.getLogger("trainer")
 
@@ -84,9 +85,10 @@ def _split(per_device: int, global_batch: int, world: int, source: str) -> tuple
     """(per-device batch, accumulation) with per-device x accumulation x world == `global_batch`: the
     per-device batch kept if it divides, else the nearest smaller one that does."""
     if global_batch % world:
+        sizes = ", ".join(map(str, sizes_that_keep(global_batch)))
         raise ConfigError(f"{source}: a global batch of {global_batch} cannot be split evenly over {world} "
-                          f"processes; use a number of processes that divides {global_batch}, or start over with "
-                          f"another train.global_batch_size")
+                          f"processes; the sizes that keep it: {sizes} processes (or start over with another "
+                          f"train.global_batch_size)")
     per_rank = global_batch // world
     if per_rank % per_device:
         per_device = max(d for d in range(1, min(per_device, per_rank) + 1) if per_rank % d == 0)

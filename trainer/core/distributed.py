@@ -9,6 +9,7 @@ picks gloo when there is no GPU.
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import logging
 import math
@@ -243,6 +244,9 @@ def build_accelerator(cfg: Config, batch: BatchPlan, deepspeed_config: str | Non
                                             logging_dir=str(Path(cfg.run.output_dir) / "tb")),
         log_with=(["tensorboard"] if cfg.log.tensorboard else []) + list(cfg.log.trackers) or None,
     )
+    group: dict[str, Any] = {}  # the process group's settings
+    if cfg.run.collective_timeout_s > 0:
+        group["timeout"] = datetime.timedelta(seconds=cfg.run.collective_timeout_s)
     if launched_with_deepspeed(deepspeed_config):
         env_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
         source = deepspeed_config or env_file
@@ -252,11 +256,13 @@ def build_accelerator(cfg: Config, batch: BatchPlan, deepspeed_config: str | Non
         quiet_deprecated_collective_warnings()
         if not use_cuda:
             # cpu=True would silently drop DeepSpeed; without an explicit backend each rank runs alone.
-            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+            group["backend"] = "gloo"
             announce_deepspeed_cpu_op_build()
     else:
         # A MULTI_GPU (or FSDP) yaml on a machine without GPUs becomes MULTI_CPU over gloo this way.
         kwargs["cpu"] = not use_cuda
+    if group:
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(**group)]
     accelerator = Accelerator(**kwargs)
     if not use_cuda and accelerator.num_processes > 1 and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         enable_cpu_fsdp(accelerator)

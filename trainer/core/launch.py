@@ -18,20 +18,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trainer.config import Config, save_config
 from trainer.core.command_line import FRONT_END_ENV, RANK_STATUS_ENV, interrupted_line, resume_command
+from trainer.core.elastic import AGENT_ENV, AGENT_LOG_LINE, ELASTIC_ENV, ElasticSpec, agent_command, default_run_id
 from trainer.core.watchdog import started_by_launcher
 from trainer.errors import ConfigError, LaunchError
 from trainer.rundir import RunDir
 
 logger = logging.getLogger("trainer")
 
-__all__ = ["RunResult", "train", "under_launcher"]
+__all__ = ["RunResult", "train", "train_elastic", "under_launcher"]
 
 LAUNCH_CONFIG = "launch_config.yaml"
 """The resolved config a launched run trains from, in its run directory."""
@@ -114,7 +115,18 @@ def train(cfg: Config, num_processes: int = 1, deepspeed_config: str | None = No
             raise ConfigError(f"num_processes={num_processes} but {len(gpu_ids)} gpu_ids {gpu_ids} (one process per GPU)")
     if num_processes == 1 and gpu_ids is None:
         return _train_here(cfg, deepspeed_config)
-    return _launch(cfg, num_processes, deepspeed_config, gpu_ids)
+    return _launch(cfg, lambda config: launch_command(config, num_processes, deepspeed_config),
+                   f"the {num_processes}-process run", num_processes, gpu_ids)
+
+
+def train_elastic(cfg: Config, spec: ElasticSpec, deepspeed_config: str | None = None) -> RunResult:
+    """Train `cfg` under torch's elastic agent on this node (core/elastic.py): every node of the job runs the same
+    call; the run goes on while at least spec.min_nodes nodes are there."""
+    run_id = spec.run_id or default_run_id(cfg.run.output_dir)
+    trainer_args = ["--deepspeed", str(deepspeed_config)] if deepspeed_config else []
+    return _launch(cfg, lambda config: agent_command(spec, run_id, ["train", str(config), *trainer_args]),
+                   f"the elastic run ({spec.min_nodes}:{spec.max_nodes} nodes)", spec.nproc_per_node, None,
+                   AGENT_ENV)
 
 
 def _train_here(cfg: Config, deepspeed_config: str | None) -> RunResult:
@@ -151,10 +163,11 @@ class RanksEnded:
     """The exit statuses the ranks' command lines reported (2: an input error they said in one line)."""
 
 
-def run_ranks(cmd: list[str], num_processes: int, gpu_ids: Sequence[int] | None = None) -> RanksEnded:
+def run_ranks(cmd: list[str], num_processes: int, gpu_ids: Sequence[int] | None = None,
+              extra_env: Mapping[str, str] | None = None) -> RanksEnded:
     """Run a launcher command (`ranks_command`) through the front end: a clean environment for the launch, Ctrl-C
     passed to the ranks, and the launcher's own report of what the ranks already said left out (`_FrontEnd`)."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(extra_env or {})}
     for key in ("MASTER_ADDR", "MASTER_PORT"):  # --standalone picks a free port; a stale one must not leak in
         env.pop(key, None)
     if gpu_ids is not None:
@@ -179,13 +192,14 @@ def raise_for_ranks(ended: RanksEnded, what: str, hint: str = "") -> None:
         raise LaunchError(f"{what} exited with status {ended.code}; see the output above{hint}")
 
 
-def _launch(cfg: Config, num_processes: int, deepspeed_config: str | None, gpu_ids: list[int] | None) -> RunResult:
+def _launch(cfg: Config, command: Callable[[Path], list[str]], what: str, num_processes: int,
+            gpu_ids: list[int] | None, extra_env: Mapping[str, str] | None = None) -> RunResult:
     run = RunDir(cfg.run.output_dir)
     run.root.mkdir(parents=True, exist_ok=True)
     config_file = run.root / LAUNCH_CONFIG
     save_config(cfg, config_file)
     started, metrics_before = time.time(), _file_signature(run.metrics)
-    ended = run_ranks(launch_command(config_file, num_processes, deepspeed_config), num_processes, gpu_ids)
+    ended = run_ranks(command(config_file), num_processes, gpu_ids, extra_env)
     marker = _stop_marker(run, started)
     if ended.interrupts and marker is None:  # before training started, or pressed twice before the checkpoint
         latest = _latest(run)
@@ -198,9 +212,9 @@ def _launch(cfg: Config, num_processes: int, deepspeed_config: str | None, gpu_i
             print(interrupted_line(marker["step"], _planned_steps(run, cfg), _latest(run), resume_command(cfg)),
                   file=sys.stderr, flush=True)
         else:
-            logger.warning("the %d-process run was preempted; train again to resume from its checkpoint", num_processes)
+            logger.warning("%s was preempted; train again to resume from its checkpoint", what)
         return RunResult.read(run.root, status)
-    raise_for_ranks(ended, f"the {num_processes}-process run",
+    raise_for_ranks(ended, what,
                     f" and {run.metrics} (train again to resume from the latest checkpoint)")
     trained = metrics_before is None or _file_signature(run.metrics) != metrics_before
     return RunResult.read(run.root, None if trained else "already_complete")
@@ -280,6 +294,7 @@ class _FrontEnd:
 
     def __init__(self, cmd: list[str], env: dict[str, str]):
         self.cmd, self.env = cmd, env
+        self.quiet_agent = env.get(ELASTIC_ENV) == "1"  # the next worker group says what a restart changed
         self.interrupts = 0
         self.quiet = False
         self.status_dir = Path(env[RANK_STATUS_ENV])
@@ -358,6 +373,8 @@ class _FrontEnd:
         for chunk in iter(lambda: pipe.read1(65536), b""):
             if self._launcher_speaks():
                 chunk = b"".join(line for line in chunk.splitlines(keepends=True) if line.startswith(b"trainer:"))
+            elif self.quiet_agent:
+                chunk = b"".join(line for line in chunk.splitlines(keepends=True) if not AGENT_LOG_LINE.match(line))
             if not chunk:
                 continue
             if target is not None:

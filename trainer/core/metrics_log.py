@@ -46,7 +46,8 @@ class MetricsLog:
     def _truncate_after(self, step: int) -> None:
         # Lines logged after the checkpoint we resume from are replayed by the resumed run (the reader
         # also drops a line cut short by the crash we are resuming from).
-        kept = [r for r in self.run.read_metrics() if r.get("step", 0) <= step]
+        # Membership changes stay: they are the run's history, not the replayed trajectory's.
+        kept = [r for r in self.run.read_metrics() if r.get("step", 0) <= step or r.get("event") == "membership"]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict[str, Any]) -> None:

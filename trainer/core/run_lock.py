@@ -6,7 +6,9 @@ second run on a held directory refuses to start, naming the holder's host and pi
 an exclusive `flock` on the file for as long as it lives (the kernel drops it when the process dies,
 however it dies) and refreshes the file's mtime every `HEARTBEAT_S`. A lock left behind by a dead
 process is taken over with a warning: on this host when its pid is gone, from another host when its
-heartbeat is older than `STALE_AFTER_S` (file systems do not always share flocks between hosts).
+heartbeat is older than `STALE_AFTER_S` (file systems do not always share flocks between hosts). A
+restarted worker group of an elastic run takes over the lock of an earlier group of the same run at once,
+even from a lost node (`_earlier_group`).
 Within one process the lock is re-entrant; a forked child (a DataLoader worker) drops its copy, so it
 cannot keep the lock of a killed main process alive.
 """
@@ -27,6 +29,7 @@ from typing import Any
 
 import psutil
 
+from trainer.core.elastic import restartable
 from trainer.errors import TrainerError
 from trainer.rundir import RunDir
 
@@ -44,7 +47,26 @@ class RunLockedError(TrainerError, RuntimeError):
 def _this_process() -> dict[str, Any]:
     me = psutil.Process()
     return {"host": socket.gethostname(), "pid": os.getpid(), "create_time": me.create_time(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cmdline": " ".join(me.cmdline())[:500]}
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cmdline": " ".join(me.cmdline())[:500],
+            "elastic_run": _elastic_run()}
+
+
+def _elastic_run() -> str | None:
+    """The rendezvous run of a worker group its agent restarts (launches that never restart record none: a
+    static rendezvous names every launch alike)."""
+    return (os.environ.get("TORCHELASTIC_RUN_ID") or None) if restartable() else None
+
+
+def _earlier_group(holder: dict[str, Any] | None) -> bool:
+    """Whether the lock was taken by an earlier worker group of this elastic run: the agents stopped every worker
+    of it before this group started, so it is gone, even when another host's flock or heartbeat does not say so
+    yet (a lost node's lock on a shared file system). On this host its pid says it."""
+    run = _elastic_run()
+    if not run or holder is None or holder.get("elastic_run") != run:
+        return False
+    if holder.get("host") == socket.gethostname():
+        return not _pid_alive(int(holder.get("pid", -1)), holder.get("create_time"))
+    return True
 
 
 def _pid_alive(pid: int, create_time: float | None) -> bool:
@@ -178,7 +200,12 @@ def acquire_run_lock(output_dir: str | Path) -> RunLock:
             except BlockingIOError:
                 holder = _read_holder(fd)
                 os.close(fd)
-                raise _in_use(path, holder) from None
+                if not _earlier_group(holder):
+                    raise _in_use(path, holder) from None
+                logger.info("taking over the lock of %s from an earlier worker group of this elastic run (%s)",
+                            path.parent, _describe(holder))
+                path.unlink(missing_ok=True)  # a new file: the old one's flock stays with the old group's file
+                continue
             except OSError as err:
                 if err.errno not in _NO_FLOCK:
                     os.close(fd)
@@ -192,7 +219,7 @@ def acquire_run_lock(output_dir: str | Path) -> RunLock:
                 os.close(fd)
                 continue
             holder = _read_holder(fd)
-            if os.fstat(fd).st_size:
+            if os.fstat(fd).st_size and not _earlier_group(holder):
                 reason = _stale_reason(holder, fd)
                 if reason is None:
                     os.close(fd)

@@ -48,6 +48,8 @@ class RunPlan:
     warmup_steps: int
     """Warm-up optimizer steps, scaled with the lr when optim.scale_warmup."""
     eval_metric: str
+    ckpt_every_seconds: float = 0.0
+    """Also checkpoint once this many seconds passed since the last checkpoint (0: no time cadence)."""
     """The eval metric that selects the best checkpoint."""
 
     @property
@@ -66,8 +68,9 @@ class RunPlan:
         # A plan that covers a sliver of an epoch (a pool of prompts far larger than the run) is said in steps alone.
         epochs = f" ({self.max_steps / self.steps_per_epoch:.3g} epochs of {self.steps_per_epoch} steps)" \
             if self.steps_per_epoch and self.max_steps >= 0.01 * self.steps_per_epoch else ""
+        timed = f" and every {self.ckpt_every_seconds:g} s" if self.ckpt_every_seconds else ""
         return (f"plan: {self.max_steps} steps{epochs}, eval {_cadence(self.eval_every_steps)}, checkpoint "
-                f"{_cadence(self.ckpt_every_steps)}, best by {self.eval_metric}")
+                f"{_cadence(self.ckpt_every_steps)}{timed}, best by {self.eval_metric}")
 
     def write(self, path: Path) -> None:
         """plan.json in the run directory (beside config.yaml, the config as loaded)."""
@@ -99,7 +102,7 @@ def build_run_plan(cfg: Config, batch: BatchPlan, batches_per_epoch: int | None,
         ckpt_every_steps=in_steps(cfg.ckpt.every_epochs, cfg.ckpt.every_steps),
         decay_every_steps=in_steps(o.decay_every_epochs, o.decay_every_steps),
         lr=o.lr * factor, warmup_steps=round(o.warmup_steps * (factor if o.scale_warmup else 1.0)),
-        eval_metric=cfg.eval.metric or (metrics[0] if metrics else ""))
+        eval_metric=cfg.eval.metric or (metrics[0] if metrics else ""), ckpt_every_seconds=cfg.ckpt.every_seconds)
 
 
 def _cadence(every_steps: int) -> str:

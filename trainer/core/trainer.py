@@ -28,12 +28,14 @@ from trainer.atomic_io import atomic_write_text
 from trainer.config import Config, save_config
 from trainer.core.batch_plan import plan_batch
 from trainer.core.checkpoint import pick_resume_target, store
+from trainer.core.checkpoint.cadence import SaveClock
 from trainer.core.checkpoint.convert import optimizer_param_names
 from trainer.core.checkpoint.export import load_initial_weights
 from trainer.core.checkpoint.manager import Checkpointer
 from trainer.core.checkpoint.parts import BackendState, DataPosition, EMAState, TaskStats, TrainState
 from trainer.core.command_line import interrupted_line, resume_command, started_by_front_end
 from trainer.core.distributed import build_accelerator, compile_model, unwrap_model
+from trainer.core.elastic import MembershipWatch, restartable, resume_on_restart
 from trainer.core.ema import EMA
 from trainer.core.engine import build_engine, check_backend_supports
 from trainer.core.generation import generate_distributed
@@ -58,6 +60,7 @@ class Trainer:
     """Train `cfg`'s task under whatever launcher and backend started this process (`fit`)."""
 
     def __init__(self, cfg: Config, deepspeed_config: str | None = None):
+        cfg = resume_on_restart(cfg)  # a restarted elastic worker group continues from the latest checkpoint
         self.cfg = cfg  # as loaded: what the run derives from it is `self.plan` (run_plan.py)
         # The checkpoint to resume, picked and verified once; its batch layout is planned on before the Accelerator
         # (which needs the layout): the checkpoint's global batch is kept on any world size.
@@ -116,6 +119,7 @@ class Trainer:
         if self.ema is not None:
             parts["ema"] = EMAState(self.ema, acc, self.model, self.state)
         self.checkpointer = Checkpointer(cfg, acc, self.run_dir, parts, target)
+        self.save_clock = SaveClock(cfg.ckpt.every_seconds, world)
         resumed = self.checkpointer.resume(finished=target.step >= plan.max_steps)
         self.resumed_from = resumed.path if resumed else None
         # A run resumed at its last step that was not stopped there has its final eval, test and checkpoint:
@@ -131,6 +135,7 @@ class Trainer:
             plan.write(self.run_dir.plan)
         self.log.open(self.state.step if self.resumed_from else None)
         self.log.start(self.state.step, self._start_notes())
+        self.membership = MembershipWatch(self.run_dir.root, self.is_main, world, self.state.step, self.log.write)
 
     def _start_notes(self) -> list[str]:
         sampler, notes = self.data.sampler, []
@@ -150,7 +155,9 @@ class Trainer:
         acc, cfg, plan = self.accelerator, self.cfg, self.plan
         if self.already_complete:
             return self._say_already_complete()
-        watcher = PreemptionWatcher(acc.num_processes, announce=acc.is_main_process)
+        # Under an elastic agent a stop signal is the agent restarting the group: the next group says what changed.
+        quiet = restartable()
+        watcher = PreemptionWatcher(acc.num_processes, announce=acc.is_main_process and not quiet)
         micro = agreed_start(self.data.micro_batches(self.state.step * plan.grad_accum_steps), acc)
         bar = tqdm(total=plan.max_steps, initial=self.state.step, desc="train", dynamic_ncols=True,
                    disable=not (acc.is_main_process and cfg.log.progress_bar))
@@ -165,23 +172,28 @@ class Trainer:
             step = self.state.step
             window.add(stats["loss"], stats["units"], sum(self.task.batch_size(b.batch) for b in batches))
             bar.update(1)
+            self.membership.after_step(step)
             if step % cfg.log.every_steps == 0 or step == plan.max_steps:
                 self._log_train(window, stats, bar)
             improved = False
             if plan.eval_every_steps and step % plan.eval_every_steps == 0 and step < plan.max_steps:
                 improved = self._track_best(self.evaluate())
-            if step < plan.max_steps and (improved or (plan.ckpt_every_steps and step % plan.ckpt_every_steps == 0)):
-                self.save(best=improved)
-                saved_at = step
+            timed = self.save_clock.due()  # every rank, every step: the time cadence is agreed
+            if step < plan.max_steps and (improved or timed or (plan.ckpt_every_steps
+                                                                and step % plan.ckpt_every_steps == 0)):
+                if self.save(best=improved, wait=False) is not None:  # None: the last one is still being written
+                    saved_at = step
             if watcher.should_stop():
                 status = "interrupted" if watcher.stop_signal == "SIGINT" else "preempted"
                 break
         bar.close()
-        self._finish(status, saved_at, watcher)
+        self.save_clock.close()
+        self._finish(status, saved_at, watcher, quiet)
+        self.membership.finish(status)
         watcher.close()
         acc.wait_for_everyone()
         acc.end_training()
-        if status != "interrupted":  # a Ctrl-C ends with its one line (_finish)
+        if status == "completed" or (status == "preempted" and not quiet):  # a Ctrl-C ends with its line (_finish)
             self.log.summary(status, self.state.step, self.state.best_step, self.state.nonfinite_skipped)
         self.log.close()
         if acc.is_main_process:
@@ -332,17 +344,22 @@ class Trainer:
         return better
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, best: bool = False) -> Path:
-        """Write a complete checkpoint atomically (every rank takes part) and rotate old ones."""
-        return self.checkpointer.save(best=best)
+    def save(self, best: bool = False, wait: bool = True) -> Path | None:
+        """Write a complete checkpoint atomically (every rank takes part) and rotate old ones; wait=False (with
+        ckpt.async_save) returns before it is complete, or skips it while the last one is (`Checkpointer.save`)."""
+        path = self.checkpointer.save(best=best, wait=wait)
+        if path is not None:
+            self.save_clock.reset()
+        return path
 
-    def _finish(self, status: str, saved_at: int, watcher: PreemptionWatcher) -> None:
+    def _finish(self, status: str, saved_at: int, watcher: PreemptionWatcher, quiet: bool = False) -> None:
         """Final eval, test and checkpoint of a completed run, or the checkpoint and marker of a stopped one."""
         improved = False
         if status == "completed":
             improved = self._track_best(self.evaluate())
         if saved_at != self.state.step or improved:
             self.save(best=improved)
+        self.checkpointer.wait()
         if status == "completed" and self.test_loader is not None:
             self._load_test_weights()
             self.evaluate("test")
@@ -358,7 +375,7 @@ class Trainer:
                     latest = store.latest_checkpoint(self.run_dir.checkpoints)
                     print(interrupted_line(self.state.step, self.plan.max_steps, latest, resume_command(self.cfg)),
                           file=sys.stderr, flush=True)
-                else:
+                elif not quiet:
                     logger.warning("stop requested by %s: checkpoint at step %d written, exiting with status %d",
                                    signal_name or "another rank", self.state.step, stop_exit_code(signal_name))
 

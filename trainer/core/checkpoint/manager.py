@@ -19,10 +19,12 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from accelerate.utils import gather_object
 from safetensors.torch import load_file, save_file
 
 from trainer.config import Config
@@ -70,6 +72,8 @@ class Checkpointer:
         self.cfg, self.acc, self.run_dir, self.parts, self.target = cfg, acc, run_dir, parts, target
         self.corrupt: set[Path] = set()
         """Checkpoints the resume passed over because they failed verification: set aside if this run saves the step."""
+        self._completion: threading.Thread | None = None
+        self._completion_error: Exception | None = None
 
     @property
     def backend(self) -> BackendState:
@@ -80,14 +84,23 @@ class Checkpointer:
         return self.parts["train"]
 
     # ------------------------------------------------------------------ save
-    def save(self, best: bool = False) -> Path:
-        """Write a complete checkpoint atomically (every rank takes part) and rotate old ones."""
+    def save(self, best: bool = False, wait: bool = True) -> Path | None:
+        """Write a complete checkpoint atomically (every rank takes part) and rotate old ones.
+
+        wait=False with ckpt.async_save: return once every rank's files are written; the main process completes
+        the checkpoint (hashes, fsync, manifest, rename, pointers, rotation) in a background thread while the
+        run goes on. A failure there is raised, on every rank, by the next save or `wait()`. A save asked for while
+        the previous one is still being completed is skipped (None; a best checkpoint waits instead): checkpoints
+        then come as often as the disk completes them, and no step waits for the disk."""
         acc, root = self.acc, self.run_dir.checkpoints
+        if not wait and not best and self.cfg.ckpt.async_save and self.completing():
+            return None
         name = store.step_dir_name(self.state.step)
         tmp, final = root / f".tmp-{name}", root / name
         errors = SaveErrors(acc, root, tmp)
         if acc.is_main_process:
             with errors.record():
+                self._join_completion()
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
         errors.agree()
@@ -111,20 +124,60 @@ class Checkpointer:
         if acc.is_main_process:
             with errors.record():
                 record["artifacts"] = [store.TASK_STATS, *self.parts["task_stats"].save_artifacts(tmp)]
-                store.write_manifest(tmp, record, with_hashes=self.cfg.ckpt.verify)
-                if final in self.corrupt:  # kept, renamed, rather than replaced as an older copy would be
-                    self.corrupt.discard(final)
-                    kept = store.set_aside(final, "corrupt")
-                    logger.warning("%s failed verification when the run resumed from an older checkpoint: moved to %s "
-                                   "before saving this step", final, kept.name)
-                store.finalize(tmp, final, root, best=best)
-            if errors.error is None:
-                try:
-                    store.rotate(root, self.cfg.ckpt.keep_last)
-                except OSError as err:  # the new checkpoint is complete: old ones left behind are no error
-                    logger.warning("could not remove old checkpoints under %s: %s", root, err)
+                if self.cfg.ckpt.async_save and not wait:
+                    self._completion = threading.Thread(target=self._complete_in_background,
+                                                        args=(tmp, final, record, best), name="trainer-checkpoint")
+                    self._completion.start()
+                else:
+                    self._complete(tmp, final, record, best)
         errors.agree()
         return final
+
+    def _complete(self, tmp: Path, final: Path, record: dict[str, Any], best: bool) -> None:
+        """Main process: hashes and manifest (the mark of completeness), the rename, the pointers, the rotation."""
+        root = self.run_dir.checkpoints
+        store.write_manifest(tmp, record, with_hashes=self.cfg.ckpt.verify)
+        if final in self.corrupt:  # kept, renamed, rather than replaced as an older copy would be
+            self.corrupt.discard(final)
+            kept = store.set_aside(final, "corrupt")
+            logger.warning("%s failed verification when the run resumed from an older checkpoint: moved to %s "
+                           "before saving this step", final, kept.name)
+        store.finalize(tmp, final, root, best=best)
+        try:
+            store.rotate(root, self.cfg.ckpt.keep_last)
+        except OSError as err:  # the new checkpoint is complete: old ones left behind are no error
+            logger.warning("could not remove old checkpoints under %s: %s", root, err)
+
+    def _complete_in_background(self, tmp: Path, final: Path, record: dict[str, Any], best: bool) -> None:
+        try:
+            self._complete(tmp, final, record, best)
+        except Exception as err:  # noqa: BLE001 - raised by the next save or wait(), on every rank
+            self._completion_error = err
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _join_completion(self) -> None:
+        """Main process: wait for the checkpoint being completed in the background; raise its failure."""
+        if self._completion is not None:
+            self._completion.join()
+            self._completion = None
+        error, self._completion_error = self._completion_error, None
+        if error is not None:
+            raise error
+
+    def completing(self) -> bool:
+        """Every rank: whether the main process is still completing a checkpoint (the same answer everywhere)."""
+        busy = self._completion is not None and self._completion.is_alive()  # only the main process starts one
+        if self.acc.num_processes > 1:
+            busy = any(gather_object([busy]))
+        return busy
+
+    def wait(self) -> None:
+        """Every rank: return once the last checkpoint is complete on disk (raises its failure everywhere)."""
+        errors = SaveErrors(self.acc, self.run_dir.checkpoints, self.run_dir.checkpoints / ".tmp-none")
+        if self.acc.is_main_process:
+            with errors.record():
+                self._join_completion()
+        errors.agree()
 
     # ------------------------------------------------------------------ resume
     def resume(self, finished: bool = False) -> Resumed | None:
