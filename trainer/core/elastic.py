@@ -54,8 +54,9 @@ AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", ELASTIC_ENV: "1"}
 agent-shared store keeps the first round's address on a node that stays non-zero, which points at a store that
 died with its node or that no worker uses."""
 
-AGENT_LOG_LINE = re.compile(rb"^[IWE]\d{4} [\d:.]+ +\d+ torch/distributed/")
-"""A line of torch's elastic agent's log (`W1128 11:35:06.387000 8766 torch/distributed/elastic/...] ...`)."""
+AGENT_LOG_LINE = re.compile(rb"^[IWE]\d{4} [\d:.]+ +\d+ \S*torch/distributed/")
+"""A line of torch's elastic agent's log (`W1128 11:35:06.387000 8766 torch/distributed/elastic/...] ...`; the
+path is relative to the working directory when torch is installed below it, e.g. in a project's .venv)."""
 
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
               "ProcessGroupNCCL", "DistNetworkError", "Socket Timeout", "Connection refused")
