@@ -315,7 +315,7 @@ class MoleculesEDMTask(Task):
             total = options.num_samples * guided_steps * g.iterations * len(scales)
             evaluations = evaluations_line(total, self._guiding_forcefield(g), g.types, self.atomic_numbers)
             logger.info("guided sampling: %d molecules x %d guided steps (sigma_t <= %g) x %d iteration(s) x %d scale(s) "
-                        "= %s (the cost grows with each factor), then %d final-molecule evaluations (%s)",
+                        "(the cost grows with each factor) = %s, then %d final-molecule evaluations (%s)",
                         options.num_samples, guided_steps, g.noise_threshold, g.iterations, len(scales), evaluations,
                         final, options.evaluation_forcefield)
         elif final:
