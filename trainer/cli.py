@@ -320,6 +320,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.core.threads import set_openmp_wait_policy
+
+    set_openmp_wait_policy()  # before anything imports torch, whose OpenMP runtime reads it once
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("accelerate", "deepspeed", "DeepSpeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -254,3 +254,30 @@ def test_guidance_counts_each_rung_and_the_failures():
            **{f"guidance_{k}": v for k, v in counters.items() if k.startswith("evaluations_")}}
     line = guidance_summary(row)
     assert "etemp_0.00095 2, etemp_0.01 2, etemp_0.03 0" in line and "failed 2 (33.33 %" in line
+
+
+class HCNOOnly(FixedForces):
+    """A force field that models H C N O only (as ANI-1x), routed to a named fallback."""
+
+    name = "hcno+fallback"
+    names = ["hcno", "fallback"]
+    supported_numbers = (1, 6, 7, 8)
+
+
+def test_default_types_give_a_partial_force_field_its_own_types_and_say_so() -> None:
+    from trainer.families.molecules_edm.guidance import evaluations_line
+    from trainer.families.molecules_edm.spec import MoleculeSampleConfig
+
+    assert GuidanceConfig(scale=0.001).types == MoleculeSampleConfig().guidance.types == "auto"
+    partial = HCNOOnly(np.zeros((1, 2, 3)))
+    auto = ForceGuidance(partial, GuidanceConfig(scale=0.001), Z)
+    assert auto.decode_among == [0, 1, 2, 3]  # F never decoded for the force field: no molecule needs the fallback
+    assert ForceGuidance(partial, GuidanceConfig(scale=0.001, types="argmax"), Z).decode_among is None
+    assert ForceGuidance(FixedForces(np.zeros((1, 2, 3))), GuidanceConfig(scale=0.001), Z).decode_among is None
+    line = evaluations_line(20224, partial, "auto", Z)
+    assert line.startswith("20,224 hcno force evaluations") and "guidance.types=auto" in line and "not F" in line
+    argmax = evaluations_line(20224, partial, "argmax", Z)
+    assert "by hcno" in argmax and "by fallback" in argmax
+    assert evaluations_line(7, FixedForces(np.zeros((1, 2, 3))), "auto", Z) == "7 fixed force evaluations"
+    with pytest.raises(ConfigError, match="auto"):
+        GuidanceConfig(scale=0.001, types="all")

@@ -80,6 +80,7 @@ def test_one_process_with_accumulation_trains_the_weights_of_two(trained_run, tm
 def test_guided_sampling_is_paired_and_the_same_with_one_and_two_processes(trained_run, tmp_path):
     # ANI-1x guides (on the sampler's device, batched), springs take the molecules it does not model (F)
     options = ["num_samples=5", "batch_size=2", "guidance.scales=[0.0,0.002]", "guidance.forcefield=ani1x",
+               "guidance.types=argmax",
                "guidance.fallback_forcefield=springs", "guidance.noise_threshold=1.0", "evaluation_forcefield=springs",
                "chains=1", "chain_frames=4"]
     one, two = tmp_path / "one", tmp_path / "two"

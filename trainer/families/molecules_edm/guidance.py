@@ -15,8 +15,9 @@ nothing here draws random numbers; statistics are counters, not per-step INFO lo
 Forces come through `compute_on_device`: an MLFF (ani1x) evaluates the batch where the sampler's tensors are,
 a numpy force field (tblite) through one host round trip. A force field that models fewer elements than the
 sampler decodes is routed with a fallback (forcefields/routing.py): counted per force field (`scored_<name>`),
-or, without a fallback, left unguided and counted (`unsupported`); with `types="forcefield"` the sampler decodes
-the types for this hook among the force field's elements (`decode_among`), so none needs the fallback. With
+or, without a fallback, left unguided and counted (`unsupported`); with `types="forcefield"` (and with the default
+`types="auto"` when the force field does not model every type the sampler makes) the sampler decodes the types for
+this hook among the force field's elements (`decode_among`), so none needs the fallback. With
 `max_uncertainty`, a molecule whose ensemble energy spread exceeds it on a step is not pushed (`uncertain_skips`).
 
 A force field with `for_guidance()` (GFN-xTB) is evaluated through that evaluator: an electronic-temperature
@@ -46,6 +47,50 @@ from trainer.families.molecules_edm.forcefields.base import (
 log = logging.getLogger(__name__)
 
 
+GUIDANCE_TYPES: tuple[str, ...] = ("auto", "argmax", "forcefield")
+"""The values of `GuidanceConfig.types` (`guidance.types`)."""
+
+
+def types_seen(types: str, atomic_numbers_of_types: Sequence[int], supported_numbers: Sequence[int] | None) -> str:
+    """`types` with `auto` resolved: `forcefield` when the force field models only some of the sampler's types
+    (ANI-1x and QM9's F: under `argmax` most molecules of the noisy guided steps hold an F and would all go to the
+    fallback, at the fallback's speed), else `argmax` (the two agree there). None: the force field models every
+    element."""
+    if types != "auto":
+        return types
+    missing = supported_numbers is not None and any(int(z) not in supported_numbers for z in atomic_numbers_of_types)
+    return "forcefield" if missing else "argmax"
+
+
+def evaluations_line(total: int, forcefield: ForceField, types: str, atomic_numbers_of_types: Sequence[int]) -> str:
+    """`total` guidance force evaluations as the start line names them: which force field takes them, and with
+    `types=auto` resolved to `forcefield` why (said once, before sampling)."""
+    from ase.data import chemical_symbols
+
+    name = str(getattr(forcefield, "name", "?"))
+    supported = getattr(forcefield, "supported_numbers", None)
+    names = list(getattr(forcefield, "names", [name]))
+    primary = names[0]
+    if supported is None:
+        return f"{total:,} {name} force evaluations"
+    modelled = " ".join(chemical_symbols[int(z)] for z in atomic_numbers_of_types if int(z) in supported)
+    others = " ".join(chemical_symbols[int(z)] for z in atomic_numbers_of_types if int(z) not in supported)
+    seen = types_seen(types, atomic_numbers_of_types, supported)
+    if seen == "forcefield" or not others:
+        why = ""
+        if types == "auto" and others:
+            why = (f" (guidance.types=auto: {primary} models {modelled}, not {others}, so it sees each atom as the most "
+                   f"likely of {modelled}; the sampler's own types are unchanged; guidance.types=argmax would send a "
+                   f"molecule holding {others} to {names[1] if len(names) > 1 else 'the fallback'})")
+        return f"{total:,} {primary} force evaluations{why}"
+    if len(names) > 1 and names[1] != "none":
+        return (f"{total:,} force evaluations, by {primary} for a molecule of {modelled} only and by {names[1]} for one "
+                f"holding {others} (guidance.types=argmax: most molecules of the noisier guided steps, at {names[1]}'s "
+                f"speed)")
+    return (f"{total:,} force evaluations by {primary}, a molecule holding {others} left unguided on that step "
+            f"(guidance.types=argmax, no fallback force field)")
+
+
 @dataclass
 class GuidanceConfig:
     """Options of force-field guidance (units: Angstrom per eV/Angstrom for `scale`)."""
@@ -60,9 +105,10 @@ class GuidanceConfig:
     """Largest per-atom displacement norm (Angstrom) per iteration; None: no clip."""
     max_uncertainty: float | None = None
     """Skip the push for a molecule whose ensemble energy spread (eV/atom) is above this on that step; None: never."""
-    types: str = "argmax"
-    """How the force field sees the atom types: `argmax` over all types (the seed's rule), or `forcefield`:
-    the argmax over the types the force field models (ani1x: no F), so no molecule needs the fallback."""
+    types: str = "auto"
+    """How the force field sees the atom types: `argmax` over all types (the seed's rule), `forcefield`:
+    the argmax over the types the force field models (ani1x: no F), so no molecule needs the fallback, or
+    `auto`: `forcefield` when the force field does not model every type, else `argmax` (`types_seen`)."""
 
     def __post_init__(self) -> None:
         if not np.isfinite(self.scale) or self.scale < 0:
@@ -71,8 +117,8 @@ class GuidanceConfig:
             raise ConfigError(f"guidance iterations must be an integer >= 1, got {self.iterations}")
         if not np.isfinite(self.noise_threshold) or self.noise_threshold < 0:
             raise ConfigError(f"guidance noise_threshold must be a finite number >= 0, got {self.noise_threshold}")
-        if self.types not in ("argmax", "forcefield"):
-            raise ConfigError(f"guidance types must be 'argmax' or 'forcefield', got {self.types!r}")
+        if self.types not in GUIDANCE_TYPES:
+            raise ConfigError(f"guidance types must be one of {', '.join(GUIDANCE_TYPES)}, got {self.types!r}")
         for name in ("force_clip", "displacement_clip", "max_uncertainty"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -110,7 +156,8 @@ class ForceGuidance:
         supported = getattr(forcefield, "supported_numbers", None)
         self.decode_among: list[int] | None = None
         """Type indices the sampler decodes among for this hook (`types: forcefield`), None: all."""
-        if config.types == "forcefield" and supported is not None:
+        if types_seen(config.types, self.atomic_numbers_of_types.tolist(), supported) == "forcefield" \
+                and supported is not None:
             self.decode_among = [i for i, z in enumerate(self.atomic_numbers_of_types.tolist()) if z in supported]
             if not self.decode_among:
                 raise ConfigError(f"guidance types=forcefield: {getattr(forcefield, 'name', '?')} models none of the "

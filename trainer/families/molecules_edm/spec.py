@@ -72,11 +72,12 @@ class GuidanceOptions:
     counts them (`guidance_scored_<name>`). `none`: they stay unguided (counted as `guidance_unsupported`)."""
     fallback_forcefield_kwargs: dict = field(default_factory=dict)
     """Keyword arguments of the fallback force field."""
-    types: str = "argmax"
-    """Atom types the force field sees: `argmax` over all of them (the seed's rule; in the noisy part of the
-    guided phase most molecules then hold an F, which ani1x routes to the fallback), or `forcefield`: the argmax
-    over the types the guiding force field models (ani1x: H C N O), so the fallback is never needed. The
-    sampler's own types are unchanged either way."""
+    types: str = "auto"
+    """Atom types the force field sees (the sampler's own types are unchanged): `auto` (default): the argmax over
+    the types the guiding force field models when it does not model them all (ani1x: H C N O, not QM9's F; said in
+    the start line), else over all of them; `argmax`: over all of them (the seed's rule; in the noisy part of the
+    guided phase most molecules then hold an F, which ani1x routes to `fallback_forcefield`, at its speed);
+    `forcefield`: over the types the guiding force field models, so the fallback is never needed."""
     max_uncertainty: float = 0.0
     """Skip the push for a molecule whose ensemble energy spread (eV/atom; ani1x's 8 networks) is above this
     on that step, counted as `guidance_uncertain_skips` (0: never skip)."""
@@ -130,8 +131,8 @@ class MoleculeSampleConfig(SampleConfig):
             raise ValueError(f"guidance.scales must be numbers >= 0, got {g.scales}")
         if any(s > 0 for s in g.scales) and g.forcefield == "none":
             raise ValueError("guidance.scales > 0 need a guidance.forcefield (gfn2, ani1x, ase:..., uma:..., springs)")
-        if g.types not in ("argmax", "forcefield"):
-            raise ValueError(f"guidance.types must be 'argmax' or 'forcefield', got {g.types!r}")
+        if g.types not in ("auto", "argmax", "forcefield"):
+            raise ValueError(f"guidance.types must be 'auto', 'argmax' or 'forcefield', got {g.types!r}")
         if g.max_uncertainty < 0:
             raise ValueError(f"guidance.max_uncertainty must be >= 0 (eV/atom; 0: never skip), got {g.max_uncertainty}")
         if g.iterations < 1 or not 0 < g.noise_threshold <= 1:

@@ -41,7 +41,7 @@ from trainer.families.molecules_edm.dataset import (
 )
 from trainer.families.molecules_edm.diffusion import EDMDiffusion
 from trainer.families.molecules_edm.egnn import build_egnn_dynamics
-from trainer.families.molecules_edm.guidance import ForceGuidance, GuidanceConfig
+from trainer.families.molecules_edm.guidance import ForceGuidance, GuidanceConfig, evaluations_line
 from trainer.families.molecules_edm.molecule import Molecule
 from trainer.families.molecules_edm.readers import bundled_qm9_path
 from trainer.families.molecules_edm.spec import MODEL_PRESETS, SPEC, MoleculeSampleConfig, MoleculesEDMConfig
@@ -313,10 +313,11 @@ class MoleculesEDMTask(Task):
         final = options.num_samples * sets if options.evaluation_forcefield != "none" else 0
         if scales:
             total = options.num_samples * guided_steps * g.iterations * len(scales)
+            evaluations = evaluations_line(total, self._guiding_forcefield(g), g.types, self.atomic_numbers)
             logger.info("guided sampling: %d molecules x %d guided steps (sigma_t <= %g) x %d iteration(s) x %d scale(s) "
-                        "= %s %s force evaluations (the cost grows with each factor), then %d final-molecule "
-                        "evaluations (%s)", options.num_samples, guided_steps, g.noise_threshold, g.iterations,
-                        len(scales), f"{total:,}", g.forcefield, final, options.evaluation_forcefield)
+                        "(the cost grows with each factor) = %s, then %d final-molecule evaluations (%s)",
+                        options.num_samples, guided_steps, g.noise_threshold, g.iterations, len(scales), evaluations,
+                        final, options.evaluation_forcefield)
         elif final:
             logger.info("sampling: %d molecules x %d set(s), then %d final-molecule evaluations (%s)",
                         options.num_samples, sets, final, options.evaluation_forcefield)
