@@ -135,6 +135,24 @@ def plot_summary(rows: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def set_headline(row: dict[str, Any], forcefield: str) -> str:
+    """One line on a set of sampled molecules: how many, EDM's rates, and the force RMS under the evaluation force
+    field `forcefield` (and the MLFF's, when one scored them too) with how many molecules each scored."""
+    line = (f"{row['set']}: {row['num_molecules']} molecules, valid {100 * row['validity']:.1f} %, atom stability "
+            f"{100 * row['atom_stability']:.1f} %, molecule stability {100 * row['molecule_stability']:.1f} %")
+    for prefix, name in (("", forcefield), ("mlff_", row.get("mlff_forcefield"))):
+        evaluated = row.get(prefix + "forcefield_molecules")
+        if evaluated is None:
+            continue
+        failed, outside = row.get(prefix + "forcefield_failures", 0), row.get(prefix + "forcefield_unsupported", 0)
+        scored = evaluated - failed
+        rms = (f"mean {row[prefix + 'force_rms_mean']:.3g}, median {row[prefix + 'force_rms_median']:.3g} eV/A"
+               if scored else "none scored")
+        line += (f"; force RMS by {name}: {rms} over {scored} scored" + (f", {failed} failed" if failed else "")
+                 + (f", {outside} with elements it does not model" if outside else ""))
+    return line
+
+
 def guidance_summary(row: dict[str, Any]) -> str:
     """One line on a guided set's force evaluations: rate, rungs of the ladder, failures."""
     rungs = ", ".join(f"{key.removeprefix('guidance_evaluations_')} {value:,}" for key, value in row.items()

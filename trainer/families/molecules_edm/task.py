@@ -393,6 +393,8 @@ class MoleculesEDMTask(Task):
             rows.append(row)
         report.write_metrics_tables(rows, out)
         report.plot_summary(rows, out / "summary.png")
+        for row in rows:
+            logger.info("%s", report.set_headline(row, options.evaluation_forcefield))
         return {"out": str(out), "sets": {row["set"]: row for row in rows}}
 
 
