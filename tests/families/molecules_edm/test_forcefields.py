@@ -24,6 +24,7 @@ from trainer.families.molecules_edm.forcefields import (  # noqa: E402
     FORCEFIELD_CHOICES,
     build_forcefield,
     pad_molecules,
+    scoring_forcefield,
     validate_batch,
 )
 from trainer.families.molecules_edm.forcefields.ase_calculator import ASECalculatorForceField  # noqa: E402
@@ -366,6 +367,38 @@ def test_build_forcefield_specs_and_unknown_spec_lists_choices():
     assert build_forcefield("gfn2-xtb", workers=1).name == "gfn2-xtb"
     springs = build_forcefield("springs")
     assert type(springs).__name__ == "SpringForceField" and isinstance(springs, ForceField)
+
+
+def test_the_force_field_behind_a_source_code_routed_or_not():
+    """`scoring_forcefield` names who scored a molecule from its result's `source`: a routed force field's primary
+    (0) or fallback (1, built on that first need), nobody (-1); a plain force field scores everything itself."""
+    import torch
+
+    from trainer.families.molecules_edm.forcefields.routing import RoutedForceField
+    from trainer.families.molecules_edm.forcefields.springs import SpringForceField
+
+    primary = SpringForceField()
+    primary.supported_numbers = frozenset({1, 6})
+    built: list[SpringForceField] = []
+
+    def make() -> SpringForceField:
+        built.append(SpringForceField(stiffness=5.0))
+        return built[-1]
+
+    routed = RoutedForceField(primary, make, fallback_name="soft")
+    numbers, positions, mask = pad_molecules([Molecule(np.array([6, 1]), np.array([[0, 0, 0], [1.1, 0, 0]])),
+                                              Molecule(np.array([8, 1]), np.array([[0, 0, 0], [0.97, 0, 0]]))])
+    result = routed.compute_tensors(torch.as_tensor(numbers), torch.as_tensor(positions), torch.as_tensor(mask))
+    assert result.source.tolist() == [0, 1]
+    assert scoring_forcefield(routed, 0) is primary and routed.scorer(0) is primary
+    assert scoring_forcefield(routed, 1) is built[0] and len(built) == 1
+    assert routed.scorer(-1) is None
+    with pytest.raises(ValueError, match="source code 2"):
+        routed.scorer(2)
+    assert scoring_forcefield(primary, 0) is primary
+    lazy = RoutedForceField(primary, make)
+    assert lazy.scorer(0) is primary and len(built) == 1  # the primary's code never builds the fallback
+    assert RoutedForceField(primary, None).scorer(1) is None
 
 
 def test_sevennet_through_the_ase_adapter_where_installed():

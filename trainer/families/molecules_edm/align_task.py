@@ -196,13 +196,14 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
     def _energy_per_atom(self, final: Any, result: Any, scored: torch.Tensor) -> torch.Tensor:
         """(E - sum of the isolated atoms' energies) / atoms of each scored molecule (NaN elsewhere), the atoms'
         energies from the force field that scored the molecule (the reward's, or its fallback), each evaluated once."""
+        from trainer.families.molecules_edm.forcefields.base import scoring_forcefield
+
         forcefield = self.reward_forcefield()
         source = result.source.cpu().numpy() if result.source is not None else np.zeros(len(scored), dtype=np.int64)
         numbers, mask = final.atomic_numbers.cpu().numpy(), final.node_mask.cpu().numpy()
         reference = np.full(len(numbers), np.nan)
         for b in np.flatnonzero(scored.cpu().numpy()):
-            # source 0: the reward force field (a routed one's primary), 1: its fallback (built by then)
-            scorer = getattr(forcefield, "primary", forcefield) if int(source[b]) == 0 else forcefield.fallback
+            scorer = scoring_forcefield(forcefield, int(source[b]))
             reference[b] = sum(self._atom_energy(scorer, int(z)) for z in numbers[b][mask[b]])
         atoms = final.node_mask.sum(dim=1).clamp(min=1).to(result.energy)
         return (result.energy - torch.as_tensor(reference, dtype=result.energy.dtype, device=result.energy.device)) / atoms

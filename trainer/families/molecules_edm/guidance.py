@@ -42,6 +42,7 @@ from trainer.families.molecules_edm.forcefields.base import (
     compute_on_device,
     guidance_evaluator,
     modelled_atoms,
+    scoring_forcefield,
 )
 
 log = logging.getLogger(__name__)
@@ -252,5 +253,5 @@ class ForceGuidance:
 
 
 def _reports_spread(evaluator: object) -> bool:
-    """Whether a guidance evaluator (or a routed one's primary) is an ensemble that reports its spread."""
-    return bool(getattr(evaluator, "ensemble", False) or getattr(getattr(evaluator, "primary", None), "ensemble", False))
+    """Whether a guidance evaluator (a routed one: its primary) is an ensemble that reports its spread."""
+    return bool(getattr(scoring_forcefield(evaluator, 0), "ensemble", False))

@@ -18,11 +18,17 @@ from typing import Any
 import numpy as np
 
 from trainer.errors import ConfigError, DataError
-from trainer.families.molecules_edm.forcefields.base import ForceBatch, ForceField, ForceResult, compute_on_device
+from trainer.families.molecules_edm.forcefields.base import (
+    ForceBatch,
+    ForceField,
+    ForceResult,
+    compute_on_device,
+    scoring_forcefield,
+)
 from trainer.families.molecules_edm.molecule import Molecule
 
 __all__ = ["FORCEFIELD_CHOICES", "ForceBatch", "ForceField", "ForceResult", "build_forcefield", "compute_on_device",
-           "pad_molecules", "validate_batch"]
+           "pad_molecules", "scoring_forcefield", "validate_batch"]
 
 FORCEFIELD_CHOICES: tuple[str, ...] = ("gfn2", "gfn2-xtb", "gfn1", "gfn1-xtb", "ani1x", "ase:<dotted.path.Class>",
                                        "uma:<model name or checkpoint path>", "springs", "none")

@@ -12,7 +12,7 @@ the energy and forces are the members' mean, and the same forward gives the spre
 square root instead); `force_spread` (members' forces, one backward each) is computed by `compute`, the
 evaluation path, and by `compute_tensors(..., force_spread=True)`. `model_index=k` evaluates network k alone
 (no spread). Guided sampling pushes with one network (`guidance_network`, default 0: one network's work instead
-of the ensemble's 8, with molecules of the same quality in the MLFF guidance benchmark) unless it needs the spread
+of the whole ensemble's, with molecules of the same quality in the MLFF guidance benchmark) unless it needs the spread
 (`max_uncertainty`); the members are evaluated together, one batched matmul per element and layer
 (`FusedEnsemble`).
 
@@ -28,16 +28,17 @@ values (coincident atoms).
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from trainer.errors import ConfigError
 from trainer.families.molecules_edm.forcefields import validate_batch
 from trainer.families.molecules_edm.forcefields.base import (
+    DeviceBatch,
     ForceBatch,
     ForceResult,
     closest_pair_distance,
@@ -57,61 +58,57 @@ DATA_SET = "ani1x"
 """The `trainer data` entry holding the parameter files."""
 
 
-class FusedEnsemble:
+class FusedEnsemble(torch.nn.Module):
     """torchani's ensemble of per-element networks with the members stacked: one batched matmul per element and
     layer for all members at once, instead of one small matmul per member (the same function and values to float
     rounding; far fewer operations, which is what a small batch pays for). Called as torchani calls its
     `AtomicContainer`: (element indices [B, A] with -1 at padding, AEVs [B, A, F], atomic, ensemble_values)."""
 
-    def __new__(cls, ensemble: Any) -> Any:
-        import torch
+    def __init__(self, ensemble: Any) -> None:
+        super().__init__()
+        members = list(ensemble.members)
+        self.num_species = ensemble.num_species
+        self.symbols = tuple(members[0].atomics.keys())
+        self.members = len(members)
+        self.weights = torch.nn.ParameterList()
+        self.biases = torch.nn.ParameterList()
+        self.depth = 0
+        for symbol in self.symbols:
+            nets = [m.atomics[symbol] for m in members]
+            layers = [[*net.layers, net.final_layer] for net in nets]
+            if {len(stack) for stack in layers} != {len(layers[0])} or (self.depth and len(layers[0]) != self.depth) \
+                    or any(type(net.activation).__name__ != "TightCELU" for net in nets):
+                raise ConfigError("ani1x: the fused ensemble expects equally deep CELU(0.1) networks for every "
+                                  "element and member (ANI-1x's)")
+            self.depth = len(layers[0])
+            for depth in range(self.depth):
+                weight = torch.stack([layer[depth].weight.detach().t() for layer in layers])  # [M, in, out]
+                bias = torch.stack([layer[depth].bias.detach() for layer in layers]).unsqueeze(1)  # [M, 1, out]
+                self.weights.append(torch.nn.Parameter(weight, requires_grad=False))
+                self.biases.append(torch.nn.Parameter(bias, requires_grad=False))
 
-        class _Fused(torch.nn.Module):
-            def __init__(self, ensemble: Any) -> None:
-                super().__init__()
-                members = list(ensemble.members)
-                self.num_species = ensemble.num_species
-                self.symbols = tuple(members[0].atomics.keys())
-                self.members = len(members)
-                self.weights = torch.nn.ParameterList()
-                self.biases = torch.nn.ParameterList()
-                self.depth = 0
-                for symbol in self.symbols:
-                    nets = [m.atomics[symbol] for m in members]
-                    layers = [[*net.layers, net.final_layer] for net in nets]
-                    if {len(stack) for stack in layers} != {len(layers[0])} or (self.depth and len(layers[0]) != self.depth) \
-                            or any(type(net.activation).__name__ != "TightCELU" for net in nets):
-                        raise ConfigError("ani1x: the fused ensemble expects equally deep CELU(0.1) networks for every "
-                                          "element and member (ANI-1x's)")
-                    self.depth = len(layers[0])
-                    for depth in range(self.depth):
-                        weight = torch.stack([layer[depth].weight.detach().t() for layer in layers])  # [M, in, out]
-                        bias = torch.stack([layer[depth].bias.detach() for layer in layers]).unsqueeze(1)  # [M, 1, out]
-                        self.weights.append(torch.nn.Parameter(weight, requires_grad=False))
-                        self.biases.append(torch.nn.Parameter(bias, requires_grad=False))
-
-            def forward(self, elem_idxs: Any, aevs: Any = None, atomic: bool = False,
-                        ensemble_values: bool = False) -> Any:
-                flat = elem_idxs.flatten()
-                features = aevs.flatten(0, 1)
-                out = features.new_zeros(self.members, flat.numel())
-                for species in range(len(self.symbols)):
-                    rows = (flat == species).nonzero().view(-1)
-                    if rows.numel() == 0:
-                        continue
-                    h = features.index_select(0, rows).unsqueeze(0)  # [1, n, F]: shared by every member
-                    for depth in range(self.depth):
-                        k = species * self.depth + depth
-                        h = torch.baddbmm(self.biases[k], h.expand(self.members, -1, -1), self.weights[k])
-                        if depth + 1 < self.depth:
-                            h = torch.nn.functional.celu(h, alpha=0.1)  # torchani's TightCELU
-                    out = out.index_add(1, rows, h.squeeze(-1))
-                out = out.view(self.members, *elem_idxs.shape)
-                if not atomic:
-                    out = out.sum(-1)
-                return out if ensemble_values else out.mean(0)
-
-        return _Fused(ensemble)
+    def forward(self, elem_idxs: torch.Tensor, aevs: torch.Tensor | None = None, atomic: bool = False,
+                ensemble_values: bool = False) -> torch.Tensor:
+        """Per-molecule energies ([B], or per atom [B, A] with `atomic`), the members' mean or each member's
+        ([M, ...] with `ensemble_values`)."""
+        flat = elem_idxs.flatten()
+        features = aevs.flatten(0, 1)
+        out = features.new_zeros(self.members, flat.numel())
+        for species in range(len(self.symbols)):
+            rows = (flat == species).nonzero().view(-1)
+            if rows.numel() == 0:
+                continue
+            h = features.index_select(0, rows).unsqueeze(0)  # [1, n, F]: shared by every member
+            for depth in range(self.depth):
+                k = species * self.depth + depth
+                h = torch.baddbmm(self.biases[k], h.expand(self.members, -1, -1), self.weights[k])
+                if depth + 1 < self.depth:
+                    h = torch.nn.functional.celu(h, alpha=0.1)  # torchani's TightCELU
+            out = out.index_add(1, rows, h.squeeze(-1))
+        out = out.view(self.members, *elem_idxs.shape)
+        if not atomic:
+            out = out.sum(-1)
+        return out if ensemble_values else out.mean(0)
 
 
 def build_ani1x_model(model_index: int | None = None, cache: str | Path | None = None,
@@ -171,7 +168,6 @@ class ANIForceField:
             raise ConfigError(f"ani1x model_index must be empty (the ensemble) or 0-{ENSEMBLE_SIZE - 1}, got {model_index!r}")
         if dtype not in ("float32", "float64"):
             raise ConfigError(f"ani1x dtype must be float32 or float64, got {dtype!r}")
-        import torch
         from ase.units import Hartree
 
         self.dtype = getattr(torch, dtype)
@@ -210,83 +206,51 @@ class ANIForceField:
     def compute_tensors(self, numbers: Any, positions: Any, mask: Any, force_spread: bool = False) -> ForceBatch:
         """numbers [B, N] int, positions [B, N, 3] Angstrom, mask [B, N] bool (tensors) -> ForceBatch on
         positions' device (eV, eV/Angstrom). One forward (and one backward; `force_spread`: one per member)."""
-        import torch
-
-        out_device, out_dtype = positions.device, positions.dtype
-        device = self.device or out_device
-        numbers = numbers.to(device=device, dtype=torch.long)
-        mask = mask.to(device=device, dtype=torch.bool)
-        x = positions.detach().to(device=device, dtype=self.dtype)
-        batch, width = numbers.shape
-        real = mask.any(dim=1)
+        device = self.device or positions.device
+        run = DeviceBatch.prepare(numbers, positions, mask, device, self.dtype, energy_spread=self.ensemble,
+                                  force_spread=self.ensemble and force_spread)
+        numbers, mask = run.numbers, run.mask
         supported = modelled_atoms(numbers, mask, ANI1X_NUMBERS)
-        finite = torch.isfinite(x).all(dim=-1) | ~mask
-        apart = closest_pair_distance(x, mask) >= MIN_DISTANCE
-        good = real & supported.all(dim=1) & finite.all(dim=1) & apart
-        self.last_errors = {}
-        if not bool(good.all()):
-            for b in torch.nonzero(~good).flatten().tolist():
-                if not bool(real[b]):
-                    self.last_errors[b] = "no atoms"
-                elif not bool(supported[b].all()):
-                    bad = sorted(set(numbers[b][mask[b] & ~supported[b]].tolist()))
-                    self.last_errors[b] = f"atomic number(s) {bad} outside ANI-1x (H C N O)"
-                elif not bool(finite[b].all()):
-                    self.last_errors[b] = "non-finite positions"
-                else:
-                    self.last_errors[b] = f"two atoms closer than {MIN_DISTANCE} Å"
-        energy = torch.full((batch,), math.nan, dtype=torch.float64, device=device)
-        forces = torch.zeros((batch, width, 3), dtype=torch.float64, device=device)
-        e_spread = torch.full((batch,), math.nan, dtype=torch.float64, device=device) if self.ensemble else None
-        f_spread = torch.full((batch,), math.nan, dtype=torch.float64, device=device) if self.ensemble and force_spread else None
-        rows = torch.nonzero(good).flatten()
+
+        def outside(b: int) -> str:
+            return f"atomic number(s) {sorted(set(numbers[b][mask[b] & ~supported[b]].tolist()))} outside ANI-1x (H C N O)"
+
+        rows = run.screen([(mask.any(dim=1), "no atoms"), (supported.all(dim=1), outside),
+                           (run.finite_positions(), "non-finite positions"),
+                           (closest_pair_distance(run.positions, mask) >= MIN_DISTANCE,
+                            f"two atoms closer than {MIN_DISTANCE} Å")])
+        self.last_errors = run.errors
         if len(rows):
             sub_mask = mask[rows]
             n = int(sub_mask.nonzero()[:, 1].max()) + 1  # up to the last real atom (a mask need not be a prefix)
             sub_mask = sub_mask[:, :n]
+            counts = sub_mask.sum(dim=1).double()
             species = torch.where(sub_mask, numbers[rows, :n], torch.full_like(numbers[rows, :n], -1))
-            coords = torch.where(sub_mask.unsqueeze(-1), x[rows, :n], torch.zeros_like(x[rows, :n]))
+            x = run.positions[rows, :n]
+            coords = torch.where(sub_mask.unsqueeze(-1), x, torch.zeros_like(x))
             with torch.enable_grad():
                 coords.requires_grad_(True)
-                model = self._model_on(device)
-                _, members = model((species, coords), ensemble_values=True)  # [M, b] Hartree
-                mean = members.mean(dim=0)
-                if f_spread is not None:
+                _, members = self._model_on(device)((species, coords), ensemble_values=True)  # [M, b] Hartree
+                if run.force_spread is not None:
                     grads = torch.stack([torch.autograd.grad(members[m].sum(), coords, retain_graph=True)[0]
                                          for m in range(members.shape[0])])
                     member_forces = -grads.double() * self._hartree
                     sub_forces = member_forces.mean(dim=0)
-                    counts = sub_mask.sum(dim=1).double()
                     variance = (member_forces.var(dim=0) * sub_mask.unsqueeze(-1)).sum(dim=(1, 2)) / (3 * counts)
-                    f_spread[rows] = variance.sqrt()
+                    run.force_spread[rows] = variance.sqrt()
                 else:
-                    sub_forces = -torch.autograd.grad(mean.sum(), coords)[0].double() * self._hartree
+                    sub_forces = -torch.autograd.grad(members.mean(dim=0).sum(), coords)[0].double() * self._hartree
             members = members.detach().double() * self._hartree
-            counts = sub_mask.sum(dim=1).double()
-            energy[rows] = members.mean(dim=0)
-            forces[rows, :n] = sub_forces * sub_mask.unsqueeze(-1)
-            if e_spread is not None:
-                e_spread[rows] = members.std(dim=0) / counts
-            bad = ~(torch.isfinite(energy[rows]) & torch.isfinite(forces[rows]).all(dim=(1, 2)))
-            if bool(bad.any()):
-                for b in rows[bad].tolist():
-                    self.last_errors[b] = "non-finite energy or forces (coincident atoms?)"
-                good[rows[bad]] = False
-                energy[~good] = math.nan
-                forces[~good] = 0.0
-                for spread in (e_spread, f_spread):
-                    if spread is not None:
-                        spread[~good] = math.nan
-        move = {"device": out_device, "dtype": out_dtype}
-        return ForceBatch(energy=energy.to(**move), forces=forces.to(**move), ok=good.to(out_device),
-                          energy_spread=None if e_spread is None else e_spread.to(**move),
-                          force_spread=None if f_spread is None else f_spread.to(**move))
+            run.energy[rows] = members.mean(dim=0)
+            run.forces[rows, :n] = sub_forces * sub_mask.unsqueeze(-1)
+            run.ok[rows] = True
+            if run.energy_spread is not None:
+                run.energy_spread[rows] = members.std(dim=0) / counts
+        return run.result("non-finite energy or forces (coincident atoms?)")
 
     def compute(self, numbers: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> ForceResult:
         """numbers [B, N] int, positions [B, N, 3] Angstrom, mask [B, N] bool -> ForceResult (eV, eV/Angstrom),
         with the ensemble's energy and force spread. Runs on `device` (default CPU)."""
-        import torch
-
         numbers, positions, mask = validate_batch(numbers, positions, mask, name=self.name)
         device = self.device or torch.device("cpu")
         result = self.compute_tensors(torch.as_tensor(numbers, device=device), torch.as_tensor(positions, device=device),

@@ -8,9 +8,11 @@ zero): callers leave it unguided and count it; one unphysical molecule never fai
 A force field that runs on torch (an MLFF: `ani1x`, `uma:`) also offers `compute_tensors`, the same evaluation
 on tensors that stay on the sampler's device (`ForceBatch`); `compute_on_device` calls it, or adapts a numpy
 force field (tblite, ASE) through `compute`. An ensemble reports its spread beside the energies
-(`energy_spread`, eV per atom; `force_spread`, eV/Angstrom, where computed). A force field that models only
-some elements names them in `supported_numbers`; a molecule with another element is not ok, and `routing.py`
-sends it to a fallback force field.
+(`energy_spread`, eV per atom; `force_spread`, eV/Angstrom, where computed). Such an adapter builds its
+`compute_tensors` on `DeviceBatch` (device move, empty outputs, row screening with reasons, non-finite results,
+the way back) and keeps only its model's work. A force field that models only some elements names them in
+`supported_numbers`; a molecule with another element is not ok, and `routing.py` sends it to a fallback force
+field; `scoring_forcefield(forcefield, source)` names the force field that scored a molecule, routed or not.
 
 A force field may also offer `for_guidance(needs_spread=False)`: an evaluator with the same `compute` for the many evaluations
 of one guided sampling call (rows are the same molecules at every step), which may trade strictness for speed
@@ -19,7 +21,8 @@ and report the `rung` of each result (xTB: an electronic-temperature ladder); `r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -124,6 +127,104 @@ def compute_on_device(forcefield: Any, numbers: torch.Tensor, positions: torch.T
                       energy_spread=put(getattr(result, "energy_spread", None)),
                       force_spread=put(getattr(result, "force_spread", None)),
                       rung=put(result.rung, torch.int64))
+
+
+def scoring_forcefield(forcefield: Any, source: int) -> Any:
+    """The force field that scored a molecule whose result carries `source` (`ForceBatch.source`): a routed force
+    field's `scorer(source)` (0: its primary, 1: its fallback), any other force field itself (it scores all)."""
+    scorer = getattr(forcefield, "scorer", None)
+    return scorer(int(source)) if callable(scorer) else forcefield
+
+
+Reason = str | Callable[[int], str] | None
+"""Why a row failed a screening check: a fixed text, a function of the row index, or None (skipped silently)."""
+
+
+@dataclass
+class DeviceBatch:
+    """The shared skeleton of a torch force field's `compute_tensors`: the batch moved to the model's device, the
+    outputs it fills (float64; NaN energy, zero forces where not ok), the reasons of the rows that failed, and the
+    way back to the caller's device and dtype (`result`). An adapter keeps only its model's work: which rows it
+    refuses (`screen`) and the values of the rows it evaluates (it sets `ok` for those)."""
+
+    numbers: torch.Tensor
+    """[B, N] int64 on the model's device."""
+    positions: torch.Tensor
+    """[B, N, 3] detached, in the model's dtype, on its device."""
+    mask: torch.Tensor
+    """[B, N] bool on the model's device."""
+    energy: torch.Tensor
+    forces: torch.Tensor
+    ok: torch.Tensor
+    energy_spread: torch.Tensor | None
+    force_spread: torch.Tensor | None
+    out_device: torch.device
+    out_dtype: torch.dtype
+    errors: dict[int, str] = field(default_factory=dict)
+    """Batch index of each failed molecule -> the reason (an adapter's `last_errors`)."""
+
+    @classmethod
+    def prepare(cls, numbers: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, device: Any, dtype: torch.dtype,
+                energy_spread: bool = False, force_spread: bool = False) -> DeviceBatch:
+        """The batch on `device` (None: the positions' own) with empty outputs; spreads only where asked for."""
+        import math
+
+        import torch
+
+        device = positions.device if device is None else torch.device(device)
+        batch, width = numbers.shape
+
+        def nans() -> torch.Tensor:
+            return torch.full((batch,), math.nan, dtype=torch.float64, device=device)
+
+        return cls(numbers=numbers.to(device=device, dtype=torch.long), mask=mask.to(device=device, dtype=torch.bool),
+                   positions=positions.detach().to(device=device, dtype=dtype), energy=nans(),
+                   forces=torch.zeros((batch, width, 3), dtype=torch.float64, device=device),
+                   ok=torch.zeros(batch, dtype=torch.bool, device=device),
+                   energy_spread=nans() if energy_spread else None, force_spread=nans() if force_spread else None,
+                   out_device=positions.device, out_dtype=positions.dtype)
+
+    def finite_positions(self) -> torch.Tensor:
+        """[B] bool: every real atom's position is finite."""
+        import torch
+
+        return (torch.isfinite(self.positions).all(dim=-1) | ~self.mask).all(dim=1)
+
+    def screen(self, checks: Sequence[tuple[torch.Tensor, Reason]]) -> torch.Tensor:
+        """The indices of the rows that pass every check ([B] bool, in order); a row that fails is recorded in
+        `errors` with the reason of the first check it fails (a None reason leaves it out silently)."""
+        import torch
+
+        passed = torch.stack([good for good, _ in checks]).all(dim=0)
+        for b in torch.nonzero(~passed).flatten().tolist():
+            reason = next(why for good, why in checks if not bool(good[b]))
+            if reason is not None:
+                self.errors[b] = reason(b) if callable(reason) else reason
+        return torch.nonzero(passed).flatten()
+
+    def result(self, non_finite: str) -> ForceBatch:
+        """Rows marked ok whose energy or forces are not finite become not ok (reason `non_finite`, values reset);
+        the outputs go back to the caller's device and dtype."""
+        import math
+
+        import torch
+
+        bad = self.ok & ~(torch.isfinite(self.energy) & torch.isfinite(self.forces).all(dim=(1, 2)))
+        if bool(bad.any()):
+            for b in torch.nonzero(bad).flatten().tolist():
+                self.errors[b] = non_finite
+            self.ok &= ~bad
+            self.energy[~self.ok] = math.nan
+            self.forces[~self.ok] = 0.0
+            for spread in (self.energy_spread, self.force_spread):
+                if spread is not None:
+                    spread[~self.ok] = math.nan
+
+        def back(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=self.out_device, dtype=self.out_dtype)
+
+        return ForceBatch(energy=back(self.energy), forces=back(self.forces), ok=self.ok.to(self.out_device),
+                          energy_spread=back(self.energy_spread), force_spread=back(self.force_spread))
 
 
 def modelled_atoms(numbers: torch.Tensor, mask: torch.Tensor, supported: Any) -> torch.Tensor:

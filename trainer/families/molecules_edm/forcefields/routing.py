@@ -5,7 +5,7 @@ is in `primary.supported_numbers`, otherwise to `fallback` (built on first need:
 molecule never starts it); with no fallback such a molecule is not ok. Both receive the whole batch with the
 other force field's rows masked out (no atoms), so a stateful guidance evaluator (xTB's per-row ladder and
 wavefunctions) keeps seeing each molecule at the same row. The result's `source` says which force field
-scored each molecule (index into `names`; -1: none).
+scored each molecule (index into `names`; -1: none); `scorer(source)` names the force field behind a code.
 """
 
 from __future__ import annotations
@@ -53,6 +53,18 @@ class RoutedForceField:
             self._fallback = self._fallback()
             self._fallback_built = True
         return self._fallback
+
+    def scorer(self, source: int) -> Any | None:
+        """The force field behind a result's `source` code: 0 the primary, 1 the fallback (built now if it was given
+        as a factory; None without one), -1 (scored by none) None. `base.scoring_forcefield` asks any force field."""
+        if source == 0:
+            return self.primary
+        if source == 1:
+            return self.fallback
+        if source == -1:
+            return None
+        raise ValueError(f"{self.name}: no force field has source code {source!r} (0: {self.names[0]}, "
+                         f"1: {self.names[1]}, -1: none)")
 
     def for_guidance(self, needs_spread: bool = False) -> RoutedForceField:
         """The same routing over each side's guidance evaluator (xTB: its ladder), for one sampling call."""

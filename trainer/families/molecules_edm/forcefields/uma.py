@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,7 +30,7 @@ import numpy as np
 
 from trainer.errors import ConfigError
 from trainer.families.molecules_edm.forcefields import validate_batch
-from trainer.families.molecules_edm.forcefields.base import ForceBatch, ForceResult
+from trainer.families.molecules_edm.forcefields.base import DeviceBatch, ForceBatch, ForceResult
 
 logger = logging.getLogger(__name__)
 
@@ -173,28 +172,14 @@ class UMAForceField:
         """
         import torch
 
-        out_device, out_dtype = positions.device, positions.dtype
-        device = torch.device(self.device)
-        numbers, mask = numbers.to(device=device, dtype=torch.long), mask.to(device=device, dtype=torch.bool)
-        x = positions.detach().to(device=device, dtype=torch.float32)
-        batch, width = numbers.shape
-        energy = torch.full((batch,), math.nan, dtype=torch.float64, device=device)
-        forces = torch.zeros((batch, width, 3), dtype=torch.float64, device=device)
-        ok = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.last_errors = {}
-        counts = mask.sum(dim=1).tolist()
-        finite = (torch.isfinite(x).all(dim=-1) | ~mask).all(dim=1).tolist()
-        rows: list[int] = []
-        for b in range(batch):
-            if counts[b] == 0:
-                continue  # no molecule in this row (routed elsewhere)
-            if counts[b] < 2:  # UMA does not model isolated atoms (fairchem uses tabulated references)
-                self.last_errors[b] = "fewer than 2 atoms"
-            elif not finite[b]:
-                self.last_errors[b] = "non-finite positions"
-            else:
-                rows.append(b)
-        items = [(numbers[b, mask[b]], x[b, mask[b]]) for b in rows]
+        run = DeviceBatch.prepare(numbers, positions, mask, self.device, torch.float32)
+        counts = run.mask.sum(dim=1)
+        # an empty row is another force field's molecule (routing); UMA does not model isolated atoms (fairchem
+        # uses tabulated references for them)
+        rows = run.screen([(counts > 0, None), (counts > 1, "fewer than 2 atoms"),
+                           (run.finite_positions(), "non-finite positions")]).tolist()
+        self.last_errors = run.errors
+        items = [(run.numbers[b, run.mask[b]], run.positions[b, run.mask[b]]) for b in rows]
         try:
             results = [self._predict(items)] if items else []
             groups = [rows]
@@ -207,20 +192,15 @@ class UMAForceField:
                     groups.append([b])
                 except Exception as single_error:
                     self.last_errors[b] = f"{type(single_error).__name__}: {single_error}"
+        sizes = counts.tolist()
         for (group_energy, group_forces), group in zip(results, groups):
             start = 0
             for k, b in enumerate(group):
-                molecule_forces = group_forces[start:start + counts[b]].to(device=device, dtype=torch.float64)
-                start += counts[b]
-                value = group_energy[k].to(device=device, dtype=torch.float64)
-                if not (bool(torch.isfinite(value)) and bool(torch.isfinite(molecule_forces).all())):
-                    self.last_errors[b] = "non-finite energy or forces"
-                    continue
-                energy[b] = value
-                forces[b, mask[b]] = molecule_forces
-                ok[b] = True
-        move = {"device": out_device, "dtype": out_dtype}
-        return ForceBatch(energy=energy.to(**move), forces=forces.to(**move), ok=ok.to(out_device))
+                run.forces[b, run.mask[b]] = group_forces[start:start + sizes[b]].to(run.forces)
+                start += sizes[b]
+                run.energy[b] = group_energy[k].to(run.energy)
+                run.ok[b] = True
+        return run.result("non-finite energy or forces")
 
     def compute(self, numbers: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> ForceResult:
         """numbers [B, N] int, positions [B, N, 3] Angstrom, mask [B, N] bool -> ForceResult (eV, eV/Angstrom)."""
