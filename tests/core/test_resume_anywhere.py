@@ -210,7 +210,8 @@ def test_sigkill_at_a_random_step_then_resume_on_another_topology(regression_run
     """One process killed without warning somewhere after its step-4 checkpoint; ZeRO-2 x2 continues the run
     directory (run.resume=auto) and ends at the uninterrupted run's weights."""
     out = tmp_path / "killed"
-    cmd = launch("single", out, "train.max_steps=8", "run.resume=none", "task.delay_s=0.05")
+    # 8 per device (launch's one-process size) x 4 accumulated: the reference run's global batch of 32
+    cmd = launch("single", out, "train.max_steps=8", "run.resume=none", "task.delay_s=0.05", "train.grad_accum_steps=4")
     proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pointer, deadline = out / "checkpoints" / "latest", time.time() + 300
     while not (pointer.is_file() and pointer.read_text().strip() == "step_00000004"):
