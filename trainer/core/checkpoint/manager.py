@@ -3,8 +3,8 @@
 As torchtitan's CheckpointManager, the Checkpointer holds every part of the training state in one mapping
 (parts.py: backend, train state, data position, scheduler, step guard, task statistics, EMA), saves them in
 one loop, atomically (store.py: a temp folder, the manifest, the rename, then the pointers), and restores
-them in one loop. Where each part's state lives in a checkpoint is `PART_FILES` (a file of its own) or
-`TOP_LEVEL` (keys at the top of `trainer_state.json`); any other part is saved under its name there. The
+them in one loop. Where each part's state lives in a checkpoint is the part's `placement` (parts.py: a file of
+its own, keys at the top of `trainer_state.json`, or by default under the part's name there). The
 backend part also writes and reads its own files (`BackendState.save`/`load`: ZeRO and FSDP shard them),
 converted through a scratch folder when the checkpoint has another layout (convert.py).
 
@@ -38,21 +38,12 @@ from trainer.core.checkpoint.agreement import (
     set_aside_old_checkpoints,
     verify_everywhere,
 )
-from trainer.core.checkpoint.parts import BackendState, Stateful, TrainState, restore_rng, saved_rng_states
+from trainer.core.checkpoint.parts import BackendState, Stateful, TrainState, placement, restore_rng, saved_rng_states
 from trainer.core.checkpoint.target import ResumeTarget, warn_changed_task, warn_skipped
 from trainer.errors import CheckpointError
 from trainer.rundir import RunDir
 
 logger = logging.getLogger("trainer")
-
-EMA_FILE = "ema.safetensors"
-PART_FILES = {"task_stats": store.TASK_STATS, "ema": EMA_FILE}
-"""Parts saved in a file of their own (.json, or .safetensors for tensors), by the main process."""
-TOP_LEVEL = ("train", "backend", "data")
-"""Parts whose keys are saved at the top level of trainer_state.json (its readers take them from there)."""
-REQUIRED_FILES = {"ema": "train.ema_decay > 0"}
-"""Parts whose file a checkpoint must have (why); without one, another part keeps its state."""
-
 
 @dataclass
 class Resumed:
@@ -109,10 +100,10 @@ class Checkpointer:
         record: dict[str, Any] = {}
         files: dict[str, Any] = {}
         for key, part in self.parts.items():
-            state = part.state_dict()  # every rank: the EMA's is a collective
-            if key in PART_FILES:
-                files[PART_FILES[key]] = state
-            elif key in TOP_LEVEL:
+            state, where = part.state_dict(), placement(part)  # every rank: the EMA's is a collective
+            if where.file is not None:
+                files[where.file] = state
+            elif where.top_level:
                 record.update(state)
             else:
                 record[key] = state
@@ -218,13 +209,15 @@ class Checkpointer:
         return Resumed(path, self.state, converted)
 
     def _load_part(self, key: str, path: Path, saved: dict[str, Any]) -> None:
-        part, file = self.parts[key], PART_FILES.get(key)
+        part = self.parts[key]
+        where = placement(part)
+        file = where.file
         if file is None:
-            part.load_state_dict(saved if key in TOP_LEVEL else saved.get(key, {}))
+            part.load_state_dict(saved if where.top_level else saved.get(key, {}))
             return
         if not (path / file).is_file():
-            if key in REQUIRED_FILES:
-                raise CheckpointError(f"checkpoint {path} has no {file} but {REQUIRED_FILES[key]}")
+            if where.required is not None:
+                raise CheckpointError(f"checkpoint {path} has no {file} but {where.required}")
             return
         try:
             part.load_state_dict(_read_part_file(path / file))

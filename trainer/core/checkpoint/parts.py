@@ -19,7 +19,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -47,6 +47,29 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a part's state lives in a checkpoint: a file of its own, the top level of `trainer_state.json`, or
+    (the default, for any `Stateful` without a `placement` attribute, e.g. the LR scheduler) under the part's name
+    there."""
+
+    file: str | None = None
+    """A file of its own (.json, or .safetensors for tensors), written by the main process."""
+    top_level: bool = False
+    """Its keys at the top level of trainer_state.json (its readers take them from there)."""
+    required: str | None = None
+    """Why a checkpoint must have `file`; None: without one, the part keeps its state."""
+
+
+UNDER_NAME = Placement()
+TOP_LEVEL = Placement(top_level=True)
+
+
+def placement(part: Stateful) -> Placement:
+    """The part's `placement` attribute, or `UNDER_NAME` for a plain Stateful."""
+    return getattr(part, "placement", UNDER_NAME)
+
+
 @dataclass
 class TrainState:
     """The run's progress and its batch layout (per-device x accumulation x world size = global batch),
@@ -67,7 +90,8 @@ class TrainState:
     """The DeepSpeed ZeRO stage (0: not DeepSpeed)."""
     task: str = ""
 
-    PROGRESS = ("step", "best_metric", "best_step", "nonfinite_skipped")
+    placement: ClassVar[Placement] = TOP_LEVEL
+    PROGRESS: ClassVar[tuple[str, ...]] = ("step", "best_metric", "best_step", "nonfinite_skipped")
     """What a resume takes from the checkpoint; the layout fields describe the resuming run."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -83,6 +107,8 @@ class BackendState:
     """Model and optimizer (and every rank's RNG), in the backend's own files, which its engine writes and reads
     (engine.py); another layout's checkpoint is converted to the topology-free form (convert.py), which the engine
     fills itself from."""
+
+    placement = TOP_LEVEL
 
     def __init__(self, acc: Any, engine: Any, param_names: list[list[str]], state: TrainState):
         self.acc, self.engine, self.param_names, self.state = acc, engine, param_names, state
@@ -132,6 +158,8 @@ class BackendState:
 class EMAState:
     """The EMA, consolidated: fp32 weights by parameter name whatever the backend (a collective to save)."""
 
+    placement = Placement(file=store.EMA_FILE, required="train.ema_decay > 0")
+
     def __init__(self, ema: Any, acc: Any, model: Any, state: TrainState):
         self.ema, self.acc, self.model, self.state = ema, acc, model, state
 
@@ -146,6 +174,8 @@ class EMAState:
 class DataPosition:
     """A stream's position: (epoch, global samples of it read), the same on every rank and valid at any world
     size (map-style data: none, the step gives it)."""
+
+    placement = TOP_LEVEL
 
     def __init__(self, data: Any, acc: Any):
         self.data, self.acc = data, acc
@@ -172,6 +202,8 @@ class DataPosition:
 
 class TaskStats:
     """The training data's statistics the model was built with; a resumed run keeps the checkpoint's."""
+
+    placement = Placement(file=store.TASK_STATS)
 
     def __init__(self, task: Any):
         self.task = task
