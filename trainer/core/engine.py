@@ -95,18 +95,8 @@ class Engine:
         """The gradient norm to log for the last step (None: not finite or not known)."""
         return float(norm) if norm is not None else None
 
-    def state_dict(self) -> dict[str, int]:
-        """The step guard's state (a checkpoint part): skipped steps in a row so far."""
-        return {"nonfinite_in_row": self.guard._run}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore the guard's run of skipped steps; once the checkpoint is loaded (counters the backend
-        restored are not new events)."""
-        self.guard._run = int(state.get("nonfinite_in_row", 0))
-        self.after_resume()
-
     def after_resume(self) -> None:
-        """Called once the checkpoint is loaded (counters the backend restored are not new events)."""
+        """Called once the backend's checkpoint files are loaded (counters the backend restored are not new events)."""
 
     # ------------------------------------------------------------------ the backend's checkpoint files
     checks_same_model = True
