@@ -84,7 +84,7 @@ class Trainer:
         if isinstance(self.task, ReferenceModelTask):
             self.task.keep_reference_model(model)
         if t.compile:
-            compile_model(model, acc.distributed_type)
+            compile_model(model)
         self.data = TrainBatches(cfg, batch, self.task, data.train, acc.process_index, world, acc.device)
         self.train_loader, self.streaming = self.data.loader, self.data.streaming
         self.plan = plan = build_run_plan(cfg, batch, self.data.batches_per_epoch, tuple(self.task.metrics),
@@ -104,7 +104,7 @@ class Trainer:
             self.test_loader = acc.prepare(build_eval_loader(cfg, self.task, data.test, plan.per_device_batch_size))
         set_seed(cfg.run.seed + acc.process_index)  # dropout's stream per rank (loss noise: MicroBatch.rng, per sample)
 
-        self.ema = EMA(unwrap_model(acc, self.model), t.ema_decay) if t.ema_decay > 0 else None
+        self.ema = EMA(unwrap_model(acc, self.model), t.ema_decay, self.engine) if t.ema_decay > 0 else None
         self.state = TrainState(world_size=world, backend=str(acc.distributed_type.value),
                                 grad_accum_steps=batch.grad_accum_steps, per_device_batch_size=batch.per_device_batch_size,
                                 global_batch_size=batch.global_batch, lr_world_size=batch.lr_world_size,
