@@ -360,15 +360,14 @@ def unwrap_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.M
     return compiled
 
 
-def compile_model(model: torch.nn.Module, distributed_type: DistributedType) -> None:
+def compile_model(model: torch.nn.Module) -> None:
     """`train.compile`: let the model torch.compile its own hot regions (`model.compile_regions()`), in place.
 
     Regions rather than the whole module, as torchtitan compiles per block: a model knows which of its parts
     trace cleanly (sparse graph products, for one, do not), and parameter names stay unchanged. A model without
     `compile_regions` is refused rather than wrapped whole, since `nn.Module.compile()` binds the compiled
-    forward to this instance and a deep copy (the EMA) would call back into it."""
-    if distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-        raise ConfigError(f"train.compile is supported in single-process and DDP runs, not under {distributed_type.value}")
+    forward to this instance and a deep copy (the EMA) would call back into it. The backends that cannot run it are
+    refused before (engine.py: `check_backend_supports`)."""
     if not isinstance(model, CompilableModel):
         raise ConfigError(f"train.compile: the model {type(model).__name__} declares no compile_regions(); "
                           "set train.compile=false")

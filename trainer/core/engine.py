@@ -52,6 +52,8 @@ def check_backend_supports(cfg: Config, distributed_type: DistributedType) -> No
         raise ConfigError(f"train.grad_clip_value={t.grad_clip_value:g} (from the command line, the config{preset}) is "
                           f"not supported under DeepSpeed, whose engine clips by norm only: add train.grad_clip_value=0 "
                           f"train.grad_clip_norm={t.grad_clip_value:g} (or another norm; a norm clip changes the steps)")
+    if t.compile and distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        raise ConfigError(f"train.compile is supported in single-process and DDP runs, not under {distributed_type.value}")
 
 
 class Engine:
@@ -95,18 +97,8 @@ class Engine:
         """The gradient norm to log for the last step (None: not finite or not known)."""
         return float(norm) if norm is not None else None
 
-    def state_dict(self) -> dict[str, int]:
-        """The step guard's state (a checkpoint part): skipped steps in a row so far."""
-        return {"nonfinite_in_row": self.guard._run}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore the guard's run of skipped steps; once the checkpoint is loaded (counters the backend
-        restored are not new events)."""
-        self.guard._run = int(state.get("nonfinite_in_row", 0))
-        self.after_resume()
-
     def after_resume(self) -> None:
-        """Called once the checkpoint is loaded (counters the backend restored are not new events)."""
+        """Called once the backend's checkpoint files are loaded (counters the backend restored are not new events)."""
 
     # ------------------------------------------------------------------ the backend's checkpoint files
     checks_same_model = True
@@ -133,7 +125,10 @@ class Engine:
         """Fill the model and optimizer from the topology-free form in `folder` (another layout's checkpoint)."""
         from trainer.core.checkpoint.convert import load_into_torch
 
-        load_into_torch(folder, self.unwrapped, self.torch_optimizer, param_names)
+        load_into_torch(folder, self.unwrapped, self.torch_optimizer, param_names, sharded=self.sharded)
+
+    sharded = False
+    """Whether the parameters are FSDP2's sharded DTensors (whole tensors are then loaded shard by shard)."""
 
     @property
     def unwrapped(self) -> torch.nn.Module:
@@ -141,18 +136,32 @@ class Engine:
 
         return unwrap_model(self.accelerator, self.model)
 
+    # ------------------------------------------------------------------ how a rank holds the parameters (ema.py)
+    def local_tensor(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The part of `param` this rank owns (here the whole tensor)."""
+        return param.data
+
+    def full_tensor(self, param: torch.nn.Parameter, local: torch.Tensor, gather: Any) -> torch.Tensor:
+        """The whole tensor of `param`'s shape from this rank's `local` part (a collective where it is sharded:
+        `gather` concatenates a tensor from all ranks)."""
+        return local.clone()
+
+    def local_part(self, param: torch.nn.Parameter, full: torch.Tensor, local: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's part of the whole tensor `full`, laid out as `local` (no collective)."""
+        return full
+
+    def reshard(self, model: torch.nn.Module) -> None:
+        """Make the model's parameters those whose local parts `local_tensor` gives (nothing to do here)."""
+
 
 class TorchEngine(Engine):
-    """Plain PyTorch, DDP and FSDP, with or without an fp16 GradScaler (see the module docstring)."""
+    """Plain PyTorch and DDP (FSDP2: `FSDPEngine`), with or without an fp16 GradScaler (see the module docstring)."""
 
     def __init__(self, accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config,
                  grad_accum_steps: int | None = None):
         super().__init__(accelerator, model, optimizer, cfg, grad_accum_steps)
         t = cfg.train
         self.plain = accelerator.scaler is None and accelerator.distributed_type in _PLAIN_TYPES
-        self.may_sample_in_eval = accelerator.distributed_type != DistributedType.FSDP
-        if accelerator.distributed_type == DistributedType.FSDP:
-            log_shards(model, accelerator)
         self.torch_optimizer = optimizer.optimizer  # accelerate's wrapper holds the torch optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.max_norm = t.grad_clip_norm if t.grad_clip_norm > 0 else math.inf  # 0: no clipping, norm still logged
@@ -195,7 +204,42 @@ class TorchEngine(Engine):
 
 
 class FSDPEngine(TorchEngine):
-    """FSDP2 (`fully_shard`): a TorchEngine whose checkpoints are accelerate's sharded form (DCP)."""
+    """FSDP2 (`fully_shard`): a TorchEngine whose parameters are sharded DTensors (each rank holds a shard of
+    each) and whose checkpoints are accelerate's sharded form (DCP)."""
+
+    may_sample_in_eval = False
+    sharded = True
+
+    def __init__(self, accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config,
+                 grad_accum_steps: int | None = None):
+        log_shards(model, accelerator)
+        super().__init__(accelerator, model, optimizer, cfg, grad_accum_steps)
+
+    def local_tensor(self, param: torch.nn.Parameter) -> torch.Tensor:
+        return param.data.to_local()  # the shard, a view of the parameter's storage
+
+    def full_tensor(self, param: torch.nn.Parameter, local: torch.Tensor, gather: Any) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        # the shard laid out as the parameter's, then gathered whole
+        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                  stride=param.stride()).full_tensor().clone()
+
+    def local_part(self, param: torch.nn.Parameter, full: torch.Tensor, local: torch.Tensor, rank: int) -> torch.Tensor:
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.to(local.device), param.device_mesh, param.placements,
+                                 src_data_rank=None).to_local()  # each rank cuts its own: no collective
+
+    def reshard(self, model: torch.nn.Module) -> None:
+        """FSDP2 leaves the root's parameters whole after a forward without backward (an evaluation): shard them
+        again, so that the model's parameters are the DTensors whose shards the EMA follows."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     def checkpoint_layout(self) -> dict[str, Any]:
         from trainer.core.checkpoint.convert import SHARDED
@@ -220,7 +264,8 @@ class FSDPEngine(TorchEngine):
         from trainer.core.checkpoint.convert import WEIGHTS, load_torch_files
 
         if (path / WEIGHTS).is_file():  # a plain or DDP checkpoint's whole tensors: each rank takes its shards
-            load_torch_files(path, self.unwrapped, self.torch_optimizer, saved.get("param_names") or param_names)
+            load_torch_files(path, self.unwrapped, self.torch_optimizer, saved.get("param_names") or param_names,
+                             sharded=True)
             return
         self._sharded_state_dicts()  # DCP's shards, resharded to this world size by DCP
         super().load_checkpoint(path, saved, param_names)
@@ -285,6 +330,24 @@ class DeepSpeedEngine(Engine):
     def after_resume(self) -> None:
         self._engine_skipped = int(getattr(self.model, "skipped_steps", 0))
 
+    # ZeRO-3 partitions each parameter: a rank holds a flat partition (`param.ds_tensor`), zero-padded at the end.
+    def local_tensor(self, param: torch.nn.Parameter) -> torch.Tensor:
+        return param.ds_tensor if self.zero_stage == 3 else param.data
+
+    def full_tensor(self, param: torch.nn.Parameter, local: torch.Tensor, gather: Any) -> torch.Tensor:
+        if self.zero_stage < 3:
+            return local.clone()
+        return gather(local.flatten())[: param.ds_numel].view(param.ds_shape).clone()  # partitions in rank order
+
+    def local_part(self, param: torch.nn.Parameter, full: torch.Tensor, local: torch.Tensor, rank: int) -> torch.Tensor:
+        if self.zero_stage < 3:
+            return full
+        size = local.numel()
+        part = full.flatten()[rank * size:(rank + 1) * size]
+        out = torch.zeros(size)
+        out[: part.numel()] = part
+        return out.view_as(local)
+
     checks_same_model = False
 
     def load_universal(self, folder: Path, saved: dict[str, Any], param_names: list[list[str]]) -> None:
@@ -348,12 +411,20 @@ def _peak_lr(optimizer: Any) -> float:
     return group.get("initial_lr", group["lr"])  # the schedule's base, not the warm-up's current value
 
 
+def is_fsdp2(model: torch.nn.Module) -> bool:
+    """Whether `model` is sharded by FSDP2 (`fully_shard`): its parameters are DTensors, each rank holding a shard."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed support
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def build_engine(accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config, grad_accum_steps: int) -> Engine:
     """The engine for this run's backend; `model` and `optimizer` as `accelerator.prepare` returned them,
     `grad_accum_steps` the run plan's."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return DeepSpeedEngine(accelerator, model, optimizer, cfg, grad_accum_steps)
-    from trainer.core.checkpoint.convert import is_fsdp2
     from trainer.core.distributed import unwrap_model
 
     if is_fsdp2(unwrap_model(accelerator, model)):

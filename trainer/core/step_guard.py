@@ -52,6 +52,13 @@ class StepGuard:
         self._zero: torch.Tensor | None = None
         self._one: torch.Tensor | None = None
 
+    def state_dict(self) -> dict[str, int]:
+        """A checkpoint part: skipped steps in a row so far."""
+        return {"nonfinite_in_row": self._run}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._run = int(state.get("nonfinite_in_row", 0))
+
     def backward_seed(self, loss: torch.Tensor) -> torch.Tensor | None:
         """The gradient to seed `loss.backward` with: exactly 1 when `loss` is finite, NaN otherwise."""
         if not self.active:

@@ -32,7 +32,7 @@ from trainer.core.checkpoint.cadence import SaveClock
 from trainer.core.checkpoint.convert import optimizer_param_names
 from trainer.core.checkpoint.export import load_initial_weights
 from trainer.core.checkpoint.manager import Checkpointer
-from trainer.core.checkpoint.parts import BackendState, DataPosition, EMAState, TaskStats, TrainState
+from trainer.core.checkpoint.parts import BackendState, DataPosition, EMAState, RNGState, TaskStats, TrainState
 from trainer.core.command_line import interrupted_line, resume_command, started_by_front_end
 from trainer.core.distributed import build_accelerator, compile_model, unwrap_model
 from trainer.core.elastic import MembershipWatch, restartable, resume_on_restart
@@ -84,7 +84,7 @@ class Trainer:
         if isinstance(self.task, ReferenceModelTask):
             self.task.keep_reference_model(model)
         if t.compile:
-            compile_model(model, acc.distributed_type)
+            compile_model(model)
         self.data = TrainBatches(cfg, batch, self.task, data.train, acc.process_index, world, acc.device)
         self.train_loader, self.streaming = self.data.loader, self.data.streaming
         self.plan = plan = build_run_plan(cfg, batch, self.data.batches_per_epoch, tuple(self.task.metrics),
@@ -104,7 +104,7 @@ class Trainer:
             self.test_loader = acc.prepare(build_eval_loader(cfg, self.task, data.test, plan.per_device_batch_size))
         set_seed(cfg.run.seed + acc.process_index)  # dropout's stream per rank (loss noise: MicroBatch.rng, per sample)
 
-        self.ema = EMA(unwrap_model(acc, self.model), t.ema_decay) if t.ema_decay > 0 else None
+        self.ema = EMA(unwrap_model(acc, self.model), t.ema_decay, self.engine) if t.ema_decay > 0 else None
         self.state = TrainState(world_size=world, backend=str(acc.distributed_type.value),
                                 grad_accum_steps=batch.grad_accum_steps, per_device_batch_size=batch.per_device_batch_size,
                                 global_batch_size=batch.global_batch, lr_world_size=batch.lr_world_size,
@@ -113,9 +113,10 @@ class Trainer:
         self.test_weights_step: int | None = None
         """The step whose weights the test pass used (eval.test_weights), None: the current step."""
 
-        parts = {"train": self.state, "backend": BackendState(acc, self.engine, param_names, self.state),
-                 "data": DataPosition(self.data, acc), "scheduler": self.scheduler, "step_guard": self.engine,
-                 "task_stats": TaskStats(self.task)}
+        parts = {"train": self.state, "rng": RNGState(acc, cfg.run.allow_inexact_resume),
+                 "backend": BackendState(acc, self.engine, param_names, self.state, self.run_dir.checkpoints),
+                 "data": DataPosition(self.data, acc), "scheduler": self.scheduler, "step_guard": self.engine.guard,
+                 "task_stats": TaskStats(self.task, self.is_main)}
         if self.ema is not None:
             parts["ema"] = EMAState(self.ema, acc, self.model, self.state)
         self.checkpointer = Checkpointer(cfg, acc, self.run_dir, parts, target)

@@ -290,11 +290,12 @@ def load_into_deepspeed(folder: Path, engine: Any, param_names: list[list[str]])
 
 
 def load_into_torch(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    param_names: list[list[str]]) -> None:
-    """Fill a plain, DDP or FSDP2 model (unwrapped) and its torch optimizer from the universal form in `folder`."""
+                    param_names: list[list[str]], sharded: bool = False) -> None:
+    """Fill a plain, DDP or FSDP2 model (unwrapped) and its torch optimizer from the universal form in `folder`;
+    `sharded`: the model's parameters are FSDP2's DTensors (the engine knows)."""
     common = read_common_state(folder, param_names)
     with weights_only_loading():
-        _into_torch(folder / "zero", model, optimizer, param_names, common.get("param_groups") or [], common)
+        _into_torch(folder / "zero", model, optimizer, param_names, common.get("param_groups") or [], common, sharded)
 
 
 def _into_deepspeed(zero: Path, engine: Any, groups: list[dict]) -> None:
@@ -319,7 +320,7 @@ def _into_deepspeed(zero: Path, engine: Any, groups: list[dict]) -> None:
 
 
 def _into_torch(zero: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, param_names: list[list[str]],
-                groups: list[dict], common: dict) -> None:
+                groups: list[dict], common: dict, sharded: bool) -> None:
     weights = {}
     for name, tensor in model.state_dict().items():  # under FSDP2: DTensors, whose shape is the whole tensor's
         file = zero / name / "fp32.pt"
@@ -347,19 +348,11 @@ def _into_torch(zero: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
         params.append(list(range(start, start + len(names))))
         start += len(names)
     load_full_state(model, optimizer, weights, {"state": state, "param_groups": [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": p} for g, p in zip(groups, params)]}, param_names)
+        {**{k: v for k, v in g.items() if k != "params"}, "params": p} for g, p in zip(groups, params)]}, param_names,
+        sharded)
 
 
 # ------------------------------------------------------------------ whole tensors in and out of any torch layout
-def is_fsdp2(model: torch.nn.Module) -> bool:
-    """Whether `model` is sharded by FSDP2 (`fully_shard`): its parameters are DTensors, each rank holding a shard."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without distributed support
-        return False
-    return isinstance(model, FSDPModule)
-
-
 def read_dcp_metadata(folder: Path) -> Any:
     """The metadata of a DCP folder (tensor names and shapes), unpickled by safe_load's restricted unpickler."""
     from trainer.core.checkpoint.safe_load import load_dcp_metadata
@@ -408,11 +401,11 @@ def sharded_fsdp_state(path: Path, param_names: list[list[str]]) -> tuple[dict[s
 
 
 def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
-                    optim_state: dict[str, Any], param_names: list[list[str]]) -> None:
+                    optim_state: dict[str, Any], param_names: list[list[str]], sharded: bool = False) -> None:
     """Load whole tensors (a plain run's form, every rank holding all of it) into a plain, DDP or FSDP2 model and
-    its torch optimizer; under FSDP2 each rank keeps its shards (`set_state_dict`, full_state_dict)."""
+    its torch optimizer; `sharded` (FSDP2): each rank keeps its shards (`set_state_dict`, full_state_dict)."""
     try:
-        if not is_fsdp2(model):
+        if not sharded:
             model.load_state_dict(weights, strict=True)
             optimizer.load_state_dict(optim_state)
             return
@@ -430,7 +423,7 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, we
 
 
 def load_torch_files(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     param_names: list[list[str]]) -> None:
+                     param_names: list[list[str]], sharded: bool = True) -> None:
     """Load a plain or DDP checkpoint's `model.safetensors` and `optimizer.bin` into an FSDP2 run (an older FSDP
     checkpoint's too: whole tensors in the same files)."""
     from safetensors.torch import load_file
@@ -438,7 +431,7 @@ def load_torch_files(path: Path, model: torch.nn.Module, optimizer: torch.optim.
     weights = load_file(str(path / WEIGHTS))
     with weights_only_loading():
         optim_state = torch.load(path / OPTIMIZER, map_location="cpu", weights_only=True)
-    load_full_state(model, optimizer, weights, optim_state, param_names)
+    load_full_state(model, optimizer, weights, optim_state, param_names, sharded)
 
 
 def describe(saved: dict[str, Any], backend: str, world: int, zero_stage: int) -> str:

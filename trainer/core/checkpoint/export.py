@@ -12,34 +12,31 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.atomic_io import disk_bytes, no_space_reason, require_space, space_report, temp_path
-from trainer.core.checkpoint.store import STATE, TASK_STATS, resolve_checkpoint, verify_checkpoint
+from trainer.core.checkpoint.convert import DS_FOLDER, FSDP_MODEL, WEIGHTS, check_same_model, deepspeed_reading, read_dcp
+from trainer.core.checkpoint.store import EMA_FILE, STATE, TASK_STATS, resolve_checkpoint, verify_checkpoint
 from trainer.errors import CheckpointError
 
 
 def load_model_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """Full fp32 model state dict from an accelerate checkpoint (plain, sharded, DeepSpeed or FSDP)."""
     ckpt_dir = Path(ckpt_dir)
-    if (ckpt_dir / "model.safetensors").is_file():
-        return load_file(ckpt_dir / "model.safetensors")
-    index = ckpt_dir / "model.safetensors.index.json"
+    if (ckpt_dir / WEIGHTS).is_file():
+        return load_file(ckpt_dir / WEIGHTS)
+    index = ckpt_dir / f"{WEIGHTS}.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return {k: v for shard in shards for k, v in load_file(ckpt_dir / shard).items()}
-    if (ckpt_dir / "pytorch_model").is_dir():
+    if (ckpt_dir / DS_FOLDER).is_dir():
         # ZeRO-1/2/3: merge the per-rank fp32 partitions (any stage) on one CPU process.
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        from trainer.core.checkpoint.convert import deepspeed_reading
-
         with deepspeed_reading():  # DeepSpeed itself would unpickle with weights_only=False
-            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag="pytorch_model")
-    fsdp = sorted(ckpt_dir.glob("pytorch_model_fsdp_*"))
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=DS_FOLDER)
+    fsdp = sorted(ckpt_dir.glob(f"{FSDP_MODEL.removesuffix('0')}*"))
     if fsdp:  # FSDP's shards (torch.distributed.checkpoint), read whole on this process, weights-only
-        from trainer.core.checkpoint.convert import read_dcp
-
         return read_dcp(fsdp[0]).get("model", {})
     raise CheckpointError(f"checkpoint {ckpt_dir} holds no model weights this exporter knows "
-                          f"(model.safetensors, pytorch_model/ or pytorch_model_fsdp_*/)")
+                          f"({WEIGHTS}, {DS_FOLDER}/ or {FSDP_MODEL.removesuffix('0')}*/)")
 
 
 def consolidated_weights(run_dir: str | Path, checkpoint: str = "latest",
@@ -49,7 +46,7 @@ def consolidated_weights(run_dir: str | Path, checkpoint: str = "latest",
     named = checkpoint in ("latest", "best")
     ckpt_dir = resolve_checkpoint(run_dir if named else checkpoint, checkpoint if named else "latest")
     verify_checkpoint(ckpt_dir)
-    ema_file = ckpt_dir / "ema.safetensors"
+    ema_file = ckpt_dir / EMA_FILE
     if weights == "ema" and not ema_file.is_file():
         raise CheckpointError(f"checkpoint {ckpt_dir} has no EMA weights (train.ema_decay was 0)")
     state_dict = load_model_weights(ckpt_dir)
@@ -63,8 +60,6 @@ def consolidated_weights(run_dir: str | Path, checkpoint: str = "latest",
 def load_initial_weights(model: torch.nn.Module, source: str | Path, weights: str = "auto") -> Path:
     """`run.init_from`: load a run's (latest) or a checkpoint folder's full weights into `model`, after checking from
     the file headers that it holds this model (names and shapes). Returns the checkpoint folder read."""
-    from trainer.core.checkpoint.convert import check_same_model
-
     ckpt_dir = resolve_checkpoint(source, "latest")
     saved = json.loads((ckpt_dir / STATE).read_text())
     check_same_model(ckpt_dir, saved, model, hint=f"run.init_from={str(source)!r}: start from a run with the same "
@@ -91,7 +86,7 @@ def export_run(run_dir: str | Path, out: str | Path | None = None, checkpoint: s
     state = json.loads((ckpt_dir / STATE).read_text())
     step = state.get("step")
     out = Path(out) if out else run_dir / "export" / "model.safetensors"
-    used_ema = weights != "model" and (ckpt_dir / "ema.safetensors").is_file()
+    used_ema = weights != "model" and (ckpt_dir / EMA_FILE).is_file()
     # The statistics the model is built from travel inside the file too: another export into the same
     # folder may replace the task_stats.json beside it.
     stats_text = (ckpt_dir / TASK_STATS).read_text() if (ckpt_dir / TASK_STATS).is_file() else "{}"

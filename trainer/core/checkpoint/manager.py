@@ -1,12 +1,13 @@
 """Checkpointing as one component: a `Checkpointer` that saves and restores the run's `Stateful` parts.
 
 As torchtitan's CheckpointManager, the Checkpointer holds every part of the training state in one mapping
-(parts.py: backend, train state, data position, scheduler, step guard, task statistics, EMA), saves them in
-one loop, atomically (store.py: a temp folder, the manifest, the rename, then the pointers), and restores
-them in one loop. Where each part's state lives in a checkpoint is `PART_FILES` (a file of its own) or
-`TOP_LEVEL` (keys at the top of `trainer_state.json`); any other part is saved under its name there. The
-backend part also writes and reads its own files (`BackendState.save`/`load`: ZeRO and FSDP shard them),
-converted through a scratch folder when the checkpoint has another layout (convert.py).
+(parts.py: train state, RNG, backend, data position, scheduler, step guard, task statistics, EMA), saves them
+in one loop, atomically (store.py: a temp folder, the manifest, the rename, then the pointers), and restores
+them in one loop: first every part's own files (`load_files`; the backend's conversion among them), then
+every part's state. Where each part's state lives in a checkpoint is the part's `placement` (parts.py: a file of
+its own, keys at the top of `trainer_state.json`, or by default under the part's name there); a part that owns
+files writes and reads them itself (`save_files`/`load_files`: the backend's are sharded under ZeRO and FSDP,
+and converted through a scratch folder when the checkpoint has another layout, convert.py).
 
 `resume()` restores the checkpoint the run's `ResumeTarget` names (picked and verified once, target.py),
 every part in place, and returns what it resumed (`Resumed`); it reads and writes nothing else of the
@@ -31,28 +32,17 @@ from trainer.config import Config
 from trainer.core.checkpoint import store
 from trainer.core.checkpoint.agreement import (
     SaveErrors,
-    agree,
     agree_on_target,
     everywhere,
-    failure_reason,
     set_aside_old_checkpoints,
     verify_everywhere,
 )
-from trainer.core.checkpoint.parts import BackendState, Stateful, TrainState, restore_rng, saved_rng_states
+from trainer.core.checkpoint.parts import BackendState, Stateful, TrainState, load_files, placement, save_files
 from trainer.core.checkpoint.target import ResumeTarget, warn_changed_task, warn_skipped
 from trainer.errors import CheckpointError
 from trainer.rundir import RunDir
 
 logger = logging.getLogger("trainer")
-
-EMA_FILE = "ema.safetensors"
-PART_FILES = {"task_stats": store.TASK_STATS, "ema": EMA_FILE}
-"""Parts saved in a file of their own (.json, or .safetensors for tensors), by the main process."""
-TOP_LEVEL = ("train", "backend", "data")
-"""Parts whose keys are saved at the top level of trainer_state.json (its readers take them from there)."""
-REQUIRED_FILES = {"ema": "train.ema_decay > 0"}
-"""Parts whose file a checkpoint must have (why); without one, another part keeps its state."""
-
 
 @dataclass
 class Resumed:
@@ -65,8 +55,8 @@ class Resumed:
 class Checkpointer:
     """Saves and restores `parts` (name -> Stateful; module docstring) in `run_dir/checkpoints`; resumes `target`.
 
-    `parts` holds "backend" (a `BackendState`), "train" (the `TrainState`) and "task_stats" (a `TaskStats`);
-    any other `Stateful` may join."""
+    `parts` holds "backend" (a `BackendState`) and "train" (the `TrainState`); any other `Stateful` may join. The
+    mapping's order is the order of the loops (the RNG part before the backend's: it checks its files first)."""
 
     def __init__(self, cfg: Config, acc: Any, run_dir: RunDir, parts: dict[str, Stateful], target: ResumeTarget):
         self.cfg, self.acc, self.run_dir, self.parts, self.target = cfg, acc, run_dir, parts, target
@@ -104,15 +94,17 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
         errors.agree()
+        artifacts: list[str] = []
         with errors.record():
-            self.backend.save(tmp)  # the backend's own files, every rank its share
+            for part in self.parts.values():  # the parts' own files, every rank its share
+                artifacts += save_files(part, tmp)
         record: dict[str, Any] = {}
         files: dict[str, Any] = {}
         for key, part in self.parts.items():
-            state = part.state_dict()  # every rank: the EMA's is a collective
-            if key in PART_FILES:
-                files[PART_FILES[key]] = state
-            elif key in TOP_LEVEL:
+            state, where = part.state_dict(), placement(part)  # every rank: the EMA's is a collective
+            if where.file is not None:
+                files[where.file] = state
+            elif where.top_level:
                 record.update(state)
             else:
                 record[key] = state
@@ -123,7 +115,7 @@ class Checkpointer:
         errors.agree()  # every rank's files are written: only then the manifest, which completes the checkpoint
         if acc.is_main_process:
             with errors.record():
-                record["artifacts"] = [store.TASK_STATS, *self.parts["task_stats"].save_artifacts(tmp)]
+                record["artifacts"] = artifacts
                 if self.cfg.ckpt.async_save and not wait:
                     self._completion = threading.Thread(target=self._complete_in_background,
                                                         args=(tmp, final, record, best), name="trainer-checkpoint")
@@ -202,15 +194,11 @@ class Checkpointer:
                 f"resume it with its own config, or start over with run.resume=none or a new run.output_dir"))
         self._warn_changed_batch(path, saved)
         warn_changed_task(self.run_dir, self.cfg, path)
-        rng_states = saved_rng_states(acc, path, saved.get("world_size"), self.cfg.run.allow_inexact_resume,
-                                      warn=not finished)
-        converted = self._load_backend(path, saved)
-        if rng_states is not None:  # accelerate restores them too, but ignores any failure
-            restore_rng(rng_states)
+        notes = [note for part in self.parts.values() if (note := load_files(part, path, saved, finished))]
+        converted = "; ".join(notes) or None
         acc.step = 0  # accumulation boundaries restart with each optimizer step, whatever accum was
         for key in self.parts:
-            if key != "backend":  # its files are loaded above
-                self._load_part(key, path, saved)
+            self._load_part(key, path, saved)
         if target.mode == "auto" and acc.is_main_process:
             self._set_pointers(path, target)
         if converted and acc.is_main_process:
@@ -218,13 +206,15 @@ class Checkpointer:
         return Resumed(path, self.state, converted)
 
     def _load_part(self, key: str, path: Path, saved: dict[str, Any]) -> None:
-        part, file = self.parts[key], PART_FILES.get(key)
+        part = self.parts[key]
+        where = placement(part)
+        file = where.file
         if file is None:
-            part.load_state_dict(saved if key in TOP_LEVEL else saved.get(key, {}))
+            part.load_state_dict(saved if where.top_level else saved.get(key, {}))
             return
         if not (path / file).is_file():
-            if key in REQUIRED_FILES:
-                raise CheckpointError(f"checkpoint {path} has no {file} but {REQUIRED_FILES[key]}")
+            if where.required is not None:
+                raise CheckpointError(f"checkpoint {path} has no {file} but {where.required}")
             return
         try:
             part.load_state_dict(_read_part_file(path / file))
@@ -245,37 +235,6 @@ class Checkpointer:
                      else "a save was interrupted while it was finalised")
             logger.warning("checkpoint pointers repaired (%s): %s", cause, ", ".join(repaired))
 
-    def _load_backend(self, path: Path, saved: dict[str, Any]) -> str | None:
-        """The backend part, converting through a scratch folder next to the run's checkpoints (removed after,
-        and on failure: a refused checkpoint leaves the run directory as it was). Any failure, on any rank and
-        whatever the backend raised, is one CheckpointError on every rank."""
-        root = self.run_dir.checkpoints
-        created = not root.exists()
-        scratch = root / f"{store.CONVERSION_SCRATCH}{path.name}"
-        if self.acc.is_main_process:
-            store.remove_conversion_scratch(root)  # what a killed conversion left
-        failure: Exception | None = None
-        converted = None
-        try:
-            try:
-                # The universal form one level down: DeepSpeed's converter writes a `latest_universal` pointer beside
-                # its output, which then lies inside the scratch folder and goes with it.
-                converted = self.backend.load(path, saved, scratch / "universal")
-            except Exception as err:  # noqa: BLE001 - told below, on every rank, after the others heard of it
-                failure = err  # e.g. a file refused on one rank only (ZeRO-3 has one per rank)
-            problem = None
-            if failure is not None:
-                problem = failure_reason(failure, scratch)
-                if not isinstance(failure, CheckpointError):
-                    problem = f"rank {self.acc.process_index}: checkpoint {path} could not be loaded ({problem})"
-            agree(self.acc, problem)  # a collective: no rank reads the scratch folder after it
-        finally:
-            if self.acc.is_main_process:
-                shutil.rmtree(scratch, ignore_errors=True)
-                if created and root.is_dir() and not any(root.iterdir()):
-                    root.rmdir()
-        return converted
-
     def _warn_changed_batch(self, path: Path, saved: dict[str, Any]) -> None:
         accum, world = self.state.grad_accum_steps, self.acc.num_processes  # the run plan's layout
         saved_global = saved.get("global_batch_size") or (
@@ -291,7 +250,7 @@ class Checkpointer:
         saved, problem = verify_everywhere(self.acc, path, check_hashes=self.cfg.ckpt.verify)
         if problem is not None:  # may differ by rank ("failed verification on another rank"): every rank says it
             raise CheckpointError(problem)
-        self._load_backend(path, saved)
+        self.backend.load_files(path, saved, finished=True)
         if "ema" in self.parts:
             self._load_part("ema", path, saved)
 

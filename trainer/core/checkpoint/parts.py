@@ -1,11 +1,14 @@
 """The parts of a checkpoint, each `Stateful` (torchtitan's CheckpointManager): what the Checkpointer saves and
-restores in one loop (manager.py), and every rank's RNG states around the backend's load.
+restores in one loop (manager.py). A part says where its state lives (`placement`) and, when it owns files,
+writes and reads them itself (`Part.save_files`, `Part.load_files`); a new part is one class and one entry in
+the Trainer's mapping.
 
 - `BackendState`: model and optimizer in the backend's own files (accelerate's `save_state`; under FSDP its
   sharded form, each rank writing its shards with torch.distributed.checkpoint), converted on demand for
   another layout (convert.py); its state is the layout a conversion needs (the optimizer's parameter names);
+- `RNGState`: every rank's random streams, checked before the backend's load and applied after it;
 - `TrainState`: step, best metric, skipped steps, batch layout;
-- the scheduler: the LR schedule's position; the step guard (the engine): skipped steps in a row;
+- the scheduler: the LR schedule's position; the step guard (step_guard.py): skipped steps in a row;
 - `DataPosition`: a stream's (epoch, global samples read in it), the same on every rank;
 - `TaskStats`: the data statistics the model was built from (`task_stats.json`) and the task's artifacts;
 - `EMAState`: fp32 EMA weights by parameter name (`ema.safetensors`).
@@ -16,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -27,7 +31,7 @@ from accelerate.utils import gather_object
 from accelerate.utils import load as accelerate_load
 
 from trainer.core.checkpoint import convert, store
-from trainer.core.checkpoint.agreement import agree, conversion_failure
+from trainer.core.checkpoint.agreement import agree, conversion_failure, failure_reason
 from trainer.core.checkpoint.safe_load import weights_only_loading
 from trainer.core.distributed import unwrap_model
 from trainer.errors import CheckpointError, first_line
@@ -47,8 +51,60 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a part's state lives in a checkpoint: a file of its own, the top level of `trainer_state.json`, or
+    (the default, for any `Stateful` without a `placement` attribute, e.g. the LR scheduler) under the part's name
+    there."""
+
+    file: str | None = None
+    """A file of its own (.json, or .safetensors for tensors), written by the main process."""
+    top_level: bool = False
+    """Its keys at the top level of trainer_state.json (its readers take them from there)."""
+    required: str | None = None
+    """Why a checkpoint must have `file`; None: without one, the part keeps its state."""
+
+
+UNDER_NAME = Placement()
+TOP_LEVEL = Placement(top_level=True)
+
+
+def placement(part: Stateful) -> Placement:
+    """The part's `placement` attribute, or `UNDER_NAME` for a plain Stateful."""
+    return getattr(part, "placement", UNDER_NAME)
+
+
+class Part:
+    """What the Checkpointer's loop asks of a part beyond `Stateful`, with the defaults of a part that owns no files
+    (a plain `Stateful` such as the LR scheduler gets the same): where its state lives (`placement`), and its own
+    files, which it writes and reads itself (`save_files`, `load_files`)."""
+
+    placement: ClassVar[Placement] = UNDER_NAME
+
+    def save_files(self, directory: Path) -> list[str]:
+        """Write this part's own files into the checkpoint being written (every rank calls it); returns what the
+        manifest lists as the checkpoint's artifacts (files the task reads back when sampling or exporting)."""
+        return []
+
+    def load_files(self, path: Path, saved: dict[str, Any], finished: bool = False) -> str | None:
+        """Read this part's own files from checkpoint `path` (whose `trainer_state.json` is `saved`), before any part's
+        `load_state_dict` (every rank calls it); returns a conversion made, to be logged, else None. `finished`: the
+        checkpoint is at or past the run's last step (nothing will be trained from it)."""
+        return None
+
+
+def save_files(part: Stateful, directory: Path) -> list[str]:
+    """`part.save_files` where the part has files, else nothing."""
+    return part.save_files(directory) if isinstance(part, Part) else []
+
+
+def load_files(part: Stateful, path: Path, saved: dict[str, Any], finished: bool = False) -> str | None:
+    """`part.load_files` where the part has files, else nothing."""
+    return part.load_files(path, saved, finished) if isinstance(part, Part) else None
+
+
 @dataclass
-class TrainState:
+class TrainState(Part):
     """The run's progress and its batch layout (per-device x accumulation x world size = global batch),
     which lets a resume on another world size keep the global batch (batch_plan.py)."""
 
@@ -67,7 +123,8 @@ class TrainState:
     """The DeepSpeed ZeRO stage (0: not DeepSpeed)."""
     task: str = ""
 
-    PROGRESS = ("step", "best_metric", "best_step", "nonfinite_skipped")
+    placement: ClassVar[Placement] = TOP_LEVEL
+    PROGRESS: ClassVar[tuple[str, ...]] = ("step", "best_metric", "best_step", "nonfinite_skipped")
     """What a resume takes from the checkpoint; the layout fields describe the resuming run."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -79,27 +136,61 @@ class TrainState:
                 setattr(self, key, state[key])
 
 
-class BackendState:
+class BackendState(Part):
     """Model and optimizer (and every rank's RNG), in the backend's own files, which its engine writes and reads
-    (engine.py); another layout's checkpoint is converted to the topology-free form (convert.py), which the engine
-    fills itself from."""
+    (engine.py); another layout's checkpoint is converted to the topology-free form (convert.py) in a scratch
+    folder next to the run's checkpoints (`root`), which the engine fills itself from."""
 
-    def __init__(self, acc: Any, engine: Any, param_names: list[list[str]], state: TrainState):
-        self.acc, self.engine, self.param_names, self.state = acc, engine, param_names, state
+    placement = TOP_LEVEL
+
+    def __init__(self, acc: Any, engine: Any, param_names: list[list[str]], state: TrainState, root: Path):
+        self.acc, self.engine, self.param_names, self.state, self.root = acc, engine, param_names, state, root
 
     def state_dict(self) -> dict[str, Any]:
         """The layout a conversion needs: the optimizer's parameter names by group (the tensors are in files)."""
         return {"param_names": self.param_names, **self.engine.checkpoint_layout()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Nothing: the layout is read with the files (`load`), which the Checkpointer loads before the other parts."""
+        """Nothing: the layout is read with the files (`load_files`)."""
 
-    def save(self, directory: Path) -> None:
+    def save_files(self, directory: Path) -> list[str]:
         self.engine.save_checkpoint(directory)
+        return []
 
-    def load(self, path: Path, saved: dict[str, Any], scratch: Path) -> str | None:
-        """Load `path` (its `trainer_state.json` is `saved`); returns the conversion made ('ZeRO-2 x 2 ->
-        DDP x 2'), or None when the backend's own loader read it. `scratch`: where a conversion is written."""
+    def load_files(self, path: Path, saved: dict[str, Any], finished: bool = False) -> str | None:
+        """Load `path`, converting it through a scratch folder (removed after, and on failure: a refused checkpoint
+        leaves the run directory as it was); returns the conversion made ('ZeRO-2 x 2 -> DDP x 2'), or None when the
+        backend's own loader read it. Any failure, on any rank and whatever the backend raised, is one
+        CheckpointError on every rank."""
+        root = self.root
+        created = not root.exists()
+        scratch = root / f"{store.CONVERSION_SCRATCH}{path.name}"
+        if self.acc.is_main_process:
+            store.remove_conversion_scratch(root)  # what a killed conversion left
+        failure: Exception | None = None
+        converted = None
+        try:
+            try:
+                # The universal form one level down: DeepSpeed's converter writes a `latest_universal` pointer beside
+                # its output, which then lies inside the scratch folder and goes with it.
+                converted = self._load(path, saved, scratch / "universal")
+            except Exception as err:  # noqa: BLE001 - told below, on every rank, after the others heard of it
+                failure = err  # e.g. a file refused on one rank only (ZeRO-3 has one per rank)
+            problem = None
+            if failure is not None:
+                problem = failure_reason(failure, scratch)
+                if not isinstance(failure, CheckpointError):
+                    problem = f"rank {self.acc.process_index}: checkpoint {path} could not be loaded ({problem})"
+            agree(self.acc, problem)  # a collective: no rank reads the scratch folder after it
+        finally:
+            if self.acc.is_main_process:
+                shutil.rmtree(scratch, ignore_errors=True)
+                if created and root.is_dir() and not any(root.iterdir()):
+                    root.rmdir()
+        self.engine.after_resume()  # counters the backend restored are not new events
+        return converted
+
+    def _load(self, path: Path, saved: dict[str, Any], scratch: Path) -> str | None:
         s, engine = self.state, self.engine
         saved = {**saved, "zero_stage": convert.saved_zero_stage(path, saved)}
         if not convert.needs_conversion(saved, s.backend, s.world_size, s.zero_stage):
@@ -129,8 +220,36 @@ class BackendState:
         return f"{convert.describe(saved, s.backend, s.world_size, s.zero_stage)}, {time.perf_counter() - started:.1f} s"
 
 
-class EMAState:
+class RNGState(Part):
+    """Every rank's random streams (Python, NumPy, torch, CUDA), in `random_states_<rank>.pkl`, which the backend's
+    files include (accelerate's `save_state` writes them; nothing in trainer_state.json). They are read and checked
+    before the backend's loader, which restores them too but swallows any failure (logging it at INFO) and
+    resumes with other streams, and applied after it. Place it before the backend part."""
+
+    placement = TOP_LEVEL
+
+    def __init__(self, acc: Any, allow_inexact: bool):
+        self.acc, self.allow_inexact = acc, allow_inexact
+        self._states: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Apply the states `load_files` read (after the backend's loader); without them, nothing."""
+        states, self._states = self._states, None
+        if states is not None:
+            restore_rng(states)
+
+    def load_files(self, path: Path, saved: dict[str, Any], finished: bool = False) -> str | None:
+        self._states = saved_rng_states(self.acc, path, saved.get("world_size"), self.allow_inexact, warn=not finished)
+        return None
+
+
+class EMAState(Part):
     """The EMA, consolidated: fp32 weights by parameter name whatever the backend (a collective to save)."""
+
+    placement = Placement(file=store.EMA_FILE, required="train.ema_decay > 0")
 
     def __init__(self, ema: Any, acc: Any, model: Any, state: TrainState):
         self.ema, self.acc, self.model, self.state = ema, acc, model, state
@@ -143,9 +262,11 @@ class EMAState:
                            num_updates=self.state.step)
 
 
-class DataPosition:
+class DataPosition(Part):
     """A stream's position: (epoch, global samples of it read), the same on every rank and valid at any world
     size (map-style data: none, the step gives it)."""
+
+    placement = TOP_LEVEL
 
     def __init__(self, data: Any, acc: Any):
         self.data, self.acc = data, acc
@@ -170,15 +291,19 @@ class DataPosition:
                            "(weights, optimizer and schedule are restored)")
 
 
-class TaskStats:
-    """The training data's statistics the model was built with; a resumed run keeps the checkpoint's."""
+class TaskStats(Part):
+    """The training data's statistics the model was built with (a resumed run keeps the checkpoint's), and the
+    task's own files (a vocabulary, a scaler: its artifacts, written by the main process)."""
 
-    def __init__(self, task: Any):
-        self.task = task
+    placement = Placement(file=store.TASK_STATS)
 
-    def save_artifacts(self, directory: Path) -> list[str]:
-        """The task's own files (a vocabulary, a scaler) into a checkpoint being written; their names."""
-        return list(self.task.save_artifacts(directory))
+    def __init__(self, task: Any, is_main: bool = True):
+        self.task, self.is_main = task, is_main
+
+    def save_files(self, directory: Path) -> list[str]:
+        if not self.is_main:
+            return []
+        return [store.TASK_STATS, *self.task.save_artifacts(directory)]
 
     def state_dict(self) -> dict[str, Any]:
         return self.task.stats

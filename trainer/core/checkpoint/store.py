@@ -31,6 +31,7 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 TASK_STATS = "task_stats.json"
+EMA_FILE = "ema.safetensors"
 """The task's training-data statistics (`TaskData.stats`), an artifact of every checkpoint and export."""
 
 

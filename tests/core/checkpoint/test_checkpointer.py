@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from trainer.config import load_config
 from trainer.core.checkpoint import convert
-from trainer.core.checkpoint.parts import Stateful, TrainState
+from trainer.core.checkpoint.parts import Part, Stateful, TrainState, placement
 from trainer.errors import CheckpointError
 
 
@@ -49,11 +49,14 @@ def test_every_part_is_stateful(tmp_path, fresh_accelerate):
     trainer = Trainer(cfg)
     parts = trainer.checkpointer
     # Every part in the one mapping that save and resume go through.
-    assert set(parts.parts) == {"train", "backend", "data", "scheduler", "step_guard", "task_stats", "ema"}
+    assert set(parts.parts) == {"train", "rng", "backend", "data", "scheduler", "step_guard", "task_stats", "ema"}
     for part in parts.parts.values():
         assert isinstance(part, Stateful), part
-    # Model and optimizer live in the backend's own files: saved and loaded (or converted) as a folder.
-    assert callable(parts.backend.save) and callable(parts.backend.load)
+    # The RNG part reads its files before the backend's loader runs (which would swallow a failure).
+    assert list(parts.parts).index("rng") < list(parts.parts).index("backend")
+    # Model and optimizer live in the backend's own files, which the part writes and reads (or converts) itself.
+    assert isinstance(parts.backend, Part)
+    assert {placement(p).file for p in parts.parts.values()} == {None, "task_stats.json", "ema.safetensors"}
     assert isinstance(TrainState(), Stateful)
 
 
