@@ -305,3 +305,13 @@ def test_repeats_seed_statistics_and_verdict(tmp_path, capsys):
     close = rank_configs({"a": [0.10, 0.14, 0.12], "b": [0.11, 0.15, 0.13]}, "minimize")
     assert "overlap" in verdict(close, "eval/loss") and close[0]["config"] == "a"
     assert rank_configs({"a": [1.0, 2.0], "b": [3.0, 4.0]}, "maximize")[0]["config"] == "b"
+
+
+def test_a_trials_report_at_its_last_planned_step_is_never_pruned(tmp_path):
+    """The final report comes as the trial finishes: a SIGTERM then would meet a process past its stop points."""
+    from trainer.sweep.study import is_final_report
+
+    assert not is_final_report(tmp_path, 20)  # no plan yet
+    (tmp_path / "plan.json").write_text(json.dumps({"max_steps": 20}))
+    assert not is_final_report(tmp_path, 15) and not is_final_report(tmp_path, None)
+    assert is_final_report(tmp_path, 20)

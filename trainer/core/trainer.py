@@ -113,7 +113,8 @@ class Trainer:
         self.test_weights_step: int | None = None
         """The step whose weights the test pass used (eval.test_weights), None: the current step."""
 
-        parts = {"train": self.state, "rng": RNGState(acc, cfg.run.allow_inexact_resume),
+        rng = RNGState(acc, cfg.run.allow_inexact_resume)
+        parts = {"train": self.state, "rng": rng,
                  "backend": BackendState(acc, self.engine, param_names, self.state, self.run_dir.checkpoints),
                  "data": DataPosition(self.data, acc), "scheduler": self.scheduler, "step_guard": self.engine.guard,
                  "task_stats": TaskStats(self.task, self.is_main)}

@@ -189,6 +189,16 @@ class _Watch:
     last_value: float | None = None
 
 
+def is_final_report(run_dir: Path, step: int | None) -> bool:
+    """Whether a trial's report at `step` is at the last step of its run plan (`run_dir`/plan.json; False while there
+    is none): the trial is finishing, and a SIGTERM then would find it past its last checkpointing point."""
+    try:
+        planned = json.loads((run_dir / "plan.json").read_text())["max_steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return step is not None and step >= int(planned)
+
+
 class StudyScheduler(Scheduler):
     """The slot scheduler, fed by the study's sampler and watched by its pruner."""
 
@@ -299,7 +309,9 @@ class StudyScheduler(Scheduler):
                 continue
             before = watch.last_step
             self._read_new(run, watch)
-            if watch.last_step != before and watch.trial.should_prune():
+            # A report at the plan's last step is the trial's final one: it is finishing, nothing is left to prune.
+            if (watch.last_step != before and not is_final_report(Path(run.record.out_dir), watch.last_step)
+                    and watch.trial.should_prune()):
                 self.display.event(f"prune  {name} at step {watch.last_step} ({self.spec.metric}="
                                    f"{watch.last_value:.6g}): SIGTERM, it checkpoints and exits")
                 self._stop(run, "pruned")
