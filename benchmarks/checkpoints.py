@@ -117,8 +117,8 @@ def main() -> None:
     out = work / "universal"
     backend = trainer.checkpointer.backend
     convert_s = timed(lambda: convert.convert(path, out, saved, backend.param_names), args.repeats)
-    rows.append(("resume, same layout: native load", timed(lambda: backend.engine.load_checkpoint(path, saved, backend.param_names),
-                                                          args.repeats), None))
+    native_load = timed(lambda: backend.engine.load_checkpoint(path, saved, backend.param_names), args.repeats)
+    rows.append(("resume, same layout: native load", native_load, None))
     rows.append(("resume, other layout: convert DDP/plain -> topology-free", convert_s, folder_bytes(out)))
     rows.append(("resume, other layout: load the topology-free form", timed(
         lambda: backend.engine.load_universal(out, saved, backend.param_names), args.repeats), None))
