@@ -24,7 +24,7 @@ Everything here is single-device tensor code without parameters; `align_task.py`
 * `draw_rollouts(diffusion, RolloutPlan)`: G groups of K rollouts (rollout r of group p is row p * K + r). A group
   shares its start z_T and the first T - trained_steps reverse steps (one chain, from the group's generator), then
   each rollout branches with its own generator, which also picks the `transitions` branched steps it stores as
-  (z_t, z_s, s, log p(z_s | z_t), sigma). The steps are `EDMDiffusion.reverse_step` and `decode`, as `sample` takes.
+  (z_t, z_s, s, log p(z_s | z_t)). The steps are `EDMDiffusion.reverse_step` and `decode`, as `sample` takes.
 * Rewards of the decoded molecules (`force_rms_reward` and the task's other terms), then `group_advantages`
   (K per group), `step_advantages` (no advantage on the final steps), `clipped_objective` of the policy forward's
   `gaussian_log_prob` and `kl_to_reference` against the frozen start's mean.
@@ -286,8 +286,6 @@ class Rollouts:
     """[B, S] long: s of each transition (t = s + 1)."""
     logp_old: torch.Tensor
     """[B, S] log p(z_s | z_t) under the policy that drew them (`gaussian_log_prob`)."""
-    sigma: torch.Tensor
-    """[B, S] the step's standard deviation (a function of s alone)."""
     final: SampleOutput
     """The decoded molecules."""
     group_size: int = 1
@@ -335,7 +333,7 @@ def _stack_groups(groups: Sequence[Rollouts]) -> Rollouts:
     final = SampleOutput(**{name: cat(lambda g, name=name: getattr(g.final, name), 1)
                             for name in ("positions", "type_index", "atomic_numbers", "charges", "node_mask")})
     return Rollouts(z_t=cat(lambda g: g.z_t, 2), z_s=cat(lambda g: g.z_s, 2), steps=cat(lambda g: g.steps),
-                    logp_old=cat(lambda g: g.logp_old), sigma=cat(lambda g: g.sigma), final=final,
+                    logp_old=cat(lambda g: g.logp_old), final=final,
                     group_size=groups[0].group_size)
 
 
@@ -374,7 +372,6 @@ def _draw_group(diffusion: EDMDiffusion, atoms: int, group_generator: torch.Gene
     shape = (K, transitions, atoms, width)
     z_t_store, z_s_store = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
     logp_store = torch.zeros((K, transitions), device=device)
-    sigma_store = torch.zeros((K, transitions), device=device)
     steps_store = torch.zeros((K, transitions), dtype=torch.long, device=device)
 
     mask = torch.ones((1, atoms), dtype=torch.bool, device=device)
@@ -392,12 +389,11 @@ def _draw_group(diffusion: EDMDiffusion, atoms: int, group_generator: torch.Gene
                 z_t_store[stored, at] = z[stored]
                 z_s_store[stored, at] = z_next[stored]
                 logp_store[stored, at] = gaussian_log_prob(z_next[stored], mu[stored], sigma, mask[stored])
-                sigma_store[stored, at] = sigma.to(sigma_store.dtype)
                 steps_store[stored, at] = s
         z = z_next
     final = diffusion.decode(z, [atoms] * K, rollout_generators, mask)
-    return Rollouts(z_t=z_t_store, z_s=z_s_store, steps=steps_store, logp_old=logp_store, sigma=sigma_store,
-                    final=final, group_size=K)
+    return Rollouts(z_t=z_t_store, z_s=z_s_store, steps=steps_store, logp_old=logp_store, final=final,
+                    group_size=K)
 
 
 def logp_rounding(z_s: torch.Tensor, mean: torch.Tensor, sigma: torch.Tensor | float,
