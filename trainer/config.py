@@ -181,9 +181,11 @@ class CkptConfig:
     every_steps: bounds the work a lost node costs whatever the step time. With several processes the ranks agree
     on the step (the one after the time is up)."""
     async_save: bool = False
-    """Checkpoints in the loop return once every rank's files are written; the main process hashes, syncs and
-    renames them into place in a background thread while training goes on (atomic and verified as ever; the final
-    checkpoint is waited for). Cuts the stall of frequent checkpoints, e.g. every step of an elastic run."""
+    """Checkpoints in the loop cost the step only their hand-over: on the plain and DDP layouts a copy of the
+    tensors into memory shared with a writer process, which writes, verifies and renames the checkpoint into place
+    (under FSDP and DeepSpeed the ranks write their files and the main process completes them in a thread). A save
+    asked for while the last is being written is skipped; the final checkpoint is waited for. For frequent
+    checkpoints, e.g. every step of an elastic run."""
     keep_last: int = 2
     """Keep this many most recent checkpoints (the best one is kept in addition)."""
     verify: bool = True

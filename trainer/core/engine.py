@@ -36,6 +36,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from trainer.config import Config, ConfigError
+from trainer.core.checkpoint.writer import StagedFile
 from trainer.core.step_guard import StepGuard, nonfinite_advice
 
 logger = logging.getLogger("trainer")
@@ -113,6 +114,11 @@ class Engine:
         """Write the model, optimizer and every rank's RNG in the backend's own files (every rank)."""
         self.accelerator.save_state(str(directory), safe_serialization=True)
 
+    def stage_checkpoint(self) -> list[StagedFile] | None:
+        """What `save_checkpoint` writes, as host data for the checkpoint writer process (this rank's share:
+        writer.py); None where the backend must write its files itself (sharded layouts)."""
+        return None
+
     def load_checkpoint(self, path: Path, saved: dict[str, Any], param_names: list[list[str]]) -> None:
         """Read a checkpoint this backend's own loader can read (checkpoint/convert.py: `needs_conversion`)."""
         from trainer.core.checkpoint.safe_load import weights_only_loading
@@ -143,8 +149,9 @@ class Engine:
 
     def full_tensor(self, param: torch.nn.Parameter, local: torch.Tensor, gather: Any) -> torch.Tensor:
         """The whole tensor of `param`'s shape from this rank's `local` part (a collective where it is sharded:
-        `gather` concatenates a tensor from all ranks)."""
-        return local.clone()
+        `gather` concatenates a tensor from all ranks). Where nothing is sharded it is `local` itself, read by the
+        checkpoint before the next update: no copy."""
+        return local
 
     def local_part(self, param: torch.nn.Parameter, full: torch.Tensor, local: torch.Tensor, rank: int) -> torch.Tensor:
         """This rank's part of the whole tensor `full`, laid out as `local` (no collective)."""
@@ -201,6 +208,35 @@ class TorchEngine(Engine):
         new, longest = self.guard.read()
         self.guard.check(longest, step)
         return new
+
+    def stage_checkpoint(self) -> list[StagedFile] | None:
+        """accelerate's `save_state` files of the plain and DDP layouts: the model (main process), the optimizer
+        (main process) and this rank's RNG, in the same formats. None where save_state would write more (a
+        GradScaler, registered schedulers, objects or hooks, a sampler's or stateful loader's state)."""
+        acc = self.accelerator
+        if not (self.plain and _holds_only_model_and_optimizer(acc)):
+            return None
+        from accelerate.utils.other import clean_state_dict_for_safetensors
+
+        from trainer.core.checkpoint.parts import rng_file_states
+
+        files = [StagedFile(f"random_states_{acc.process_index}.pkl", "torch", rng_file_states(acc))]
+        if acc.is_main_process:
+            state = clean_state_dict_for_safetensors(acc.get_state_dict(acc._models[0], unwrap=False))  # as save_state
+            files += [StagedFile("model.safetensors", "safetensors", state, metadata={"format": "pt"}),
+                      StagedFile("optimizer.bin", "torch", self.optimizer.state_dict())]
+        return files
+
+
+def _holds_only_model_and_optimizer(acc: Accelerator) -> bool:
+    """Whether accelerate's save_state would write one model, one optimizer and the RNG files, nothing else."""
+    from accelerate.data_loader import IterableDatasetShard
+
+    loaders_saved = any(isinstance(getattr(dl, "dataset", None), IterableDatasetShard)
+                        or getattr(dl, "use_stateful_dataloader", False) for dl in acc._dataloaders)
+    return (getattr(acc.device, "type", "cpu") in ("cpu", "cuda") and len(acc._models) == 1
+            and len(acc._optimizers) == 1 and not acc._schedulers and not acc._custom_objects
+            and not acc._save_model_state_pre_hook and not loaders_saved)
 
 
 class FSDPEngine(TorchEngine):
@@ -336,7 +372,7 @@ class DeepSpeedEngine(Engine):
 
     def full_tensor(self, param: torch.nn.Parameter, local: torch.Tensor, gather: Any) -> torch.Tensor:
         if self.zero_stage < 3:
-            return local.clone()
+            return local
         return gather(local.flatten())[: param.ds_numel].view(param.ds_shape).clone()  # partitions in rank order
 
     def local_part(self, param: torch.nn.Parameter, full: torch.Tensor, local: torch.Tensor, rank: int) -> torch.Tensor:

@@ -361,7 +361,7 @@ class Trainer:
             improved = self._track_best(self.evaluate())
         if saved_at != self.state.step or improved:
             self.save(best=improved)
-        self.checkpointer.wait()
+        self.checkpointer.wait(close=True)
         if status == "completed" and self.test_loader is not None:
             self._load_test_weights()
             self.evaluate("test")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import shutil
 import time
@@ -101,7 +102,6 @@ class SaveErrors:
 
     def __init__(self, acc: Accelerator, root: Path, tmp: Path):
         self.acc, self.root, self.tmp = acc, root, tmp
-        self.previous = store.latest_checkpoint(root)  # before this save: what a failure leaves as the latest
         self.error: str | None = None
         self.cause: Exception | None = None
 
@@ -113,6 +113,12 @@ class SaveErrors:
             if self.error is None:
                 self.error = f"rank {self.acc.process_index}: {self._describe(err)}"
                 self.cause = err
+
+    @functools.cached_property
+    def previous(self) -> Path | None:
+        """What a failure leaves as the latest checkpoint (read only on a failure: the save never renamed its temp
+        folder into place)."""
+        return store.latest_checkpoint(self.root)
 
     def _describe(self, err: Exception) -> str:
         reason = failure_reason(err, self.tmp)  # while this rank's part is still there: a full disk shows

@@ -29,7 +29,7 @@ from accelerate.utils import gather_object
 from safetensors.torch import load_file, save_file
 
 from trainer.config import Config
-from trainer.core.checkpoint import store
+from trainer.core.checkpoint import store, writer
 from trainer.core.checkpoint.agreement import (
     SaveErrors,
     agree_on_target,
@@ -37,12 +37,25 @@ from trainer.core.checkpoint.agreement import (
     set_aside_old_checkpoints,
     verify_everywhere,
 )
-from trainer.core.checkpoint.parts import BackendState, Stateful, TrainState, load_files, placement, save_files
+from trainer.core.checkpoint.parts import (
+    BackendState,
+    Stateful,
+    TaskStats,
+    TrainState,
+    load_files,
+    placement,
+    save_files,
+    stage_files,
+)
 from trainer.core.checkpoint.target import ResumeTarget, warn_changed_task, warn_skipped
+from trainer.core.checkpoint.writer import StagedFile, WriteJob
 from trainer.errors import CheckpointError
 from trainer.rundir import RunDir
 
 logger = logging.getLogger("trainer")
+
+STAGED_ARTIFACTS = ".staged-artifacts"
+"""The folder beside the checkpoints where the task's artifacts are written once for the writer process to copy."""
 
 @dataclass
 class Resumed:
@@ -64,6 +77,10 @@ class Checkpointer:
         """Checkpoints the resume passed over because they failed verification: set aside if this run saves the step."""
         self._completion: threading.Thread | None = None
         self._completion_error: Exception | None = None
+        self._writer: writer.BackgroundWriter | None = None
+        self._scratch = run_dir.checkpoints / STAGED_ARTIFACTS
+        if cfg.ckpt.async_save:
+            self._start_writer()
 
     @property
     def backend(self) -> BackendState:
@@ -77,20 +94,52 @@ class Checkpointer:
     def save(self, best: bool = False, wait: bool = True) -> Path | None:
         """Write a complete checkpoint atomically (every rank takes part) and rotate old ones.
 
-        wait=False with ckpt.async_save: return once every rank's files are written; the main process completes
-        the checkpoint (hashes, fsync, manifest, rename, pointers, rotation) in a background thread while the
-        run goes on. A failure there is raised, on every rank, by the next save or `wait()`. A save asked for while
-        the previous one is still being completed is skipped (None; a best checkpoint waits instead): checkpoints
-        then come as often as the disk completes them, and no step waits for the disk."""
-        acc, root = self.acc, self.run_dir.checkpoints
-        if not wait and not best and self.cfg.ckpt.async_save and self.completing():
+        wait=False with ckpt.async_save: return before the checkpoint is complete. Where every part can hand its
+        files over as host data (the plain and DDP layouts), the step only copies them into memory shared with a
+        writer process, which writes and completes the checkpoint (writer.py). Elsewhere every rank writes its
+        files on the step and the main process completes the checkpoint (hashes, fsync, manifest, rename,
+        pointers, rotation) in a background thread. A failure there is raised, on every rank, by the next save or
+        `wait()`. A save asked for while the previous one is still being written is skipped (None; a best
+        checkpoint waits instead): checkpoints then come as often as the disk completes them, and no step waits
+        for the disk."""
+        background = self.cfg.ckpt.async_save and not wait
+        busy, writer_ready = self._poll() if background else (False, False)
+        if busy and not best:
             return None
         name = store.step_dir_name(self.state.step)
-        tmp, final = root / f".tmp-{name}", root / name
-        errors = SaveErrors(acc, root, tmp)
-        if acc.is_main_process:
+        tmp, final = self.run_dir.checkpoints / f".tmp-{name}", self.run_dir.checkpoints / name
+        errors = SaveErrors(self.acc, self.run_dir.checkpoints, tmp)
+        if self.acc.is_main_process:
             with errors.record():
                 self._join_completion()
+        errors.agree()
+        if background and writer_ready:
+            self._save_staged(tmp, final, best, errors)
+        else:
+            self._save_on_step(tmp, final, best, background, errors)
+        return final
+
+    def _records(self) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+        """Every rank: the parts' states for trainer_state.json, those with files of their own, and the names of
+        those files that are artifacts."""
+        record: dict[str, Any] = {}
+        files: dict[str, Any] = {}
+        artifacts: list[str] = []
+        for key, part in self.parts.items():
+            state, where = part.state_dict(), placement(part)  # every rank: the EMA's is a collective
+            if where.file is not None:
+                files[where.file] = state
+                artifacts += [where.file] if where.artifact else []
+            elif where.top_level:
+                record.update(state)
+            else:
+                record[key] = state
+        return record, files, artifacts
+
+    def _save_on_step(self, tmp: Path, final: Path, best: bool, background: bool, errors: SaveErrors) -> None:
+        acc = self.acc
+        if acc.is_main_process:
+            with errors.record():
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
         errors.agree()
@@ -98,16 +147,7 @@ class Checkpointer:
         with errors.record():
             for part in self.parts.values():  # the parts' own files, every rank its share
                 artifacts += save_files(part, tmp)
-        record: dict[str, Any] = {}
-        files: dict[str, Any] = {}
-        for key, part in self.parts.items():
-            state, where = part.state_dict(), placement(part)  # every rank: the EMA's is a collective
-            if where.file is not None:
-                files[where.file] = state
-            elif where.top_level:
-                record.update(state)
-            else:
-                record[key] = state
+        record, files, listed = self._records()
         if acc.is_main_process:
             with errors.record():
                 for file, state in files.items():
@@ -115,30 +155,53 @@ class Checkpointer:
         errors.agree()  # every rank's files are written: only then the manifest, which completes the checkpoint
         if acc.is_main_process:
             with errors.record():
-                record["artifacts"] = artifacts
-                if self.cfg.ckpt.async_save and not wait:
+                record["artifacts"] = listed + artifacts
+                if background:
                     self._completion = threading.Thread(target=self._complete_in_background,
                                                         args=(tmp, final, record, best), name="trainer-checkpoint")
                     self._completion.start()
                 else:
                     self._complete(tmp, final, record, best)
         errors.agree()
-        return final
+
+    def _save_staged(self, tmp: Path, final: Path, best: bool, errors: SaveErrors) -> None:
+        """Every rank stages its share; the main process copies the tensors into the writer's memory and hands
+        the checkpoint over (a failure to stage is this save's; the writer's is the next one's)."""
+        acc, staged = self.acc, []
+        with errors.record():
+            for part in self.parts.values():
+                staged += stage_files(part, self._scratch)
+        record, files, listed = self._records()
+        if acc.num_processes > 1:  # the other ranks' shares are their RNG states: small, sent to the main process
+            shares = gather_object([[] if acc.is_main_process else staged])
+            staged = staged + [f for share in shares for f in share] if acc.is_main_process else staged
+        if acc.is_main_process:
+            with errors.record():
+                staged += [StagedFile(file, "safetensors" if file.endswith(".safetensors") else "json", state)
+                           for file, state in files.items()]
+                record["artifacts"] = listed + [f.name for f in staged if f.artifact]
+                corrupt = final in self.corrupt
+                self.corrupt.discard(final)
+                self._writer.submit(WriteJob(tmp, final, staged, record, best, self.cfg.ckpt.keep_last,
+                                             self.cfg.ckpt.verify, set_aside_existing=corrupt))
+        errors.agree()
+
+    def _start_writer(self) -> None:
+        """Main process: start the writer process where every part can stage its files (the same answer on every
+        rank: the layout decides); its start-up overlaps the first steps, whose saves write on the step."""
+        stages = writer.supported() and all(stage_files(part, self._scratch) is not None
+                                            for part in self.parts.values()
+                                            if not isinstance(part, TaskStats))  # its artifacts: written when staged
+        if stages and self.acc.is_main_process:
+            self._writer = writer.BackgroundWriter()
 
     def _complete(self, tmp: Path, final: Path, record: dict[str, Any], best: bool) -> None:
         """Main process: hashes and manifest (the mark of completeness), the rename, the pointers, the rotation."""
-        root = self.run_dir.checkpoints
-        store.write_manifest(tmp, record, with_hashes=self.cfg.ckpt.verify)
-        if final in self.corrupt:  # kept, renamed, rather than replaced as an older copy would be
-            self.corrupt.discard(final)
-            kept = store.set_aside(final, "corrupt")
-            logger.warning("%s failed verification when the run resumed from an older checkpoint: moved to %s "
-                           "before saving this step", final, kept.name)
-        store.finalize(tmp, final, root, best=best)
-        try:
-            store.rotate(root, self.cfg.ckpt.keep_last)
-        except OSError as err:  # the new checkpoint is complete: old ones left behind are no error
-            logger.warning("could not remove old checkpoints under %s: %s", root, err)
+        corrupt = final in self.corrupt
+        self.corrupt.discard(final)
+        for warning in store.complete_checkpoint(tmp, final, record, best=best, verify=self.cfg.ckpt.verify,
+                                                 keep_last=self.cfg.ckpt.keep_last, set_aside_existing=corrupt):
+            logger.warning("%s", warning)
 
     def _complete_in_background(self, tmp: Path, final: Path, record: dict[str, Any], best: bool) -> None:
         try:
@@ -152,24 +215,54 @@ class Checkpointer:
         if self._completion is not None:
             self._completion.join()
             self._completion = None
+        if self._writer is not None:
+            self._completion_error = self._writer.wait() or self._completion_error
+            self._log_writer_warnings()
         error, self._completion_error = self._completion_error, None
         if error is not None:
             raise error
 
     def completing(self) -> bool:
         """Every rank: whether the main process is still completing a checkpoint (the same answer everywhere)."""
-        busy = self._completion is not None and self._completion.is_alive()  # only the main process starts one
-        if self.acc.num_processes > 1:
-            busy = any(gather_object([busy]))
-        return busy
+        return self._poll()[0]
 
-    def wait(self) -> None:
-        """Every rank: return once the last checkpoint is complete on disk (raises its failure everywhere)."""
+    def _poll(self) -> tuple[bool, bool]:
+        """Every rank, the same answers: whether the last checkpoint is still being completed, and whether the next
+        one goes to the writer process (started and idle)."""
+        busy = self._completion is not None and self._completion.is_alive()  # only the main process starts one
+        ready = False
+        if self._writer is not None:
+            busy = busy or self._writer.busy()
+            ready = self._writer.ready()
+            self._log_writer_warnings()
+        if self.acc.num_processes > 1:
+            polls = gather_object([(busy, ready)])
+            busy, ready = any(b for b, _ in polls), polls[0][1]
+        return busy, ready
+
+    def _log_writer_warnings(self) -> None:
+        for warning in self._writer.warnings:
+            logger.warning("%s", warning)
+        self._writer.warnings.clear()
+
+    def wait(self, close: bool = False) -> None:
+        """Every rank: return once the last checkpoint is complete on disk (raises its failure everywhere);
+        `close`: then stop the writer process (a later background save starts another)."""
         errors = SaveErrors(self.acc, self.run_dir.checkpoints, self.run_dir.checkpoints / ".tmp-none")
         if self.acc.is_main_process:
             with errors.record():
-                self._join_completion()
+                try:
+                    self._join_completion()
+                finally:
+                    if close:
+                        self._close_writer()
         errors.agree()
+
+    def _close_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     # ------------------------------------------------------------------ resume
     def resume(self, finished: bool = False) -> Resumed | None:

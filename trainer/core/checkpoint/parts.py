@@ -33,6 +33,7 @@ from accelerate.utils import load as accelerate_load
 from trainer.core.checkpoint import convert, store
 from trainer.core.checkpoint.agreement import agree, conversion_failure, failure_reason
 from trainer.core.checkpoint.safe_load import weights_only_loading
+from trainer.core.checkpoint.writer import StagedFile
 from trainer.core.distributed import unwrap_model
 from trainer.errors import CheckpointError, first_line
 
@@ -63,6 +64,9 @@ class Placement:
     """Its keys at the top level of trainer_state.json (its readers take them from there)."""
     required: str | None = None
     """Why a checkpoint must have `file`; None: without one, the part keeps its state."""
+    artifact: bool = False
+    """`file` is one of the checkpoint's artifacts (listed in the manifest: the task reads it back when sampling
+    or exporting)."""
 
 
 UNDER_NAME = Placement()
@@ -86,6 +90,12 @@ class Part:
         manifest lists as the checkpoint's artifacts (files the task reads back when sampling or exporting)."""
         return []
 
+    def stage_files(self, scratch: Path) -> list[StagedFile] | None:
+        """What `save_files` writes, as host data for the checkpoint writer process (ckpt.async_save; every rank
+        its share); None where the part must write its files itself. `scratch`: a folder of the run's for files
+        the part writes once and the writer copies into every checkpoint."""
+        return [] if type(self).save_files is Part.save_files else None
+
     def load_files(self, path: Path, saved: dict[str, Any], finished: bool = False) -> str | None:
         """Read this part's own files from checkpoint `path` (whose `trainer_state.json` is `saved`), before any part's
         `load_state_dict` (every rank calls it); returns a conversion made, to be logged, else None. `finished`: the
@@ -96,6 +106,11 @@ class Part:
 def save_files(part: Stateful, directory: Path) -> list[str]:
     """`part.save_files` where the part has files, else nothing."""
     return part.save_files(directory) if isinstance(part, Part) else []
+
+
+def stage_files(part: Stateful, scratch: Path) -> list[StagedFile] | None:
+    """`part.stage_files` where the part has files, else nothing to stage."""
+    return part.stage_files(scratch) if isinstance(part, Part) else []
 
 
 def load_files(part: Stateful, path: Path, saved: dict[str, Any], finished: bool = False) -> str | None:
@@ -156,6 +171,9 @@ class BackendState(Part):
     def save_files(self, directory: Path) -> list[str]:
         self.engine.save_checkpoint(directory)
         return []
+
+    def stage_files(self, scratch: Path) -> list[StagedFile] | None:
+        return self.engine.stage_checkpoint()
 
     def load_files(self, path: Path, saved: dict[str, Any], finished: bool = False) -> str | None:
         """Load `path`, converting it through a scratch folder (removed after, and on failure: a refused checkpoint
@@ -295,15 +313,25 @@ class TaskStats(Part):
     """The training data's statistics the model was built with (a resumed run keeps the checkpoint's), and the
     task's own files (a vocabulary, a scaler: its artifacts, written by the main process)."""
 
-    placement = Placement(file=store.TASK_STATS)
+    placement = Placement(file=store.TASK_STATS, artifact=True)
 
     def __init__(self, task: Any, is_main: bool = True):
         self.task, self.is_main = task, is_main
+        self._staged: list[str] | None = None
 
     def save_files(self, directory: Path) -> list[str]:
+        return self.task.save_artifacts(directory) if self.is_main else []
+
+    def stage_files(self, scratch: Path) -> list[StagedFile] | None:
+        """The artifacts derive from the training data, fixed for the run: written once into `scratch`, copied
+        into every checkpoint by the writer."""
         if not self.is_main:
             return []
-        return [store.TASK_STATS, *self.task.save_artifacts(directory)]
+        if self._staged is None or not scratch.is_dir():
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir(parents=True)
+            self._staged = self.task.save_artifacts(scratch)
+        return [StagedFile(name, "copy", scratch / name, artifact=True) for name in self._staged]
 
     def state_dict(self) -> dict[str, Any]:
         return self.task.stats
@@ -365,6 +393,15 @@ def _load_rng_states(file: Path) -> dict[str, Any]:
     random.Random().setstate(states["random_state"])
     np.random.RandomState().set_state(states["numpy_random_seed"])
     torch.Generator().set_state(states["torch_manual_seed"])
+    return states
+
+
+def rng_file_states(acc: Accelerator) -> dict[str, Any]:
+    """This rank's `random_states_<rank>.pkl` as accelerate's `save_state` writes it on CPU and CUDA devices."""
+    states = {"step": acc.step, "random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+              "torch_manual_seed": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
     return states
 
 

@@ -250,6 +250,27 @@ def finalize(tmp_dir: Path, final_dir: Path, root: Path, best: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def complete_checkpoint(tmp: Path, final: Path, record: dict[str, Any], best: bool, verify: bool, keep_last: int,
+                        set_aside_existing: bool = False) -> list[str]:
+    """Complete a checkpoint whose files are in `tmp`: trainer_state.json and the manifest (hashes unless not
+    `verify`), the rename to `final`, the pointers, the rotation. Returns warnings to log (old checkpoints it
+    could not remove: the new one is complete, so they are no error). `set_aside_existing`: an existing `final`
+    failed verification when the run resumed from an older checkpoint: keep it renamed rather than replace it."""
+    warnings = []
+    root = final.parent
+    write_manifest(tmp, record, with_hashes=verify)
+    if set_aside_existing and final.exists():
+        kept = set_aside(final, "corrupt")
+        warnings.append(f"{final} failed verification when the run resumed from an older checkpoint: moved to "
+                        f"{kept.name} before saving this step")
+    finalize(tmp, final, root, best=best)
+    try:
+        rotate(root, keep_last)
+    except OSError as err:
+        warnings.append(f"could not remove old checkpoints under {root}: {err}")
+    return warnings
+
+
 def set_aside(ckpt_dir: Path, why: str) -> Path:
     """Rename `ckpt_dir` to `<name>.<why>-<time>` (never deleted: out of the run's way, there to inspect)."""
     kept = ckpt_dir.with_name(f"{ckpt_dir.name}.{why}-{time.strftime('%Y%m%dT%H%M%S')}")

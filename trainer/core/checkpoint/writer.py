@@ -1,0 +1,393 @@
+"""Checkpoints written by a process of their own (ckpt.async_save on the plain and DDP layouts).
+
+The training step hands a checkpoint over as host copies: its tensors are copied once into memory shared with a
+writer process (a memfd: nothing is left behind when either process dies), the rest of each file's content is
+pickled with the job. The writer process serializes the files (safetensors, torch.save, JSON, copies of the
+task's artifacts), then completes the checkpoint as a synchronous save does (`store.complete_checkpoint`:
+hashes, fsync, manifest, rename, pointers, rotation). A process rather than a thread, because serializing and
+hashing hold the interpreter lock in long stretches that a thread would take from the training step.
+
+One job at a time: the Checkpointer skips a save asked for while the last one is still being written
+(`BackgroundWriter.busy`), so the staging memory is never overwritten under the writer. The writer dies with
+its parent (PR_SET_PDEATHSIG): a killed rank leaves at most a temp folder, as a killed synchronous save does,
+never a second process renaming checkpoints under the group that restarts after it. It ignores SIGINT and
+SIGTERM, which a batch system sends to the whole process group: the rank decides when its writer stops.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STAGED_KINDS = ("safetensors", "torch", "json", "copy")
+_ALIGN = 64
+_HEADER = struct.Struct("!Q")
+
+
+@dataclass(frozen=True)
+class StagedFile:
+    """One file of a checkpoint as host data, written by the writer process.
+
+    kind: "safetensors" (`data`: name -> tensor, with `metadata`), "torch" (`data`: any picklable tree with tensors,
+    written with torch.save), "json" (`data`: JSON-able) or "copy" (`data`: a file or folder to copy in)."""
+
+    name: str
+    kind: str
+    data: Any
+    metadata: dict[str, str] | None = None
+    artifact: bool = False
+    """Listed among the checkpoint's artifacts (files the task reads back when sampling or exporting)."""
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """A checkpoint to write into `tmp` and complete as `final` under `root` (store.complete_checkpoint)."""
+
+    tmp: Path
+    final: Path
+    files: list[StagedFile]
+    record: dict[str, Any]
+    best: bool
+    keep_last: int
+    verify: bool
+    set_aside_existing: bool = False
+    """`final` failed verification when the run resumed from an older checkpoint: kept, renamed, not replaced."""
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A tensor in the staging memory."""
+
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def supported() -> bool:
+    """Whether this platform can share the staging memory (Linux: memfd and descriptor passing)."""
+    return hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+
+
+class BackgroundWriter:
+    """The training process's side: stages a `WriteJob`'s tensors, hands the job to the writer process, and tells
+    whether it is done (`busy`) and how it ended (`wait`)."""
+
+    def __init__(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = parent
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # -c, not -m: the classes of a job must be this module's, not those of a second copy run as __main__
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "from trainer.core.checkpoint.writer import main; main()", str(child.fileno()),
+             str(os.getpid())], pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env=env)
+        child.close()
+        self._fd: int | None = None
+        self._map: mmap.mmap | None = None
+        self._buffer: torch.Tensor | None = None
+        self._pending = False
+        self._ready = False
+        self._result: tuple[str, Any] | None = None
+        self._layout_key: tuple | None = None
+        self._views: list[torch.Tensor] = []
+        self.warnings: list[str] = []
+        """What the writer reported besides failures (e.g. old checkpoints it could not remove), to be logged."""
+
+    # ------------------------------------------------------------------ the training process
+    def submit(self, job: WriteJob) -> None:
+        """Copy the job's tensors into the staging memory and hand it over (the last job must be done)."""
+        if self._pending:
+            raise RuntimeError("the checkpoint writer is still writing the last checkpoint")
+        layout = _Layout()
+        files = [StagedFile(f.name, f.kind, layout.add(f.data), f.metadata, f.artifact) for f in job.files]
+        self._stage(layout)
+        self._send(("write", WriteJob(job.tmp, job.final, files, job.record, job.best, job.keep_last, job.verify,
+                                      job.set_aside_existing)))
+        self._pending, self._result = True, None
+
+    def busy(self) -> bool:
+        """Whether the last job is still being written (never waits)."""
+        self._drain()
+        return self._pending
+
+    def ready(self) -> bool:
+        """Whether the writer process has started (its imports take a while: until then a save writes its files
+        on the step)."""
+        self._drain()
+        return self._ready
+
+    def _drain(self) -> None:
+        while (self._pending or not self._ready) and self._readable(0.0):
+            self._take_reply()
+
+    def wait(self) -> Exception | None:
+        """Wait for the last job; its failure (an OSError where the writer's was one, so a full disk is named as
+        such), or None."""
+        while self._pending:
+            if self._proc.poll() is not None and not self._readable(0.0):  # it died without a word
+                self._pending = False
+                self._result = ("error", (None, None, None, f"the checkpoint writer process exited "
+                                                             f"(code {self._proc.returncode}) before it was done"))
+                break
+            if self._readable(1.0):
+                self._take_reply()
+        result, self._result = self._result, None
+        if result is None or result[0] == "done":
+            return None
+        err_no, strerror, filename, text = result[1]
+        if err_no is not None:
+            return OSError(err_no, strerror, filename)
+        return RuntimeError(text)
+
+    def close(self) -> None:
+        """Wait for the last job, then stop the writer process (its failure is `wait`'s to tell)."""
+        if self._pending:
+            self.wait()
+        try:
+            self._send(("close", None))
+        except OSError:
+            pass
+        self._sock.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._map is not None:
+            self._buffer, self._views = None, []
+            self._map.close()
+            os.close(self._fd)
+            self._map = self._fd = None
+
+    def _stage(self, layout: _Layout) -> None:
+        """Copy the layout's tensors into the staging memory (the same layout as last time reuses its views)."""
+        key = tuple(layout.keys)
+        if key != self._layout_key:
+            if self._buffer is None or self._buffer.numel() < layout.size:
+                self._allocate(max(layout.size + layout.size // 4, _ALIGN))
+            self._views = [_view(self._buffer, ref) for ref in layout.refs]
+            self._layout_key = key
+        if self._views:
+            torch._foreach_copy_(self._views, [t.detach() for t in layout.tensors])
+
+    def _allocate(self, size: int) -> None:
+        """A new staging memory (the model or the optimizer's state grew), shared with the writer."""
+        fd = os.memfd_create("trainer-checkpoint", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size)
+        self._send(("buffer", size))
+        socket.send_fds(self._sock, [b"\0"], [fd])
+        if self._map is not None:
+            self._buffer, self._views = None, []
+            self._map.close()
+            os.close(self._fd)
+        self._fd, self._map = fd, mapping
+        self._buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+
+    def _send(self, message: tuple[str, Any]) -> None:
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self._sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+    def _readable(self, timeout: float) -> bool:
+        return bool(select.select([self._sock], [], [], timeout)[0])
+
+    def _take_reply(self) -> None:
+        try:
+            kind, value = _receive(self._sock)
+        except (EOFError, OSError) as err:
+            kind, value = "error", (None, None, None, f"the checkpoint writer process stopped ({err})")
+        if kind == "ready":
+            self._ready = True
+            return
+        if kind == "warnings":
+            self.warnings += value
+            return
+        self._pending, self._result = False, (kind, value)
+
+
+# ---------------------------------------------------------------------- staging
+_LEAVES = frozenset((str, bytes, int, float, bool, type(None)))
+
+
+class _Layout:
+    """The tensors of a job's files, each given its place in the staging memory (`add`)."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.refs: list[_Ref] = []
+        self.keys: list[tuple] = []
+        self.size = 0
+
+    def add(self, tree: Any) -> Any:
+        """`tree` with every tensor replaced by its `_Ref`."""
+        if isinstance(tree, torch.Tensor):
+            ref = _Ref(self.size, str(tree.dtype).removeprefix("torch."), tuple(tree.shape))
+            self.tensors.append(tree)
+            self.refs.append(ref)
+            self.keys.append((ref.dtype, ref.shape))
+            self.size += -(-tree.numel() * tree.element_size() // _ALIGN) * _ALIGN
+            return ref
+        if isinstance(tree, dict):
+            return type(tree)((k, self.add(v)) for k, v in tree.items())
+        if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+            if set(map(type, tree)) <= _LEAVES:  # e.g. Python's random state: 625 ints
+                return tree
+            return type(tree)(self.add(v) for v in tree)
+        return tree
+
+
+def _view(buffer: torch.Tensor, ref: _Ref) -> torch.Tensor:
+    dtype = getattr(torch, ref.dtype)
+    count = 1
+    for n in ref.shape:
+        count *= n
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    return buffer[ref.offset:ref.offset + nbytes].view(dtype).view(ref.shape)
+
+
+def _materialize(tree: Any, buffer: torch.Tensor | None) -> Any:
+    """The writer's side of `_place`: each tensor a copy of its own (torch.save writes a view's whole storage)."""
+    if isinstance(tree, _Ref):
+        return _view(buffer, tree).clone()
+    if isinstance(tree, dict):
+        return type(tree)((k, _materialize(v, buffer)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        if set(map(type, tree)) <= _LEAVES:
+            return tree
+        return type(tree)(_materialize(v, buffer) for v in tree)
+    return tree
+
+
+def _receive(sock: socket.socket) -> tuple[str, Any]:
+    header = _read_exactly(sock, _HEADER.size)
+    return pickle.loads(_read_exactly(sock, _HEADER.unpack(header)[0]))
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise EOFError("the other end closed the connection")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+# ---------------------------------------------------------------------- the writer process
+def write_files(directory: Path, files: list[StagedFile], buffer: torch.Tensor | None) -> None:
+    """Write `files` into `directory` (which exists)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    for f in files:
+        path = directory / f.name
+        data = _materialize(f.data, buffer)
+        if f.kind == "safetensors":
+            save_file(data, str(path), metadata=f.metadata)
+        elif f.kind == "torch":
+            torch.save(data, path)
+        elif f.kind == "json":
+            path.write_text(json.dumps(data, indent=1))
+        elif f.kind == "copy":
+            source = Path(data)
+            if source.is_dir():
+                shutil.copytree(source, path)
+            else:
+                shutil.copy2(source, path)
+        else:
+            raise ValueError(f"unknown staged file kind {f.kind!r} for {f.name} (known: {', '.join(STAGED_KINDS)})")
+
+
+def _serve(sock: socket.socket) -> None:
+    import shutil
+
+    from trainer.core.checkpoint import store
+
+    buffer, mapping = None, None
+    while True:
+        try:
+            kind, value = _receive(sock)
+        except EOFError:
+            return
+        if kind == "close":
+            return
+        if kind == "buffer":
+            _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+            if mapping is not None:
+                buffer = None
+                mapping.close()
+            mapping = mmap.mmap(fds[0], value)
+            os.close(fds[0])
+            buffer = torch.frombuffer(mapping, dtype=torch.uint8)
+            continue
+        job: WriteJob = value
+        try:
+            shutil.rmtree(job.tmp, ignore_errors=True)
+            job.tmp.mkdir(parents=True)
+            write_files(job.tmp, job.files, buffer)
+            warnings = store.complete_checkpoint(job.tmp, job.final, job.record, best=job.best, verify=job.verify,
+                                                 keep_last=job.keep_last, set_aside_existing=job.set_aside_existing)
+        except Exception as err:  # noqa: BLE001 - told to the training process, which raises it on every rank
+            shutil.rmtree(job.tmp, ignore_errors=True)
+            if isinstance(err, OSError) and err.errno is not None:
+                reply = ("error", (err.errno, err.strerror, err.filename, str(err)))
+            else:
+                reply = ("error", (None, None, None, f"{type(err).__name__}: {err}"))
+        else:
+            reply = ("done", job.final.name)
+        try:
+            if reply[0] == "done" and warnings:
+                _reply(sock, ("warnings", warnings))
+            _reply(sock, reply)
+        except OSError:  # the rank is gone (a kill, an elastic restart): nobody to tell
+            return
+
+
+def _reply(sock: socket.socket, message: tuple[str, Any]) -> None:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The writer process: `SOCKET_FD PARENT_PID`."""
+    from trainer.core.watchdog import set_parent_death_signal
+
+    fd, parent = (int(a) for a in (argv if argv is not None else sys.argv[1:]))
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the kernel was asked to tell
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    # A message from the rank wakes this process on the rank's CPU (a socket's wake-up is synchronous), where it
+    # would preempt the training step; as a batch process it waits for a free CPU instead.
+    if hasattr(os, "sched_setscheduler"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError:
+            pass
+    torch.set_num_threads(1)
+    import safetensors.torch  # noqa: F401 - loaded before the rank hears it is ready
+
+    from trainer.core.checkpoint import store  # noqa: F401
+
+    with socket.socket(fileno=fd) as sock:
+        try:
+            _reply(sock, ("ready", None))
+        except OSError:
+            return
+        _serve(sock)
+
