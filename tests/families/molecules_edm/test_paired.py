@@ -1,5 +1,5 @@
-"""Paired comparison of two molecule sets: the statistics on hand-made numbers, pairing by sample index or by
-order and its refusals."""
+"""Paired comparison of two molecule sets (`evaluate-molecules versus=`): the statistics on hand-made numbers,
+pairing by sample index or by order and its refusals, and one command run on two small files."""
 
 from __future__ import annotations
 
@@ -135,3 +135,44 @@ def test_force_pairs_not_scored_on_both_sides_are_counted_by_reason():
     assert c.forces_left_out["force_rms"] == {"A failed": 1, "B failed": 1, "A failed, B failed": 1,
                                               "A unsupported": 1}
     assert c.rates["validity"].difference == 0 and json.dumps(c.as_dict())
+
+
+# --------------------------------------------------------------------------------------------------
+# the command
+
+
+def test_evaluate_command_versus_prints_and_writes_the_comparison(tmp_path, capsys):
+    pytest.importorskip("rdkit")
+    from test_molecule_metrics import ethylene, tetrahedral, water
+
+    from trainer.families.molecules_edm.evaluate import main, write_molecules_extxyz
+    from trainer.families.molecules_edm.molecule import Molecule
+
+    clash = Molecule([6, 1, 1, 1, 1], np.vstack([np.zeros(3), 0.3 * np.eye(3), [[0, 0, 0.35]]]))
+    a = [tetrahedral("C", 1.09), water(), ethylene(), tetrahedral("C", 1.09), water()]
+    b = [tetrahedral("C", 1.3), water(1.2), ethylene(), clash, water()]
+    for k, (ma, mb) in enumerate(zip(a, b)):
+        ma.info["sample_index"] = mb.info["sample_index"] = k
+    path_a = write_molecules_extxyz(a, tmp_path / "a.extxyz")
+    path_b = write_molecules_extxyz(b[::-1], tmp_path / "b.extxyz")  # paired by index, not by order
+    out = tmp_path / "m.json"
+    assert main([str(path_a), f"versus={path_b}", "forcefield=springs", f"out={out}"]) == 0
+    printed = capsys.readouterr().out
+    assert f"A = {path_a}, B = {path_b}: 5 pairs by sample_index" in printed
+    # the stretched water is unstable too: 3 of 5 pairs lose stability, beyond the noise of 5 pairs
+    assert "molecule_stability   A 100.00  B  40.00  A - B +60.00  [+2.98, +88.24]  Newcombe's paired score " \
+           "interval; A only 3, B only 0" in printed
+    assert "validity             A 100.00  B  80.00  A - B +20.00  [-26.43, +62.45]" in printed
+    assert "force field springs: A - B over the pairs it scored on both sides" in printed
+    assert "n 5: A lower in " in printed and "none left out" in printed
+    written = json.loads(out.read_text())
+    versus = written["versus"]
+    assert written["file"] == str(path_a) and versus["file"] == str(path_b) and versus["summary"]["num_molecules"] == 5
+    assert versus["pairs"] == 5 and versus["paired_by"] == "sample_index"
+    assert versus["rates"]["molecule_stability"]["difference"] == pytest.approx(0.6)
+    assert versus["forces"]["force_rms"]["n"] == 5 and versus["forces_left_out"]["force_rms"] == {}
+    # by order, different counts cannot be paired: one line naming both files
+    plain = write_molecules_extxyz([Molecule(m.numbers, m.positions) for m in a[:4]], tmp_path / "c.extxyz")
+    bare = write_molecules_extxyz([Molecule(m.numbers, m.positions) for m in a], tmp_path / "d.extxyz")
+    with pytest.raises(PairingError, match=f"{plain} versus {bare}: cannot pair: 4 and 5 molecules"):
+        main([str(plain), f"versus={bare}", "forcefield=none"])
