@@ -93,6 +93,7 @@ def test_guided_sampling_is_paired_and_the_same_with_one_and_two_processes(train
         assert (one / name / "molecules.extxyz").read_text() == (two / name / "molecules.extxyz").read_text()
     molecules = {name: read_molecules(one / name / "molecules.extxyz", min_distance=0.0)[0] for name in sets}
     assert all(len(m) == 5 for m in molecules.values())
+    assert all([m.info["sample_index"] for m in mols] == list(range(5)) for mols in molecules.values())
     for base, zero, guided in zip(*molecules.values()):
         assert np.array_equal(base.positions, zero.positions)  # scale 0.0 is the baseline bit for bit
         assert np.array_equal(base.numbers, guided.numbers) or base.num_atoms == guided.num_atoms
@@ -122,3 +123,9 @@ def test_guided_sampling_is_paired_and_the_same_with_one_and_two_processes(train
     standalone = json.loads(summary.read_text())
     for key in ("atom_stability", "molecule_stability", "validity", "uniqueness"):
         assert standalone[key] == pytest.approx(table["baseline"][key])
+    # Scale 0 against the baseline, paired by the written sample index: the same molecules, no difference.
+    cli_in_process("evaluate-molecules", str(one / "baseline" / "molecules.extxyz"), "forcefield=none",
+                   f"versus={one / 'guided_scale_0' / 'molecules.extxyz'}", f"out={summary}")
+    versus = json.loads(summary.read_text())["versus"]
+    assert versus["pairs"] == 5 and versus["paired_by"] == "sample_index"
+    assert all(rate["difference"] == 0 for rate in versus["rates"].values())

@@ -23,6 +23,7 @@ import numpy as np
 
 from trainer.atomic_io import atomic_write_text
 from trainer.families.molecules_edm.molecule import QM9_ELEMENTS, Molecule
+from trainer.families.molecules_edm.paired import FORCE_METRICS, Comparison, compare_paired, pair_sets
 from trainer.families.molecules_edm.readers import read_molecules, source_kind
 
 HEADLINE = ("atom_stability", "molecule_stability", "validity", "uniqueness", "valid_and_unique", "novelty")
@@ -125,14 +126,47 @@ def evaluate_file(path: str | Path, forcefield: Any = None, training_smiles_path
     """
     molecules, report = read_molecules(path, elements=elements, min_distance=min_distance, on_invalid=on_invalid)
     return _evaluate(molecules, str(path), report.records, report.skipped, forcefield, training_smiles_path,
-                     batch_size, write_extxyz)
+                     batch_size, write_extxyz)[0]
+
+
+def compare_files(path: str | Path, versus: str | Path, forcefield: Any = None,
+                  training_smiles_path: str | Path | None = None, elements: Sequence[str] | None = QM9_ELEMENTS, *,
+                  min_distance: float = 0.0, on_invalid: str = "error", batch_size: int = 64,
+                  write_extxyz: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Any], Comparison]:
+    """`evaluate_file` of `path` (A) and of `versus` (B), both with the same force field, and their paired
+    comparison A - B (`paired.pair_sets`, `paired.compare_paired`). Returns (summary of A, summary of B,
+    comparison); `write_extxyz` writes A's molecules. Sets that cannot be paired raise `paired.PairingError`
+    before any molecule is scored."""
+    read = [read_molecules(source, elements=elements, min_distance=min_distance, on_invalid=on_invalid)
+            for source in (path, versus)]
+    (mols_a, report_a), (mols_b, report_b) = read
+    pairing = pair_sets([m.info for m in mols_a], [m.info for m in mols_b], [m.num_atoms for m in mols_a],
+                        [m.num_atoms for m in mols_b], str(path), str(versus), sum(report_a.skipped.values()),
+                        sum(report_b.skipped.values()))
+    known = load_training_smiles(training_smiles_path) if training_smiles_path else None
+    owned = None
+    if isinstance(forcefield, str):
+        from trainer.families.molecules_edm.forcefields import build_forcefield
+
+        forcefield = owned = build_forcefield(forcefield)
+    try:
+        summary_a, rows_a = _evaluate(mols_a, str(path), report_a.records, report_a.skipped, forcefield, known,
+                                      batch_size, write_extxyz)
+        summary_b, rows_b = _evaluate(mols_b, str(versus), report_b.records, report_b.skipped, forcefield, known,
+                                      batch_size, None)
+    finally:
+        if owned is not None:
+            owned.close()
+    return summary_a, summary_b, compare_paired(rows_a, rows_b, pairing)
 
 
 def _evaluate(molecules: list[Molecule], name: str, records: int, skipped: dict[str, int], forcefield: Any,
-              training_smiles_path: str | Path | None, batch_size: int, write_extxyz: str | Path | None) -> dict[str, Any]:
+              training_smiles_path: str | Path | set[str] | None, batch_size: int,
+              write_extxyz: str | Path | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from trainer.families.molecules_edm.metrics import evaluate_molecules
 
-    known = load_training_smiles(training_smiles_path) if training_smiles_path else None
+    known = (training_smiles_path if isinstance(training_smiles_path, (set, frozenset))
+             else load_training_smiles(training_smiles_path) if training_smiles_path else None)
     owned = None
     if isinstance(forcefield, str):
         from trainer.families.molecules_edm.forcefields import build_forcefield
@@ -147,7 +181,7 @@ def _evaluate(molecules: list[Molecule], name: str, records: int, skipped: dict[
         scored = [Molecule(m.numbers, m.positions, {**m.info, **{k: v for k, v in row.items() if v is not None}})
                   for m, row in zip(molecules, per_molecule)]
         write_molecules_extxyz(scored, write_extxyz)
-    return {"file": name, "records_read": records, "skipped": dict(skipped), **summary}
+    return {"file": name, "records_read": records, "skipped": dict(skipped), **summary}, per_molecule
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -161,6 +195,40 @@ def format_summary(summary: dict[str, Any]) -> str:
         value = summary.get(key)
         if value is not None and not (isinstance(value, float) and math.isnan(value)):
             lines.append(f"  {key:20s} {value:10.4f}" if isinstance(value, float) else f"  {key:20s} {value}")
+    return "\n".join(lines)
+
+
+def _signed(value: float, digits: int) -> str:
+    return "nan" if math.isnan(value) else f"{value:+.{digits}f}"
+
+
+def format_comparison(comparison: Comparison, name_a: str, name_b: str, forcefield: str | None = None) -> str:
+    """The paired comparison A - B as lines: how the sets were paired and what was left out, each rate of A and
+    B with A - B and its interval (and which interval), then the force metrics over the pairs scored on both
+    sides with the pairs left out by reason."""
+    c = comparison
+    level = f"{100 * c.confidence:g} %"
+    left = [f"{n} only in {side}" for n, side in ((c.only_a, "A"), (c.only_b, "B")) if n]
+    lines = [f"A = {name_a}, B = {name_b}: {c.pairs} pairs by {c.paired_by}"
+             + (f" ({c.note})" if c.note else "") + (f"; left out: {', '.join(left)}" if left else ""),
+             f"  A - B over the pairs with its {level} interval (one that excludes 0 is a difference beyond the "
+             "sampling noise); rates in %, differences in percentage points"]
+    for key, r in c.rates.items():
+        discordant = f"; A only {r.a_only}, B only {r.b_only}" if r.a_only is not None else ""
+        lines.append(f"  {key:20s} A {100 * r.a:6.2f}  B {100 * r.b:6.2f}  A - B {_signed(100 * r.difference, 2):>6s}"
+                     f"  [{_signed(100 * r.low, 2)}, {_signed(100 * r.high, 2)}]  {r.interval}{discordant}")
+    if not c.forces:
+        lines.append("  no force field (forcefield=none): no force or energy comparison")
+        return "\n".join(lines)
+    lines.append(f"  force field {forcefield or '?'}: A - B over the pairs it scored on both sides, mean ± standard "
+                 f"error, {level} t-interval")
+    for key, unit in FORCE_METRICS:
+        d, left_out = c.forces[key], c.forces_left_out[key]
+        reasons = ", ".join(f"{reason} {n}" for reason, n in left_out.items())
+        lines.append(f"  {key + ' (' + unit + ')':20s} A {d.mean_a:.4f}  B {d.mean_b:.4f}  A - B {_signed(d.difference, 4)}"
+                     f" ± {d.se:.4f}  [{_signed(d.low, 4)}, {_signed(d.high, 4)}]  n {d.n}: A lower in {d.lower}, "
+                     f"higher in {d.higher}" + (f", equal in {d.equal}" if d.equal else "")
+                     + (f"; left out {sum(left_out.values())}: {reasons}" if left_out else "; none left out"))
     return "\n".join(lines)
 
 
@@ -184,7 +252,10 @@ class EvaluateOptions:
     on_invalid: str = "error"
     """Unreadable records: error or skip (counted in the summary)."""
     out: str = ""
-    """Also write the summary as JSON here."""
+    """Also write the summary as JSON here (with versus: FILE's summary and a `versus` entry)."""
+    versus: str = ""
+    """A second molecule file B drawn from the same noise as FILE (A): sample k of each from one seed, e.g. two
+    models, or a guided set and its baseline. Adds the paired differences A - B with 95 % intervals."""
     write_extxyz: str = ""
     """Also write the molecules with their per-molecule metrics (extxyz info) here."""
 
@@ -223,14 +294,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         from trainer.families.molecules_edm.forcefields import build_forcefield
 
         forcefield = build_forcefield(options.forcefield, **options.forcefield_kwargs)
+    elements = tuple(str(e) for e in options.elements) or None
     try:
-        summary = evaluate_file(path, forcefield, options.training_smiles or None,
-                                tuple(str(e) for e in options.elements) or None, min_distance=options.min_distance,
-                                on_invalid=options.on_invalid, write_extxyz=options.write_extxyz or None)
+        if options.versus:
+            summary, other, comparison = compare_files(
+                path, options.versus, forcefield, options.training_smiles or None, elements,
+                min_distance=options.min_distance, on_invalid=options.on_invalid,
+                write_extxyz=options.write_extxyz or None)
+        else:
+            summary = evaluate_file(path, forcefield, options.training_smiles or None, elements,
+                                    min_distance=options.min_distance, on_invalid=options.on_invalid,
+                                    write_extxyz=options.write_extxyz or None)
     finally:
         if forcefield is not None:
             forcefield.close()
     print(format_summary(summary))
+    if options.versus:
+        print(format_summary(other))
+        print(format_comparison(comparison, path, options.versus, summary.get("forcefield")))
+        summary = {**summary, "versus": {"file": options.versus, "summary": other, **comparison.as_dict()}}
     if options.out:
         Path(options.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(options.out, json.dumps(summary, indent=1))

@@ -352,6 +352,7 @@ class MoleculesEDMTask(Task):
     def write_samples(self, samples: list[dict[str, Any]], options: MoleculeSampleConfig, out: Path) -> dict[str, Any]:
         from trainer.families.molecules_edm.evaluate import write_molecules_extxyz, write_xyz_per_molecule
         from trainer.families.molecules_edm.metrics import evaluate_molecules, summarize_forcefield_values
+        from trainer.families.molecules_edm.paired import INDEX_KEY
 
         out.mkdir(parents=True, exist_ok=True)
         rows = []
@@ -360,8 +361,11 @@ class MoleculesEDMTask(Task):
             entries = [s[name] for s in samples]
             molecules = [e["molecule"] for e in entries]
             summary, per_molecule = evaluate_molecules(molecules, self.train_smiles or None)
-            for mol, values in zip(molecules, per_molecule):
-                mol.info.update({k: v for k, v in values.items() if v is not None})
+            for k, (mol, values) in enumerate(zip(molecules, per_molecule)):
+                mol.info.update({key: v for key, v in values.items() if v is not None})
+                # Sample k of every set (and of any run sampled with this seed) shares its noise: the key
+                # `evaluate-molecules versus=` pairs two files by, whatever was filtered or reordered since.
+                mol.info[INDEX_KEY] = k
             write_molecules_extxyz(molecules, out / name / "molecules.extxyz")
             if options.xyz_per_molecule:
                 write_xyz_per_molecule(molecules, out / name / "xyz")
