@@ -13,6 +13,7 @@ moved from the data; `trainer sample` and `trainer export` read an aligned run l
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,8 @@ from trainer.registry import register_task
 from trainer.sample_random import SampleRandom
 from trainer.seeding import derive_seeds
 from trainer.task import LossOutput, TaskData
+
+logger = logging.getLogger(__name__)
 
 LOG_RMS_FLOOR = 1e-3
 """eV/Angstrom: force RMS values below it count as it under `task.force_reward=log_rms`."""
@@ -58,6 +61,8 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
     def __init__(self, cfg: MoleculesEDMAlignConfig, seed: int = 0):
         super().__init__(cfg, seed)
         self.reference: nn.Module | None = None
+        self.buffer = align.RolloutBuffer(cfg.ppo_epochs)
+        """The rollouts reused for task.ppo_epochs optimizer steps (checkpointed while a cycle has steps left)."""
         self._atom_energies: dict[tuple[str, int], float] = {}
 
     # ------------------------------------------------------------------ data and model
@@ -97,10 +102,46 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], rng: SampleRandom) -> LossOutput:
         """Rollouts of the micro-batch's groups (through the prepared model, no gradient), their rewards and
         group-normalised advantages, then the clipped policy gradient of the stored transitions plus
-        kl_weight x the KL to the frozen start."""
+        kl_weight x the KL to the frozen start. With task.ppo_epochs = E > 1 the first step of each cycle of E draws
+        and keeps its micro-batches' transitions (`alignment.RolloutBuffer`); the next E - 1 steps train on them
+        again, in the same order, with the ratio to the drawing step's log-probabilities."""
         c = self.cfg
         if self.reference is None:
             raise RuntimeError("molecules_edm_align: no reference model (the core calls keep_reference_model)")
+        call = self.buffer.next_call()
+        if self.buffer.drawing:
+            kept, logp, policy = self._draw(model, batch, rng)
+            # The drawing step's ratio is taken against this forward's own value (exactly 1): the rollout's value is
+            # the same density computed in other batch shapes (`logp_drift`), and a later step of the cycle compares
+            # with this forward, taken in the batch shapes it takes.
+            logp_old = logp.detach()
+        else:
+            kept = self.buffer.entries[call].to(batch["group"].device)
+            groups = [kept.group_transitions(g) for g in range(kept.num_groups)]
+            policy = model(groups, mode="policy")
+            logp = self._log_probs(groups, policy, kept.steps.shape)
+            logp_old = kept.logp_old
+        policy_loss, clip_fraction = align.clipped_objective(logp, logp_old, kept.advantages, c.clip)
+        device = logp.device
+        if c.kl_weight:
+            groups = [kept.group_transitions(g) for g in range(kept.num_groups)]
+            with torch.no_grad():
+                reference = self.reference.to(device)(groups, mode="policy")
+            kl = torch.cat([align.kl_to_reference(mu, mu_ref, sigma, g["mask"])
+                            for g, (mu, sigma), (mu_ref, _) in zip(groups, policy, reference)]).mean()
+            loss = policy_loss + c.kl_weight * kl
+        else:
+            kl, loss = torch.zeros((), device=device), policy_loss
+        evaluations = kept.logs["force_evals_per_group"] if self.buffer.drawing else torch.zeros((), device=device)
+        logs = {**kept.logs, "kl": kl.detach(), "clip_fraction": clip_fraction, "policy_loss": policy_loss.detach(),
+                "force_evals_per_group": evaluations}
+        return LossOutput(loss=loss, logs=logs)
+
+    def _draw(self, model: nn.Module, batch: dict[str, torch.Tensor],
+              rng: SampleRandom) -> tuple[align.TrainingBatch, torch.Tensor, list]:
+        """Draw and score the micro-batch's rollouts and take the policy forward of their transitions: what the loss
+        trains on (kept for the cycle's later steps), the log-probabilities [B, S] (with gradient) and the forward."""
+        c = self.cfg
         with torch.no_grad():
             rollouts: align.Rollouts = model(self.rollout_plan(rng), mode="rollout")
             reward, force_rms, valid, clash = self.rewards(rollouts.final, batch["group"])
@@ -109,26 +150,54 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
         # then the same whichever groups share its micro-batch, on any number of processes.
         groups = [rollouts.group_transitions(g) for g in range(rollouts.num_groups)]
         policy = model(groups, mode="policy")
-        logp = torch.cat([align.gaussian_log_prob(g["z_s"], mu, sigma, g["mask"]) for g, (mu, sigma) in zip(groups, policy)])
-        logp = logp.view(rollouts.steps.shape)
-        # One update per batch of rollouts: the policy that drew them is this one, so the ratio is taken against this
-        # forward's own value (exactly 1). The rollout's value is the same density computed in other batch shapes; how
-        # far apart the two are, in units of what rounding alone makes (`logp_rounding`), is logged as `logp_drift`.
+        logp = self._log_probs(groups, policy, rollouts.steps.shape)
+        # How far the rollout's log-probabilities are from this forward's, in units of what rounding alone makes
+        # (`logp_rounding`): the same density computed in other batch shapes.
         rounding = torch.cat([align.logp_rounding(g["z_s"], mu, sigma, g["mask"]) for g, (mu, sigma) in zip(groups, policy)])
         drift = ((logp.detach() - rollouts.logp_old).abs() / rounding.view(logp.shape).clamp(min=1e-30)).mean()
         per_transition = align.step_advantages(advantages.advantages, rollouts.steps, c.lowest_trained_step)
-        policy_loss, clip_fraction = align.clipped_objective(logp, logp.detach(), per_transition, c.clip)
-        device = logp.device
-        if c.kl_weight:
-            with torch.no_grad():
-                reference = self.reference.to(device)(groups, mode="policy")
-            kl = torch.cat([align.kl_to_reference(mu, mu_ref, sigma, g["mask"])
-                            for g, (mu, sigma), (mu_ref, _) in zip(groups, policy, reference)]).mean()
-            loss = policy_loss + c.kl_weight * kl
-        else:
-            kl, loss = torch.zeros((), device=device), policy_loss
-        logs = self.step_logs(reward, force_rms, valid, clash, advantages, kl, clip_fraction, policy_loss)
-        return LossOutput(loss=loss, logs={**logs, "logp_drift": drift})
+        zero = torch.zeros((), device=logp.device)
+        logs = self.step_logs(reward, force_rms, valid, clash, advantages, zero, zero, zero)
+        logs = {k: v for k, v in logs.items() if k not in ("kl", "clip_fraction", "policy_loss")}
+        logs["logp_drift"] = drift
+        logs["force_evals_per_group"] = torch.tensor(float(c.group_size), device=logp.device)
+        kept = align.TrainingBatch(z_t=rollouts.z_t, z_s=rollouts.z_s, steps=rollouts.steps,
+                                   node_mask=rollouts.node_mask, logp_old=logp.detach(), advantages=per_transition,
+                                   logs=logs, group_size=c.group_size)
+        self.buffer.keep(kept)
+        return kept, logp, policy
+
+    @staticmethod
+    def _log_probs(groups: list[dict[str, torch.Tensor]], policy: list, shape: torch.Size) -> torch.Tensor:
+        """[B, S] log p(z_s | z_t) of the groups' transitions under the policy forward's means."""
+        return torch.cat([align.gaussian_log_prob(g["z_s"], mu, sigma, g["mask"])
+                          for g, (mu, sigma) in zip(groups, policy)]).view(shape)
+
+    # ------------------------------------------------------------------ state between optimizer steps
+    def start_step(self, step: int, micro_batches: int) -> None:
+        """Whether this step draws or reuses the kept rollouts (`StatefulTask`)."""
+        dropped = self.buffer.start_step(step, micro_batches)
+        if dropped:
+            logger.warning("task.ppo_epochs: the rollouts kept for the steps after step %d are dropped (%s): step %d "
+                           "draws afresh (the resume is not exact)", self.buffer.cycle_start, dropped, step + 1)
+
+    def task_state_dict(self) -> dict[str, torch.Tensor]:
+        """The kept rollouts while a reuse cycle has steps left (`StatefulTask`); {} otherwise."""
+        return self.buffer.state_dict()
+
+    def load_task_state_dict(self, state: dict[str, torch.Tensor] | None) -> None:
+        """Restore the kept rollouts of a checkpoint taken inside a reuse cycle (`StatefulTask`)."""
+        if state is None:
+            self.buffer.load_state_dict({})
+            if self.cfg.ppo_epochs > 1:
+                logger.warning("task.ppo_epochs: the checkpoint was written by another number of processes, whose "
+                               "kept rollouts do not follow this run's micro-batches: if it stopped inside a reuse "
+                               "cycle, the first resumed step draws afresh (the resume is not exact)")
+            return
+        problem = self.buffer.load_state_dict(state)
+        if problem:
+            logger.warning("task.ppo_epochs: the checkpoint's kept rollouts are dropped (%s): the first resumed step "
+                           "draws afresh (the resume is not exact)", problem)
 
     def step_logs(self, reward: torch.Tensor, force_rms: torch.Tensor, valid: torch.Tensor, clash: torch.Tensor,
                   advantages: align.GroupAdvantages, kl: torch.Tensor, clip_fraction: torch.Tensor,

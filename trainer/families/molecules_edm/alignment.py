@@ -47,8 +47,10 @@ if TYPE_CHECKING:
 __all__ = [
     "apply_clash_rule",
     "GroupAdvantages",
+    "RolloutBuffer",
     "RolloutPlan",
     "Rollouts",
+    "TrainingBatch",
     "draw_rollouts",
     "clipped_objective",
     "force_rms_reward",
@@ -303,12 +305,142 @@ class Rollouts:
     def group_transitions(self, group: int) -> dict[str, torch.Tensor]:
         """Group `group`'s K * S transitions without padding (its own atom count), as the policy forward takes them:
         {"z": [K S, n, D] z_t, "s": [K S], "mask": [K S, n] bool, "z_s": [K S, n, D]}."""
-        rows = slice(group * self.group_size, (group + 1) * self.group_size)
-        atoms = int(self.node_mask[group * self.group_size].sum())
-        transitions = self.steps.shape[1]
-        return {"z": self.z_t[rows, :, :atoms].flatten(0, 1), "s": self.steps[rows].flatten(),
-                "mask": self.node_mask[rows, :atoms].repeat_interleave(transitions, dim=0),
-                "z_s": self.z_s[rows, :, :atoms].flatten(0, 1)}
+        return _group_transitions(self.z_t, self.z_s, self.steps, self.node_mask, self.group_size, group)
+
+
+def _group_transitions(z_t: torch.Tensor, z_s: torch.Tensor, steps: torch.Tensor, node_mask: torch.Tensor,
+                       group_size: int, group: int) -> dict[str, torch.Tensor]:
+    rows = slice(group * group_size, (group + 1) * group_size)
+    atoms = int(node_mask[group * group_size].sum())
+    transitions = steps.shape[1]
+    return {"z": z_t[rows, :, :atoms].flatten(0, 1), "s": steps[rows].flatten(),
+            "mask": node_mask[rows, :atoms].repeat_interleave(transitions, dim=0),
+            "z_s": z_s[rows, :, :atoms].flatten(0, 1)}
+
+
+@dataclass
+class TrainingBatch:
+    """What the loss trains on from one micro-batch of rollouts, kept for the optimizer steps that reuse it
+    (`RolloutBuffer`): the stored transitions, their log-probabilities under the policy that drew them (as the
+    training forward computed them at the drawing step), their advantages, and the logs of the rollouts' rewards."""
+
+    z_t: torch.Tensor
+    """[B, S, N, D] the state before each stored transition."""
+    z_s: torch.Tensor
+    """[B, S, N, D] the state drawn from it."""
+    steps: torch.Tensor
+    """[B, S] long: s of each transition."""
+    node_mask: torch.Tensor
+    """[B, N] bool real atoms."""
+    logp_old: torch.Tensor
+    """[B, S] log p(z_s | z_t) under the drawing policy (the importance ratio's denominator)."""
+    advantages: torch.Tensor
+    """[B, S] per-transition advantages."""
+    logs: dict[str, torch.Tensor]
+    """Scalars logged at every step that trains on the batch (reward statistics of its rollouts)."""
+    group_size: int = 1
+
+    FIELDS = ("z_t", "z_s", "steps", "node_mask", "logp_old", "advantages")
+
+    @property
+    def num_groups(self) -> int:
+        return self.steps.shape[0] // self.group_size
+
+    def group_transitions(self, group: int) -> dict[str, torch.Tensor]:
+        """As `Rollouts.group_transitions`."""
+        return _group_transitions(self.z_t, self.z_s, self.steps, self.node_mask, self.group_size, group)
+
+    def to(self, device: torch.device) -> TrainingBatch:
+        """On `device` (itself when already there)."""
+        if self.z_t.device == torch.device(device):
+            return self
+        return TrainingBatch(**{f: getattr(self, f).to(device) for f in self.FIELDS},
+                             logs={k: v.to(device) for k, v in self.logs.items()}, group_size=self.group_size)
+
+    def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Flat tensors under `prefix` (scalars as [1], as safetensors keeps them)."""
+        out = {f"{prefix}{f}": getattr(self, f).detach() for f in self.FIELDS}
+        out.update({f"{prefix}log.{k}": v.detach().reshape(1) for k, v in self.logs.items()})
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor], prefix: str, group_size: int) -> TrainingBatch:
+        logs = {k[len(prefix) + 4:]: v.reshape(()) for k, v in state.items() if k.startswith(f"{prefix}log.")}
+        return cls(**{f: state[f"{prefix}{f}"] for f in cls.FIELDS}, logs=logs, group_size=group_size)
+
+
+class RolloutBuffer:
+    """The micro-batches of rollouts one optimizer step drew, trained on for `epochs` consecutive optimizer steps
+    (PPO's epochs over a batch of rollouts; `task.ppo_epochs`).
+
+    The step that draws (the first of a cycle) keeps each micro-batch's `TrainingBatch` in the order the loss sees
+    them; the next `epochs - 1` steps take them back in the same order, whatever micro-batches the data gives them.
+    `state_dict` holds the cycle while steps of it remain, so a run stopped inside a cycle resumes it exactly. With
+    `epochs` = 1 nothing is kept. Used outside the core's step hooks (no `start_step`), every call draws."""
+
+    def __init__(self, epochs: int):
+        self.epochs = int(epochs)
+        self.entries: list[TrainingBatch] = []
+        self.cycle_start = -1
+        self.step: int | None = None
+        self._calls = 0
+
+    def start_step(self, step: int, micro_batches: int) -> str | None:
+        """Before optimizer step `step` (steps done so far) of `micro_batches` loss calls; returns why a kept cycle
+        was dropped before its end (another batch layout), else None."""
+        self.step, self._calls = int(step), 0
+        dropped = None
+        if self.entries:
+            position = self.step - self.cycle_start
+            if not 0 < position < self.epochs:
+                self.entries = []
+            elif len(self.entries) != micro_batches:
+                dropped = (f"the kept rollouts hold {len(self.entries)} micro-batches per step, this step has "
+                           f"{micro_batches}")
+                self.entries = []
+        if not self.entries:
+            self.cycle_start = self.step
+        return dropped
+
+    @property
+    def drawing(self) -> bool:
+        """Whether the next loss call draws fresh rollouts (the first step of a cycle, or no step hooks)."""
+        return self.step is None or self.step == self.cycle_start
+
+    def next_call(self) -> int:
+        """The index of this loss call within its step."""
+        index, self._calls = self._calls, self._calls + 1
+        return index
+
+    def keep(self, batch: TrainingBatch) -> None:
+        """Keep a drawing step's micro-batch for the cycle's later steps (nothing with one epoch)."""
+        if self.epochs > 1 and self.step is not None:
+            self.entries.append(batch)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The cycle's micro-batches and position while steps of it remain after the last started step; else {}."""
+        if not self.entries or self.step is None or self.step + 1 - self.cycle_start >= self.epochs:
+            return {}
+        out = {"cycle_start": torch.tensor([self.cycle_start]), "epochs": torch.tensor([self.epochs]),
+               "micro_batches": torch.tensor([len(self.entries)]),
+               "group_size": torch.tensor([self.entries[0].group_size])}
+        for i, entry in enumerate(self.entries):
+            out.update(entry.state_dict(f"{i}."))
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> str | None:
+        """Restore `state_dict`'s cycle ({}: none); returns why a saved cycle was not restored (another number of
+        epochs), else None."""
+        self.entries, self.cycle_start, self.step = [], -1, None
+        if not state:
+            return None
+        if int(state["epochs"]) != self.epochs:
+            return f"they were kept for {int(state['epochs'])} optimizer steps, this run takes {self.epochs}"
+        group_size = int(state["group_size"])
+        self.cycle_start = int(state["cycle_start"])
+        self.entries = [TrainingBatch.from_state_dict(state, f"{i}.", group_size)
+                        for i in range(int(state["micro_batches"]))]
+        return None
 
 
 def _pad_nodes(tensor: torch.Tensor, nodes: int, dim: int) -> torch.Tensor:

@@ -190,6 +190,11 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
     clash_distance: float = 0.5
     """Angstrom: a rollout with two atoms closer than this is broken and gets the lowest reward of its group's sound
     rollouts (counted as `clash_fraction`) rather than being excluded like a failed evaluation."""
+    ppo_epochs: int = 1
+    """Optimizer steps per batch of rollouts (PPO's epochs): the first step of each cycle draws the rollouts, the
+    next ppo_epochs - 1 train on the same transitions again, the probability ratio to the drawing policy clipped at
+    `task.clip`. The force field scores each batch once, so rollouts and force evaluations per optimizer step drop
+    by this factor; train.max_steps counts optimizer steps. 1: every step draws (the default)."""
     num_groups: int = 1048576
     """Prompts in the pool: the group with index i draws its atom count, start and rollouts from (run.seed, i), so
     step s of a run with global batch G reads groups s * G .. s * G + G - 1 (data.shuffle=false)."""
@@ -235,6 +240,8 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
         if min(self.force_weight, self.energy_weight, self.stability_weight) < 0 or not (
                 self.force_weight or self.energy_weight or self.stability_weight):
             raise ConfigError("task.force_weight, energy_weight and stability_weight must be >= 0, one of them > 0")
+        if self.ppo_epochs < 1:
+            raise ConfigError(f"task.ppo_epochs must be >= 1, got {self.ppo_epochs}")
         if self.num_groups < 1:
             raise ConfigError(f"task.num_groups must be >= 1, got {self.num_groups}")
 
