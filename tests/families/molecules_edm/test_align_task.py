@@ -109,6 +109,22 @@ def test_rollouts_share_their_group_start_and_store_on_policy_transitions():
     assert int(few.steps.max()) < trained
 
 
+def test_clean_predictions_for_shaping_leave_the_rollouts_as_they_are():
+    """The shaping's predicted clean molecules come from a forward of their own: the chain, the stored transitions and
+    the final molecules are the same bits with and without them (shaping off draws what it drew before)."""
+    diffusion = small_diffusion()
+    plans = [align.RolloutPlan([4, 6], generators(1, 2), generators(*range(10, 16)), 3, 5, 2, clean_predictions=flag)
+             for flag in (False, True)]
+    plain, shaped = (align.draw_rollouts(diffusion, plan) for plan in plans)
+    for name in ("z_t", "z_s", "steps", "logp_old"):
+        assert torch.equal(getattr(plain, name), getattr(shaped, name)), name
+    assert torch.equal(plain.final.positions, shaped.final.positions) and plain.clean is None
+    clean = shaped.clean  # one molecule per stored transition, rollout b's transition j at row b * S + j
+    assert clean.positions.shape == (12, 6, 3) and torch.equal(clean.node_mask, shaped.node_mask.repeat_interleave(2, 0))
+    x0 = diffusion.predict_clean(shaped.z_t[4, 1].unsqueeze(0), shaped.steps[4, 1:2], torch.ones(1, 6, 1))
+    torch.testing.assert_close(clean.positions[9], x0[0, :, :3], rtol=1e-4, atol=1e-4)
+
+
 def test_the_final_steps_get_no_advantage_and_groups_report_their_spread():
     steps = torch.tensor([[7, 3, 1], [5, 2, 0]])
     per_transition = align.step_advantages(torch.tensor([1.5, -2.0]), steps, lowest_step=2)
@@ -307,6 +323,18 @@ def test_one_epoch_keeps_no_rollouts_and_trains_as_before(source_run, tmp_path):
     out = aligned(source_run, tmp_path / "one", "task.ppo_epochs=1")
     assert not list((out / "checkpoints").glob("step_*/task_state_*"))
     assert [r["force_evals_per_group"] for r in read_jsonl(out) if "reward_mean" in r] == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("potential", ["energy", "force"])
+def test_shaping_counts_its_force_evaluations_and_trains(source_run, tmp_path, potential):
+    """task.shaping_weight > 0: one more force evaluation per stored transition (3 rollouts x (1 + 3 transitions) per
+    group), a finite update away from the unshaped one."""
+    out = aligned(source_run, tmp_path / potential, "train.max_steps=1", "task.shaping_weight=0.5",
+                  f"task.shaping_potential={potential}", "task.shaping_gamma=0.9")
+    first = next(r for r in read_jsonl(out) if r.get("step") == 1 and "reward_mean" in r)
+    assert first["force_evals_per_group"] == 12.0 and np.isfinite(first["policy_loss"]) and first["grad_norm"] > 0
+    after = load_file(out / "checkpoints" / "step_00000001" / "model.safetensors")
+    assert all(torch.isfinite(v).all() for v in after.values())
 
 
 @pytest.mark.distributed

@@ -97,7 +97,8 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
         rollout_generators = [torch.Generator().manual_seed(int(s)) for s in np.asarray(rollout_seeds).reshape(-1)]
         return align.RolloutPlan(num_atoms=num_atoms, group_generators=group_generators,
                                  rollout_generators=rollout_generators, group_size=c.group_size,
-                                 trained_steps=c.branched_steps, transitions=c.trained_transitions)
+                                 trained_steps=c.branched_steps, transitions=c.trained_transitions,
+                                 clean_predictions=bool(c.shaping_weight))
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], rng: SampleRandom) -> LossOutput:
         """Rollouts of the micro-batch's groups (through the prepared model, no gradient), their rewards and
@@ -144,8 +145,13 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
         c = self.cfg
         with torch.no_grad():
             rollouts: align.Rollouts = model(self.rollout_plan(rng), mode="rollout")
-            reward, force_rms, valid, clash = self.rewards(rollouts.final, batch["group"])
+            reward, force_rms, valid, clash, scored = self._score(rollouts.final, batch["group"])
             advantages = align.group_advantages(reward, c.group_size, valid, clip=c.advantage_clip)
+            evaluations = c.group_size
+            shaped = None
+            if c.shaping_weight:
+                shaped = self._shaped_advantages(rollouts, scored, valid & ~clash)
+                evaluations += c.group_size * rollouts.steps.shape[1]
         # The policy forward takes each group alone, as the rollouts drew it (`draw_rollouts`): a group's gradient is
         # then the same whichever groups share its micro-batch, on any number of processes.
         groups = [rollouts.group_transitions(g) for g in range(rollouts.num_groups)]
@@ -156,11 +162,15 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
         rounding = torch.cat([align.logp_rounding(g["z_s"], mu, sigma, g["mask"]) for g, (mu, sigma) in zip(groups, policy)])
         drift = ((logp.detach() - rollouts.logp_old).abs() / rounding.view(logp.shape).clamp(min=1e-30)).mean()
         per_transition = align.step_advantages(advantages.advantages, rollouts.steps, c.lowest_trained_step)
+        if shaped is not None:  # on the trained steps only, as the final reward's advantage
+            trained = (rollouts.steps >= c.lowest_trained_step).to(shaped.dtype)
+            per_transition = (per_transition + c.shaping_weight * shaped.to(per_transition) * trained).clamp(-c.advantage_clip,
+                                                                                          c.advantage_clip)
         zero = torch.zeros((), device=logp.device)
         logs = self.step_logs(reward, force_rms, valid, clash, advantages, zero, zero, zero)
         logs = {k: v for k, v in logs.items() if k not in ("kl", "clip_fraction", "policy_loss")}
         logs["logp_drift"] = drift
-        logs["force_evals_per_group"] = torch.tensor(float(c.group_size), device=logp.device)
+        logs["force_evals_per_group"] = torch.tensor(float(evaluations), device=logp.device)
         kept = align.TrainingBatch(z_t=rollouts.z_t, z_s=rollouts.z_s, steps=rollouts.steps,
                                    node_mask=rollouts.node_mask, logp_old=logp.detach(), advantages=per_transition,
                                    logs=logs, group_size=c.group_size)
@@ -223,6 +233,31 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
             forcefield=c.reward_forcefield, forcefield_kwargs=dict(c.reward_forcefield_kwargs),
             fallback_forcefield=c.reward_fallback_forcefield))
 
+    def _shaped_advantages(self, rollouts: align.Rollouts, scored: Any, final_ok: torch.Tensor) -> torch.Tensor:
+        """[B, S] group-normalised shaped returns of the stored transitions (`alignment.shaped_returns`): the
+        potentials of the predicted clean molecules at each z_t (one force evaluation each) and of the final
+        molecules (their reward's evaluation). A potential the force field could not give, or of a molecule whose
+        atoms clash (whose energy would swamp its group's), leaves its transitions out (shaped advantage 0)."""
+        from trainer.families.molecules_edm.forcefields.base import compute_on_device
+
+        c, clean = self.cfg, rollouts.clean
+        result = compute_on_device(self.reward_forcefield(), clean.atomic_numbers, clean.positions, clean.node_mask)
+        ok = result.ok.to(torch.bool) & ~self._clashes(clean)
+        potentials = self._potential(clean, result, ok).view(rollouts.steps.shape)
+        final = self._potential(rollouts.final, scored, scored.ok.to(torch.bool) & final_ok)
+        returns = align.shaped_returns(potentials, final.to(potentials), rollouts.steps, c.shaping_gamma)
+        return align.shaped_advantages(returns, c.group_size, clip=c.advantage_clip)
+
+    def _potential(self, molecules: Any, result: Any, ok: torch.Tensor) -> torch.Tensor:
+        """[M] Phi of `task.shaping_potential` for molecules the force field scored (`result`); NaN where not `ok`."""
+        if self.cfg.shaping_potential == "energy":
+            return -self._energy_per_atom(molecules, result, ok)
+        forces = torch.nan_to_num(result.forces, nan=float("inf"))
+        potential, _ = align.force_rms_reward(forces, molecules.node_mask, ok)
+        if self.cfg.force_reward == "log_rms":
+            potential = -torch.log((-potential).clamp(min=LOG_RMS_FLOOR))
+        return potential
+
     def rewards(self, final: Any, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per rollout: the reward, the force RMS (eV/Angstrom), whether it counts in its group and whether its atoms
         clash. A molecule with two atoms closer than `task.clash_distance` is broken: it gets the lowest reward of its
@@ -230,6 +265,11 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
         evaluate, is never a way out of a bad score. Any other molecule the force field could not evaluate is
         excluded from its group and counted. A scored molecule whose reward is not finite stops the run
         (NonFiniteRewardError)."""
+        return self._score(final, groups)[:4]
+
+    def _score(self, final: Any, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                Any]:
+        """`rewards`, and the force field's result on the final molecules."""
         from trainer.families.molecules_edm.forcefields.base import compute_on_device
 
         c = self.cfg
@@ -254,7 +294,7 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
                 f"(force RMS {float(force_rms[row])} eV/A from {c.reward_forcefield}): stopping rather than training on it")
         clash = self._clashes(final)
         reward = align.apply_clash_rule(reward, ok, clash, c.group_size)
-        return reward, force_rms, torch.isfinite(reward), clash
+        return reward, force_rms, torch.isfinite(reward), clash, result
 
     def _clashes(self, final: Any) -> torch.Tensor:
         """[B] bool: two real atoms closer than `task.clash_distance`."""

@@ -58,6 +58,9 @@ __all__ = [
     "group_advantages",
     "kl_to_reference",
     "logp_rounding",
+    "shaped_advantages",
+    "shaped_returns",
+    "shaped_rewards",
     "step_advantages",
 ]
 
@@ -132,6 +135,34 @@ def step_advantages(advantages: torch.Tensor, steps: torch.Tensor, lowest_step: 
     0 on the final steps below it (their log-probability gradients are the largest while they move atoms least:
     noise in the estimate; the KL still covers them)."""
     return advantages[:, None] * (steps >= lowest_step).to(advantages.dtype)
+
+
+def shaped_rewards(potentials: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Potential-based shaping (Ng, Harada and Russell 1999): the reward of each transition k -> k + 1 of a chain
+    of states with potentials Phi_0 .. Phi_n ([..., n + 1]) is gamma Phi_{k+1} - Phi_k ([..., n]).
+
+    Their gamma-discounted sum from transition k to the end telescopes to gamma^(n - k) Phi_n - Phi_k (`shaped_returns`
+    of the same chain): it depends on the chain only through its last state beyond Phi_k, a function of the state the
+    action is taken from, so it leaves the best policy unchanged while rewarding each step's progress."""
+    return gamma * potentials[..., 1:] - potentials[..., :-1]
+
+
+def shaped_returns(potentials: torch.Tensor, final: torch.Tensor, steps: torch.Tensor, gamma: float) -> torch.Tensor:
+    """[B, S] return-to-go of the shaped rewards from each stored transition to the end of its rollout:
+    gamma^t Phi_final - Phi(z_t), t = s + 1 the reverse steps left (Elign's G_t = gamma^t Psi_0 - Psi_t).
+
+    potentials: [B, S] Phi of the state each stored transition starts from; final: [B] Phi of the final molecule;
+    steps: [B, S] s of each transition. NaN where either potential is."""
+    discount = torch.pow(torch.full_like(potentials, float(gamma)), (steps + 1).to(potentials.dtype))
+    return discount * final[:, None].to(potentials.dtype) - potentials
+
+
+def shaped_advantages(returns: torch.Tensor, group_size: int, clip: float = 5.0) -> torch.Tensor:
+    """[B, S] shaped returns normalised within each group over all its stored transitions with a finite return
+    (zero mean, unit population std; the rest 0), clipped to +-clip. A group's rollouts store different steps, so
+    its transitions are pooled rather than compared step by step."""
+    batch, transitions = returns.shape
+    return group_advantages(returns.reshape(-1), group_size * transitions, clip=clip).advantages.view(batch, transitions)
 
 
 def _node_mask(node_mask: torch.Tensor, batch: int, nodes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -260,6 +291,9 @@ class RolloutPlan:
     """The last this many reverse steps are branched and may be trained (the reference: 400 of 1000)."""
     transitions: int
     """Transitions stored per rollout, drawn without replacement among the trained steps."""
+    clean_predictions: bool = False
+    """Also read the model's predicted clean molecule at each stored transition's z_t (`Rollouts.clean`), for
+    potential-based shaping: one more forward of the stored transitions per group."""
 
     def check(self, timesteps: int) -> None:
         groups = len(self.num_atoms)
@@ -292,6 +326,9 @@ class Rollouts:
     """The decoded molecules."""
     group_size: int = 1
     """K: rollouts per group."""
+    clean: SampleOutput | None = None
+    """With `RolloutPlan.clean_predictions`: the predicted clean molecule at each stored transition's z_t, B * S
+    molecules (row b * S + j: rollout b's transition j)."""
 
     @property
     def node_mask(self) -> torch.Tensor:
@@ -462,11 +499,14 @@ def _stack_groups(groups: Sequence[Rollouts]) -> Rollouts:
     def cat(get, dim: int | None = None) -> torch.Tensor:
         return torch.cat([get(g) if dim is None else _pad_nodes(get(g), nodes, dim) for g in groups])
 
-    final = SampleOutput(**{name: cat(lambda g, name=name: getattr(g.final, name), 1)
-                            for name in ("positions", "type_index", "atomic_numbers", "charges", "node_mask")})
+    names = ("positions", "type_index", "atomic_numbers", "charges", "node_mask")
+    final = SampleOutput(**{name: cat(lambda g, name=name: getattr(g.final, name), 1) for name in names})
+    clean = None
+    if groups[0].clean is not None:
+        clean = SampleOutput(**{name: cat(lambda g, name=name: getattr(g.clean, name), 1) for name in names})
     return Rollouts(z_t=cat(lambda g: g.z_t, 2), z_s=cat(lambda g: g.z_s, 2), steps=cat(lambda g: g.steps),
                     logp_old=cat(lambda g: g.logp_old), final=final,
-                    group_size=groups[0].group_size)
+                    group_size=groups[0].group_size, clean=clean)
 
 
 @torch.no_grad()
@@ -485,12 +525,13 @@ def draw_rollouts(diffusion: EDMDiffusion, plan: RolloutPlan) -> Rollouts:
     K = plan.group_size
     return _stack_groups([
         _draw_group(diffusion, int(atoms), plan.group_generators[g], plan.rollout_generators[g * K:(g + 1) * K],
-                    plan.trained_steps, plan.transitions)
+                    plan.trained_steps, plan.transitions, plan.clean_predictions)
         for g, atoms in enumerate(plan.num_atoms)])
 
 
 def _draw_group(diffusion: EDMDiffusion, atoms: int, group_generator: torch.Generator,
-                rollout_generators: Sequence[torch.Generator], trained_steps: int, transitions: int) -> Rollouts:
+                rollout_generators: Sequence[torch.Generator], trained_steps: int, transitions: int,
+                clean_predictions: bool = False) -> Rollouts:
     """One group of K = len(rollout_generators) rollouts of `atoms` atoms (no padding)."""
     T, K = diffusion.T, len(rollout_generators)
     device = diffusion.gamma.device
@@ -524,8 +565,14 @@ def _draw_group(diffusion: EDMDiffusion, atoms: int, group_generator: torch.Gene
                 steps_store[stored, at] = s
         z = z_next
     final = diffusion.decode(z, [atoms] * K, rollout_generators, mask)
+    clean = None
+    if clean_predictions:  # the group's transitions in one batch of their own, as the policy forward takes them
+        flat_mask = mask.repeat_interleave(transitions, dim=0)
+        x0 = diffusion.predict_clean(z_t_store.flatten(0, 1), steps_store.flatten(),
+                                     flat_mask.to(torch.float32).unsqueeze(-1))
+        clean = diffusion.clean_molecules(x0, flat_mask)
     return Rollouts(z_t=z_t_store, z_s=z_s_store, steps=steps_store, logp_old=logp_store, final=final,
-                    group_size=K)
+                    group_size=K, clean=clean)
 
 
 def logp_rounding(z_s: torch.Tensor, mean: torch.Tensor, sigma: torch.Tensor | float,
