@@ -1,13 +1,16 @@
 """`molecules_edm_align`: reward post-training of a trained EDM with a force field (`trainer align RUN_DIR`).
 
-The task is the molecules task with another training set and loss. Its training "samples" are prompts: group i
-of the pool draws its atom count, its shared start and its rollouts from the seeds of its row (run.seed, epoch,
-i: `trainer.sample_random`), so a group is the same on any rank and world size and after a resume. A micro-batch
-of G groups draws G * K rollouts through the model (no gradient), scores the final molecules with the reward force
-field, normalises the rewards within each group and takes the group-relative clipped policy gradient of the stored
-transitions plus the KL to the frozen starting model (`alignment.py`). Validation and test are the molecules
-task's (NLL of the held-out molecules, and samples' stability and validity), so an aligned run reports how far it
-moved from the data; `trainer sample` and `trainer export` read an aligned run like any molecules run.
+The task is the molecules task with another training set and loss. Its training "samples" are prompts: group i of
+the pool draws its atom count, its shared start and its rollouts from the seeds of its row (run.seed, epoch, i:
+`trainer.sample_random`), so a group is the same on any rank and world size and after a resume. A micro-batch of G
+groups draws G * K rollouts through the model (no gradient), scores the final molecules with the reward force field,
+normalises the rewards within each group and takes the group-relative clipped policy gradient of the stored
+transitions plus the KL to the frozen starting model (`alignment.py`). With task.ppo_epochs > 1 the drawn
+transitions are kept (and checkpointed, `StatefulTask`) for the next optimizer steps of their cycle; with
+task.shaping_weight > 0 each transition's advantage also gets its potential-based shaped return. Validation and test
+are the molecules task's (NLL of the held-out molecules, and samples' stability and validity), so an aligned run
+reports how far it moved from the data; `trainer sample` and `trainer export` read an aligned run like any molecules
+run.
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ Everything here is single-device tensor code without parameters; `align_task.py`
 * Rewards of the decoded molecules (`force_rms_reward` and the task's other terms), then `group_advantages`
   (K per group), `step_advantages` (no advantage on the final steps), `clipped_objective` of the policy forward's
   `gaussian_log_prob` and `kl_to_reference` against the frozen start's mean.
+* Optionally, potential-based shaping per transition (`shaped_rewards`, `shaped_returns`, `shaped_advantages`) on
+  the predicted clean molecules `draw_rollouts` reads at the stored transitions (`RolloutPlan.clean_predictions`).
+* `TrainingBatch` and `RolloutBuffer`: what a drawing step keeps for the steps that reuse its rollouts (PPO epochs),
+  with the state a checkpoint holds while a cycle has steps left.
 
 The reference's paper settings, and how ours differ: docs/families/molecules_edm.md (force-field alignment).
 """
