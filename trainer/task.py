@@ -31,7 +31,8 @@ between world sizes; it is restored exactly on a resume at the same world size.
 
 Optional capabilities are `typing.Protocol`s checked with `isinstance`, never `hasattr`:
 `GenerativeTask` (has a `SampleConfig` and `generate`/`write_samples`), `ReferenceModelTask` (a loss that
-compares the model with its starting point, e.g. a KL penalty of reward post-training), `EpochAwareDataset`
+compares the model with its starting point, e.g. a KL penalty of reward post-training), `StatefulTask` (a loss
+that carries state from one optimizer step to the next, e.g. rollouts reused for several steps), `EpochAwareDataset`
 (a map-style dataset whose item depends on the epoch), `GlobalStream` (a training stream in one order
 that the core shards by global sample index), `EpochAwareStream` and `CompilableModel` (a model that
 compiles its own hot regions for `train.compile`).
@@ -297,6 +298,26 @@ class ReferenceModelTask(Protocol):
     def keep_reference_model(self, model: nn.Module) -> None:
         """Called once by the core with the single-device model holding the run's initial weights (`run.init_from`'s,
         before any resume and before the model is wrapped): keep a frozen copy (the core never trains it)."""
+
+
+@runtime_checkable
+class StatefulTask(Protocol):
+    """A task whose loss carries state from one optimizer step to the next (reward post-training's batch of rollouts,
+    drawn once and trained on for several steps). The state is each rank's own (it follows the rank's micro-batches)
+    and is checkpointed per rank (`task_state_<rank>.safetensors`), so that a run stopped between two such steps
+    resumes exactly.
+
+    The core calls `start_step(step, micro_batches)` before each optimizer step (`step`: optimizer steps done so
+    far; `micro_batches`: the `loss` calls of this rank that the step makes). At a checkpoint it saves
+    `task_state_dict()` (CPU or device tensors; empty: no file), and on a resume hands `load_task_state_dict` this
+    rank's saved tensors ({} when the checkpoint holds none), or None when the checkpoint was written by another
+    number of processes (the state does not follow the micro-batches then: the task starts afresh, and says so)."""
+
+    def start_step(self, step: int, micro_batches: int) -> None: ...
+
+    def task_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_task_state_dict(self, state: dict[str, torch.Tensor] | None) -> None: ...
 
 
 @runtime_checkable

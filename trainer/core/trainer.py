@@ -32,7 +32,15 @@ from trainer.core.checkpoint.cadence import SaveClock
 from trainer.core.checkpoint.convert import optimizer_param_names
 from trainer.core.checkpoint.export import load_initial_weights
 from trainer.core.checkpoint.manager import Checkpointer
-from trainer.core.checkpoint.parts import BackendState, DataPosition, EMAState, RNGState, TaskStats, TrainState
+from trainer.core.checkpoint.parts import (
+    BackendState,
+    DataPosition,
+    EMAState,
+    RNGState,
+    TaskStats,
+    TaskTrainingState,
+    TrainState,
+)
 from trainer.core.command_line import interrupted_line, resume_command, started_by_front_end
 from trainer.core.distributed import build_accelerator, compile_model, unwrap_model
 from trainer.core.elastic import MembershipWatch, restartable, resume_on_restart
@@ -49,7 +57,7 @@ from trainer.core.run_plan import build_run_plan
 from trainer.core.step_guard import NonFiniteLossError
 from trainer.registry import get_task
 from trainer.rundir import RunDir
-from trainer.task import GenerativeTask, ReferenceModelTask
+from trainer.task import GenerativeTask, ReferenceModelTask, StatefulTask
 
 __all__ = ["NonFiniteLossError", "TrainState", "Trainer"]
 
@@ -120,6 +128,8 @@ class Trainer:
                  "task_stats": TaskStats(self.task, self.is_main)}
         if self.ema is not None:
             parts["ema"] = EMAState(self.ema, acc, self.model, self.state)
+        if isinstance(self.task, StatefulTask):
+            parts["task_state"] = TaskTrainingState(self.task, acc)
         self.checkpointer = Checkpointer(cfg, acc, self.run_dir, parts, target)
         self.save_clock = SaveClock(cfg.ckpt.every_seconds, world)
         resumed = self.checkpointer.resume(finished=target.step >= plan.max_steps)
@@ -227,6 +237,8 @@ class Trainer:
         micro-batch's loss draws from its rows' own random streams (`MicroBatch.rng`).
         """
         acc, accum = self.accelerator, len(batches)
+        if isinstance(self.task, StatefulTask):
+            self.task.start_step(self.state.step, accum)
         fractions, local_units = self._unit_fractions([b.batch for b in batches])
         shares, logs = [], defaultdict(list)
         for (batch, rng), fraction in zip(batches, fractions):

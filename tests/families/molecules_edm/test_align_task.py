@@ -4,7 +4,9 @@ The objective's pieces (clipped surrogate, group normalisation, KL, force reward
 in test_alignment.py. Here: the rollouts share their group's start and store on-policy transitions; a failed
 force evaluation is excluded and counted, a non-finite reward stops with one error; one iteration starts at KL 0,
 changes the weights and keeps them finite, and the aligned run samples and exports like any run; 1 and 2
-processes give the same update; a run resumed from a checkpoint ends where the uninterrupted one does.
+processes give the same update; a run resumed from a checkpoint ends where the uninterrupted one does. With
+task.ppo_epochs=2, a run stopped between the two steps that train on one batch of rollouts resumes bit for bit
+(the kept rollouts are checkpointed), and 1 and 2 processes still agree.
 """
 
 from __future__ import annotations
@@ -105,6 +107,22 @@ def test_rollouts_share_their_group_start_and_store_on_policy_transitions():
                                                            K, trained, 2))
     assert few.steps.shape == (6, 2) and bool((few.steps[:, 0] > few.steps[:, 1]).all())
     assert int(few.steps.max()) < trained
+
+
+def test_clean_predictions_for_shaping_leave_the_rollouts_as_they_are():
+    """The shaping's predicted clean molecules come from a forward of their own: the chain, the stored transitions and
+    the final molecules are the same bits with and without them (shaping off draws what it drew before)."""
+    diffusion = small_diffusion()
+    plans = [align.RolloutPlan([4, 6], generators(1, 2), generators(*range(10, 16)), 3, 5, 2, clean_predictions=flag)
+             for flag in (False, True)]
+    plain, shaped = (align.draw_rollouts(diffusion, plan) for plan in plans)
+    for name in ("z_t", "z_s", "steps", "logp_old"):
+        assert torch.equal(getattr(plain, name), getattr(shaped, name)), name
+    assert torch.equal(plain.final.positions, shaped.final.positions) and plain.clean is None
+    clean = shaped.clean  # one molecule per stored transition, rollout b's transition j at row b * S + j
+    assert clean.positions.shape == (12, 6, 3) and torch.equal(clean.node_mask, shaped.node_mask.repeat_interleave(2, 0))
+    x0 = diffusion.predict_clean(shaped.z_t[4, 1].unsqueeze(0), shaped.steps[4, 1:2], torch.ones(1, 6, 1))
+    torch.testing.assert_close(clean.positions[9], x0[0, :, :3], rtol=1e-4, atol=1e-4)
 
 
 def test_the_final_steps_get_no_advantage_and_groups_report_their_spread():
@@ -278,6 +296,69 @@ def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_does(source_r
     killed = cut_run_back(reference, tmp_path / "killed", step=1)
     aligned(source_run, killed, "train.ema_decay=0.9")
     assert_run_matches(reference, killed, tolerance=0.0, steps=2)
+
+
+def test_rollouts_reused_for_two_steps_resume_bit_for_bit_between_them(source_run, tmp_path):
+    """task.ppo_epochs=2: steps 1 and 3 draw, steps 2 and 4 train on the same rollouts again; a kill after step 3's
+    checkpoint (inside a cycle) resumes from the checkpointed rollouts and ends with the uninterrupted run's weights,
+    bit for bit."""
+    reuse = ["task.ppo_epochs=2", "train.max_steps=4", "train.ema_decay=0.9"]
+    reference = aligned(source_run, tmp_path / "reference", *reuse)
+    records = {r["step"]: r for r in read_jsonl(reference) if "reward_mean" in r}
+    # A reusing step logs its rollouts' rewards and evaluates nothing.
+    assert [records[s]["force_evals_per_group"] for s in (1, 2, 3, 4)] == [3.0, 0.0, 3.0, 0.0]
+    assert records[2]["reward_mean"] == records[1]["reward_mean"] != records[3]["reward_mean"]
+    checkpoints = reference / "checkpoints"
+    assert (checkpoints / "step_00000003" / "task_state_0.safetensors").is_file()  # inside a cycle: kept
+    assert not list((checkpoints / "step_00000004").glob("task_state_*"))  # the cycle is over: nothing to keep
+    killed = cut_run_back(reference, tmp_path / "killed", step=3)
+    aligned(source_run, killed, *reuse)
+    assert_run_matches(reference, killed, tolerance=0.0, steps=4)
+    resumed = {r["step"]: r for r in read_jsonl(killed) if "reward_mean" in r}
+    assert resumed[4]["force_evals_per_group"] == 0.0 and resumed[4]["reward_mean"] == records[4]["reward_mean"]
+
+
+def test_one_epoch_keeps_no_rollouts_and_trains_as_before(source_run, tmp_path):
+    """task.ppo_epochs=1 (the default) writes no task state and draws at every step."""
+    out = aligned(source_run, tmp_path / "one", "task.ppo_epochs=1")
+    assert not list((out / "checkpoints").glob("step_*/task_state_*"))
+    assert [r["force_evals_per_group"] for r in read_jsonl(out) if "reward_mean" in r] == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("potential", ["energy", "force"])
+def test_shaping_counts_its_force_evaluations_and_trains(source_run, tmp_path, potential):
+    """task.shaping_weight > 0: one more force evaluation per stored transition (3 rollouts x (1 + 3 transitions) per
+    group), a finite update away from the unshaped one."""
+    out = aligned(source_run, tmp_path / potential, "train.max_steps=1", "task.shaping_weight=0.5",
+                  f"task.shaping_potential={potential}", "task.shaping_gamma=0.9")
+    first = next(r for r in read_jsonl(out) if r.get("step") == 1 and "reward_mean" in r)
+    assert first["force_evals_per_group"] == 12.0 and np.isfinite(first["policy_loss"]) and first["grad_norm"] > 0
+    after = load_file(out / "checkpoints" / "step_00000001" / "model.safetensors")
+    assert all(torch.isfinite(v).all() for v in after.values())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_reusing_rollouts_align_like_one(source_run, tmp_path):
+    """task.ppo_epochs=2, global batch of 2 groups: 2 gloo processes x 1 group against 1 process x 2 groups."""
+    from trainer.api import train
+
+    reuse = ["task.ppo_epochs=2"]
+    try:
+        two = train(align_config(source_run, [f"out={tmp_path / 'two'}", *ALIGN, *reuse,
+                                              "train.per_device_batch_size=1", "train.global_batch_size=2",
+                                              "eval.every_steps=0"]), num_processes=2)
+    finally:
+        reset_accelerate()
+    assert two.world_size == 2
+    assert (two.run_dir / "checkpoints" / "step_00000001" / "task_state_1.safetensors").is_file()  # one per rank
+    one = aligned(source_run, tmp_path / "one", *reuse)
+    weights_one = load_file(one / "checkpoints" / "step_00000002" / "model.safetensors")
+    weights_two = load_file(two.latest_checkpoint / "model.safetensors")
+    assert max(float((weights_one[k] - weights_two[k]).abs().max()) for k in weights_one) <= 1e-5
+    for key in ("reward_mean", "clip_fraction", "force_evals_per_group"):
+        logs = [{r["step"]: r[key] for r in read_jsonl(run) if key in r} for run in (one, two.run_dir)]
+        assert logs[0] == pytest.approx(logs[1], rel=1e-5), key
 
 
 def test_a_start_that_does_not_fit_the_model_is_one_error(source_run):

@@ -160,3 +160,77 @@ def test_clash_rule_gives_the_groups_worst_sound_reward_and_never_a_better_one()
     # group 2: row 6 clashes with nothing sound beside it, row 7 too, row 8 is unscored: all excluded
     assert out[:6].tolist() == [-1.0, -2.0, -9.0, -5.0, -4.0, -5.0]
     assert torch.isnan(out[6:]).all()
+
+
+def _training_batch(seed: int):
+    from trainer.families.molecules_edm.alignment import TrainingBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    return TrainingBatch(z_t=torch.randn(4, 2, 3, 5, generator=gen), z_s=torch.randn(4, 2, 3, 5, generator=gen),
+                         steps=torch.tensor([[5, 1]] * 4), node_mask=torch.ones(4, 3, dtype=torch.bool),
+                         logp_old=torch.randn(4, 2, generator=gen), advantages=torch.randn(4, 2, generator=gen),
+                         logs={"reward_mean": torch.tensor(float(seed))}, group_size=2)
+
+
+def test_the_rollout_buffer_keeps_a_cycle_and_restores_it_from_its_state():
+    from trainer.families.molecules_edm.alignment import RolloutBuffer
+
+    buffer = RolloutBuffer(epochs=3)
+    assert buffer.drawing  # without step hooks every call draws
+    buffer.start_step(0, micro_batches=2)
+    assert buffer.drawing and [buffer.next_call(), buffer.next_call()] == [0, 1]
+    buffer.keep(_training_batch(1))
+    buffer.keep(_training_batch(2))
+    buffer.start_step(1, micro_batches=2)
+    assert not buffer.drawing and buffer.next_call() == 0
+    state = buffer.state_dict()  # one step of the cycle left after step 1: kept
+    restored = RolloutBuffer(epochs=3)
+    assert restored.load_state_dict(state) is None
+    restored.start_step(2, micro_batches=2)
+    assert not restored.drawing and restored.cycle_start == 0
+    for kept, back in zip(buffer.entries, restored.entries):
+        assert all(torch.equal(getattr(kept, f), getattr(back, f)) for f in kept.FIELDS)
+        assert kept.logs == back.logs and back.group_size == 2
+    assert restored.state_dict() == {}  # after the cycle's last step: nothing left to keep
+    restored.start_step(3, micro_batches=2)
+    assert restored.drawing and restored.entries == []
+    # Another batch layout (or number of epochs) drops the cycle, and says why.
+    other = RolloutBuffer(epochs=3)
+    other.load_state_dict(state)
+    assert "2 micro-batches" in other.start_step(2, micro_batches=1) and other.drawing
+    assert "kept for 3" in RolloutBuffer(epochs=2).load_state_dict(state)
+    # One epoch keeps nothing.
+    single = RolloutBuffer(epochs=1)
+    single.start_step(0, 1)
+    single.keep(_training_batch(1))
+    assert single.entries == [] and single.state_dict() == {}
+
+
+def test_shaped_rewards_telescope_to_the_discounted_final_minus_the_initial_potential():
+    from trainer.families.molecules_edm.alignment import shaped_advantages, shaped_returns, shaped_rewards
+
+    potentials = torch.tensor([[-3.0, -1.0, -2.5, 0.5, 2.0], [1.0, 1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    gamma, n = 0.9, potentials.shape[1] - 1
+    rewards = shaped_rewards(potentials, gamma)
+    assert rewards.shape == (2, n)
+    torch.testing.assert_close(rewards[0, :2], torch.tensor([0.9 * -1.0 + 3.0, 0.9 * -2.5 + 1.0], dtype=torch.float64))
+    for k in range(n):  # the discounted sum from transition k telescopes
+        discount = gamma ** torch.arange(n - k, dtype=torch.float64)
+        tail = (rewards[:, k:] * discount).sum(dim=1)
+        torch.testing.assert_close(tail, gamma ** (n - k) * potentials[:, -1] - potentials[:, k])
+    # The returns-to-go of stored transitions: transition at step s (t = s + 1 steps left) of a chain whose state at
+    # t has potential Phi_t: gamma^t Phi_final - Phi_t, the same telescoped sum.
+    steps = torch.tensor([[3, 0], [2, 1]])
+    chain = potentials[0]  # chain[j] is the state with n - j steps left
+    stored = torch.stack([chain[n - (steps[0] + 1)], chain[n - (steps[1] + 1)]])
+    returns = shaped_returns(stored, torch.stack([chain[-1], chain[-1]]), steps, gamma)
+    for b in range(2):
+        for j in range(2):
+            k = n - int(steps[b, j] + 1)
+            expected = (rewards[0, k:] * gamma ** torch.arange(n - k, dtype=torch.float64)).sum()
+            torch.testing.assert_close(returns[b, j], expected)
+    # gamma = 1: the plain difference; normalised within each group over its transitions, NaN left out
+    torch.testing.assert_close(shaped_returns(stored, stored[:, 0], steps, 1.0)[:, 0], torch.zeros(2, dtype=torch.float64))
+    adv = shaped_advantages(torch.tensor([[1.0, 3.0], [float("nan"), 2.0], [5.0, 5.0], [5.0, 5.0]]), group_size=2)
+    torch.testing.assert_close(adv[0], torch.tensor([-1.0 / (2 / 3) ** 0.5, 1.0 / (2 / 3) ** 0.5]), rtol=1e-5, atol=1e-6)
+    assert adv[1, 0].item() == 0.0 and torch.equal(adv[2:], torch.zeros(2, 2))

@@ -11,7 +11,8 @@ the Trainer's mapping.
 - the scheduler: the LR schedule's position; the step guard (step_guard.py): skipped steps in a row;
 - `DataPosition`: a stream's (epoch, global samples read in it), the same on every rank;
 - `TaskStats`: the data statistics the model was built from (`task_stats.json`) and the task's artifacts;
-- `EMAState`: fp32 EMA weights by parameter name (`ema.safetensors`).
+- `EMAState`: fp32 EMA weights by parameter name (`ema.safetensors`);
+- `TaskTrainingState`: a `StatefulTask`'s state between optimizer steps, per rank (`task_state_<rank>.safetensors`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 from accelerate.utils import load as accelerate_load
+from safetensors.torch import load_file, save_file
 
 from trainer.core.checkpoint import convert, store
 from trainer.core.checkpoint.agreement import agree, conversion_failure, failure_reason
@@ -342,6 +344,49 @@ class TaskStats(Part):
                            "run keeps the checkpoint's, which its weights were trained with", store.TASK_STATS)
             self.task.attach_stats(stats)
 
+
+class TaskTrainingState(Part):
+    """A `StatefulTask`'s state between optimizer steps (e.g. a batch of rollouts reused for several steps): each rank's
+    own tensors in `task_state_<rank>.safetensors` (no file when the task has none), read back by the same rank. A
+    checkpoint written by another number of processes holds other ranks' micro-batches: the task is told (None) and
+    starts afresh."""
+
+    placement = TOP_LEVEL
+    PREFIX: ClassVar[str] = "task_state_"
+
+    def __init__(self, task: Any, acc: Any):
+        self.task, self.acc = task, acc
+        self._loaded: dict[str, torch.Tensor] | None = None
+
+    def file_name(self, rank: int) -> str:
+        return f"{self.PREFIX}{rank}.safetensors"
+
+    def save_files(self, directory: Path) -> list[str]:
+        state = self.task.task_state_dict()
+        if state:
+            save_file({k: v.detach().cpu().contiguous() for k, v in state.items()},
+                      str(directory / self.file_name(self.acc.process_index)))
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_files(self, path: Path, saved: dict[str, Any], finished: bool = False) -> str | None:
+        if saved.get("world_size", 1) != self.acc.num_processes:
+            self._loaded = None
+            return None
+        file = path / self.file_name(self.acc.process_index)
+        try:
+            self._loaded = load_file(str(file)) if file.is_file() else {}
+        except Exception as err:  # noqa: BLE001 - a damaged file is one line, as the other parts' are
+            raise CheckpointError(f"checkpoint {path}: {file.name} (rank {self.acc.process_index}'s task state) "
+                                  f"cannot be read ({first_line(err)})") from err
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Hand the task what `load_files` read (None: another world size wrote the checkpoint)."""
+        loaded, self._loaded = self._loaded, None
+        self.task.load_task_state_dict(loaded)
 
 
 RNG_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")

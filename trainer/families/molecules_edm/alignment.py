@@ -28,6 +28,10 @@ Everything here is single-device tensor code without parameters; `align_task.py`
 * Rewards of the decoded molecules (`force_rms_reward` and the task's other terms), then `group_advantages`
   (K per group), `step_advantages` (no advantage on the final steps), `clipped_objective` of the policy forward's
   `gaussian_log_prob` and `kl_to_reference` against the frozen start's mean.
+* Optionally, potential-based shaping per transition (`shaped_rewards`, `shaped_returns`, `shaped_advantages`) on
+  the predicted clean molecules `draw_rollouts` reads at the stored transitions (`RolloutPlan.clean_predictions`).
+* `TrainingBatch` and `RolloutBuffer`: what a drawing step keeps for the steps that reuse its rollouts (PPO epochs),
+  with the state a checkpoint holds while a cycle has steps left.
 
 The reference's paper settings, and how ours differ: docs/families/molecules_edm.md (force-field alignment).
 """
@@ -47,8 +51,10 @@ if TYPE_CHECKING:
 __all__ = [
     "apply_clash_rule",
     "GroupAdvantages",
+    "RolloutBuffer",
     "RolloutPlan",
     "Rollouts",
+    "TrainingBatch",
     "draw_rollouts",
     "clipped_objective",
     "force_rms_reward",
@@ -56,6 +62,9 @@ __all__ = [
     "group_advantages",
     "kl_to_reference",
     "logp_rounding",
+    "shaped_advantages",
+    "shaped_returns",
+    "shaped_rewards",
     "step_advantages",
 ]
 
@@ -130,6 +139,34 @@ def step_advantages(advantages: torch.Tensor, steps: torch.Tensor, lowest_step: 
     0 on the final steps below it (their log-probability gradients are the largest while they move atoms least:
     noise in the estimate; the KL still covers them)."""
     return advantages[:, None] * (steps >= lowest_step).to(advantages.dtype)
+
+
+def shaped_rewards(potentials: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Potential-based shaping (Ng, Harada and Russell 1999): the reward of each transition k -> k + 1 of a chain
+    of states with potentials Phi_0 .. Phi_n ([..., n + 1]) is gamma Phi_{k+1} - Phi_k ([..., n]).
+
+    Their gamma-discounted sum from transition k to the end telescopes to gamma^(n - k) Phi_n - Phi_k (`shaped_returns`
+    of the same chain): it depends on the chain only through its last state beyond Phi_k, a function of the state the
+    action is taken from, so it leaves the best policy unchanged while rewarding each step's progress."""
+    return gamma * potentials[..., 1:] - potentials[..., :-1]
+
+
+def shaped_returns(potentials: torch.Tensor, final: torch.Tensor, steps: torch.Tensor, gamma: float) -> torch.Tensor:
+    """[B, S] return-to-go of the shaped rewards from each stored transition to the end of its rollout:
+    gamma^t Phi_final - Phi(z_t), t = s + 1 the reverse steps left (Elign's G_t = gamma^t Psi_0 - Psi_t).
+
+    potentials: [B, S] Phi of the state each stored transition starts from; final: [B] Phi of the final molecule;
+    steps: [B, S] s of each transition. NaN where either potential is."""
+    discount = torch.pow(torch.full_like(potentials, float(gamma)), (steps + 1).to(potentials.dtype))
+    return discount * final[:, None].to(potentials.dtype) - potentials
+
+
+def shaped_advantages(returns: torch.Tensor, group_size: int, clip: float = 5.0) -> torch.Tensor:
+    """[B, S] shaped returns normalised within each group over all its stored transitions with a finite return
+    (zero mean, unit population std; the rest 0), clipped to +-clip. A group's rollouts store different steps, so
+    its transitions are pooled rather than compared step by step."""
+    batch, transitions = returns.shape
+    return group_advantages(returns.reshape(-1), group_size * transitions, clip=clip).advantages.view(batch, transitions)
 
 
 def _node_mask(node_mask: torch.Tensor, batch: int, nodes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -258,6 +295,9 @@ class RolloutPlan:
     """The last this many reverse steps are branched and may be trained (the reference: 400 of 1000)."""
     transitions: int
     """Transitions stored per rollout, drawn without replacement among the trained steps."""
+    clean_predictions: bool = False
+    """Also read the model's predicted clean molecule at each stored transition's z_t (`Rollouts.clean`), for
+    potential-based shaping: one more forward of the stored transitions per group."""
 
     def check(self, timesteps: int) -> None:
         groups = len(self.num_atoms)
@@ -290,6 +330,9 @@ class Rollouts:
     """The decoded molecules."""
     group_size: int = 1
     """K: rollouts per group."""
+    clean: SampleOutput | None = None
+    """With `RolloutPlan.clean_predictions`: the predicted clean molecule at each stored transition's z_t, B * S
+    molecules (row b * S + j: rollout b's transition j)."""
 
     @property
     def node_mask(self) -> torch.Tensor:
@@ -303,12 +346,142 @@ class Rollouts:
     def group_transitions(self, group: int) -> dict[str, torch.Tensor]:
         """Group `group`'s K * S transitions without padding (its own atom count), as the policy forward takes them:
         {"z": [K S, n, D] z_t, "s": [K S], "mask": [K S, n] bool, "z_s": [K S, n, D]}."""
-        rows = slice(group * self.group_size, (group + 1) * self.group_size)
-        atoms = int(self.node_mask[group * self.group_size].sum())
-        transitions = self.steps.shape[1]
-        return {"z": self.z_t[rows, :, :atoms].flatten(0, 1), "s": self.steps[rows].flatten(),
-                "mask": self.node_mask[rows, :atoms].repeat_interleave(transitions, dim=0),
-                "z_s": self.z_s[rows, :, :atoms].flatten(0, 1)}
+        return _group_transitions(self.z_t, self.z_s, self.steps, self.node_mask, self.group_size, group)
+
+
+def _group_transitions(z_t: torch.Tensor, z_s: torch.Tensor, steps: torch.Tensor, node_mask: torch.Tensor,
+                       group_size: int, group: int) -> dict[str, torch.Tensor]:
+    rows = slice(group * group_size, (group + 1) * group_size)
+    atoms = int(node_mask[group * group_size].sum())
+    transitions = steps.shape[1]
+    return {"z": z_t[rows, :, :atoms].flatten(0, 1), "s": steps[rows].flatten(),
+            "mask": node_mask[rows, :atoms].repeat_interleave(transitions, dim=0),
+            "z_s": z_s[rows, :, :atoms].flatten(0, 1)}
+
+
+@dataclass
+class TrainingBatch:
+    """What the loss trains on from one micro-batch of rollouts, kept for the optimizer steps that reuse it
+    (`RolloutBuffer`): the stored transitions, their log-probabilities under the policy that drew them (as the
+    training forward computed them at the drawing step), their advantages, and the logs of the rollouts' rewards."""
+
+    z_t: torch.Tensor
+    """[B, S, N, D] the state before each stored transition."""
+    z_s: torch.Tensor
+    """[B, S, N, D] the state drawn from it."""
+    steps: torch.Tensor
+    """[B, S] long: s of each transition."""
+    node_mask: torch.Tensor
+    """[B, N] bool real atoms."""
+    logp_old: torch.Tensor
+    """[B, S] log p(z_s | z_t) under the drawing policy (the importance ratio's denominator)."""
+    advantages: torch.Tensor
+    """[B, S] per-transition advantages."""
+    logs: dict[str, torch.Tensor]
+    """Scalars logged at every step that trains on the batch (reward statistics of its rollouts)."""
+    group_size: int = 1
+
+    FIELDS = ("z_t", "z_s", "steps", "node_mask", "logp_old", "advantages")
+
+    @property
+    def num_groups(self) -> int:
+        return self.steps.shape[0] // self.group_size
+
+    def group_transitions(self, group: int) -> dict[str, torch.Tensor]:
+        """As `Rollouts.group_transitions`."""
+        return _group_transitions(self.z_t, self.z_s, self.steps, self.node_mask, self.group_size, group)
+
+    def to(self, device: torch.device) -> TrainingBatch:
+        """On `device` (itself when already there)."""
+        if self.z_t.device == torch.device(device):
+            return self
+        return TrainingBatch(**{f: getattr(self, f).to(device) for f in self.FIELDS},
+                             logs={k: v.to(device) for k, v in self.logs.items()}, group_size=self.group_size)
+
+    def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Flat tensors under `prefix` (scalars as [1], as safetensors keeps them)."""
+        out = {f"{prefix}{f}": getattr(self, f).detach() for f in self.FIELDS}
+        out.update({f"{prefix}log.{k}": v.detach().reshape(1) for k, v in self.logs.items()})
+        return out
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, torch.Tensor], prefix: str, group_size: int) -> TrainingBatch:
+        logs = {k[len(prefix) + 4:]: v.reshape(()) for k, v in state.items() if k.startswith(f"{prefix}log.")}
+        return cls(**{f: state[f"{prefix}{f}"] for f in cls.FIELDS}, logs=logs, group_size=group_size)
+
+
+class RolloutBuffer:
+    """The micro-batches of rollouts one optimizer step drew, trained on for `epochs` consecutive optimizer steps
+    (PPO's epochs over a batch of rollouts; `task.ppo_epochs`).
+
+    The step that draws (the first of a cycle) keeps each micro-batch's `TrainingBatch` in the order the loss sees
+    them; the next `epochs - 1` steps take them back in the same order, whatever micro-batches the data gives them.
+    `state_dict` holds the cycle while steps of it remain, so a run stopped inside a cycle resumes it exactly. With
+    `epochs` = 1 nothing is kept. Used outside the core's step hooks (no `start_step`), every call draws."""
+
+    def __init__(self, epochs: int):
+        self.epochs = int(epochs)
+        self.entries: list[TrainingBatch] = []
+        self.cycle_start = -1
+        self.step: int | None = None
+        self._calls = 0
+
+    def start_step(self, step: int, micro_batches: int) -> str | None:
+        """Before optimizer step `step` (steps done so far) of `micro_batches` loss calls; returns why a kept cycle
+        was dropped before its end (another batch layout), else None."""
+        self.step, self._calls = int(step), 0
+        dropped = None
+        if self.entries:
+            position = self.step - self.cycle_start
+            if not 0 < position < self.epochs:
+                self.entries = []
+            elif len(self.entries) != micro_batches:
+                dropped = (f"the kept rollouts hold {len(self.entries)} micro-batches per step, this step has "
+                           f"{micro_batches}")
+                self.entries = []
+        if not self.entries:
+            self.cycle_start = self.step
+        return dropped
+
+    @property
+    def drawing(self) -> bool:
+        """Whether the next loss call draws fresh rollouts (the first step of a cycle, or no step hooks)."""
+        return self.step is None or self.step == self.cycle_start
+
+    def next_call(self) -> int:
+        """The index of this loss call within its step."""
+        index, self._calls = self._calls, self._calls + 1
+        return index
+
+    def keep(self, batch: TrainingBatch) -> None:
+        """Keep a drawing step's micro-batch for the cycle's later steps (nothing with one epoch)."""
+        if self.epochs > 1 and self.step is not None:
+            self.entries.append(batch)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The cycle's micro-batches and position while steps of it remain after the last started step; else {}."""
+        if not self.entries or self.step is None or self.step + 1 - self.cycle_start >= self.epochs:
+            return {}
+        out = {"cycle_start": torch.tensor([self.cycle_start]), "epochs": torch.tensor([self.epochs]),
+               "micro_batches": torch.tensor([len(self.entries)]),
+               "group_size": torch.tensor([self.entries[0].group_size])}
+        for i, entry in enumerate(self.entries):
+            out.update(entry.state_dict(f"{i}."))
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> str | None:
+        """Restore `state_dict`'s cycle ({}: none); returns why a saved cycle was not restored (another number of
+        epochs), else None."""
+        self.entries, self.cycle_start, self.step = [], -1, None
+        if not state:
+            return None
+        if int(state["epochs"]) != self.epochs:
+            return f"they were kept for {int(state['epochs'])} optimizer steps, this run takes {self.epochs}"
+        group_size = int(state["group_size"])
+        self.cycle_start = int(state["cycle_start"])
+        self.entries = [TrainingBatch.from_state_dict(state, f"{i}.", group_size)
+                        for i in range(int(state["micro_batches"]))]
+        return None
 
 
 def _pad_nodes(tensor: torch.Tensor, nodes: int, dim: int) -> torch.Tensor:
@@ -330,11 +503,14 @@ def _stack_groups(groups: Sequence[Rollouts]) -> Rollouts:
     def cat(get, dim: int | None = None) -> torch.Tensor:
         return torch.cat([get(g) if dim is None else _pad_nodes(get(g), nodes, dim) for g in groups])
 
-    final = SampleOutput(**{name: cat(lambda g, name=name: getattr(g.final, name), 1)
-                            for name in ("positions", "type_index", "atomic_numbers", "charges", "node_mask")})
+    names = ("positions", "type_index", "atomic_numbers", "charges", "node_mask")
+    final = SampleOutput(**{name: cat(lambda g, name=name: getattr(g.final, name), 1) for name in names})
+    clean = None
+    if groups[0].clean is not None:
+        clean = SampleOutput(**{name: cat(lambda g, name=name: getattr(g.clean, name), 1) for name in names})
     return Rollouts(z_t=cat(lambda g: g.z_t, 2), z_s=cat(lambda g: g.z_s, 2), steps=cat(lambda g: g.steps),
                     logp_old=cat(lambda g: g.logp_old), final=final,
-                    group_size=groups[0].group_size)
+                    group_size=groups[0].group_size, clean=clean)
 
 
 @torch.no_grad()
@@ -353,12 +529,13 @@ def draw_rollouts(diffusion: EDMDiffusion, plan: RolloutPlan) -> Rollouts:
     K = plan.group_size
     return _stack_groups([
         _draw_group(diffusion, int(atoms), plan.group_generators[g], plan.rollout_generators[g * K:(g + 1) * K],
-                    plan.trained_steps, plan.transitions)
+                    plan.trained_steps, plan.transitions, plan.clean_predictions)
         for g, atoms in enumerate(plan.num_atoms)])
 
 
 def _draw_group(diffusion: EDMDiffusion, atoms: int, group_generator: torch.Generator,
-                rollout_generators: Sequence[torch.Generator], trained_steps: int, transitions: int) -> Rollouts:
+                rollout_generators: Sequence[torch.Generator], trained_steps: int, transitions: int,
+                clean_predictions: bool = False) -> Rollouts:
     """One group of K = len(rollout_generators) rollouts of `atoms` atoms (no padding)."""
     T, K = diffusion.T, len(rollout_generators)
     device = diffusion.gamma.device
@@ -392,8 +569,14 @@ def _draw_group(diffusion: EDMDiffusion, atoms: int, group_generator: torch.Gene
                 steps_store[stored, at] = s
         z = z_next
     final = diffusion.decode(z, [atoms] * K, rollout_generators, mask)
+    clean = None
+    if clean_predictions:  # the group's transitions in one batch of their own, as the policy forward takes them
+        flat_mask = mask.repeat_interleave(transitions, dim=0)
+        x0 = diffusion.predict_clean(z_t_store.flatten(0, 1), steps_store.flatten(),
+                                     flat_mask.to(torch.float32).unsqueeze(-1))
+        clean = diffusion.clean_molecules(x0, flat_mask)
     return Rollouts(z_t=z_t_store, z_s=z_s_store, steps=steps_store, logp_old=logp_store, final=final,
-                    group_size=K)
+                    group_size=K, clean=clean)
 
 
 def logp_rounding(z_s: torch.Tensor, mean: torch.Tensor, sigma: torch.Tensor | float,

@@ -611,6 +611,25 @@ class EDMDiffusion(nn.Module):
             mu = z / alpha_t_given_s - ratio * eps_t
         return mu, sigma
 
+    def predict_clean(self, z: torch.Tensor, s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The model's prediction of the clean state from z_t (t = s + 1): x0_hat = (z_t - sigma_t eps_hat) / alpha_t.
+
+        z: [B, N, 3 + F]; s: [B] integers; mask: [B, N, 1] float. Returns [B, N, 3 + F]."""
+        s_index = s.to(self.gamma.device, torch.long)
+        gamma_t = self.gamma[s_index + 1].view(-1, 1, 1)
+        eps_t = self.phi(z, ((s_index + 1).to(torch.float32) / self.T).to(z.device), mask)
+        return (z - self._sigma(gamma_t) * eps_t) / self._alpha(gamma_t)
+
+    def clean_molecules(self, x0: torch.Tensor, mask: torch.Tensor) -> SampleOutput:
+        """Molecules read from predicted clean states [B, N, 3 + F] (`predict_clean`): positions in Angstrom, types by
+        argmax (charges not read: zero). mask: [B, N] bool."""
+        positions = x0[..., :self.n_dims] * self.norm_values[0] * mask.unsqueeze(-1).to(x0.dtype)
+        type_index = self._decode_types(x0, mask)
+        table = torch.tensor(self.atomic_numbers_of_types, dtype=torch.long, device=x0.device)
+        atomic_numbers = torch.where(mask, table[type_index], torch.zeros_like(type_index))
+        return SampleOutput(positions=positions, type_index=type_index, atomic_numbers=atomic_numbers,
+                            charges=torch.zeros_like(type_index), node_mask=mask, chains=None)
+
     def ancestral_step(self, z: torch.Tensor, s: int, mask: torch.Tensor, num_atoms: Sequence[int],
                        generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One step of the sampler, z_t -> z_s ~ p(z_s | z_t) (t = s + 1): mu + sigma * noise, molecule k's noise

@@ -190,6 +190,22 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
     clash_distance: float = 0.5
     """Angstrom: a rollout with two atoms closer than this is broken and gets the lowest reward of its group's sound
     rollouts (counted as `clash_fraction`) rather than being excluded like a failed evaluation."""
+    ppo_epochs: int = 1
+    """Optimizer steps per batch of rollouts (PPO's epochs): the first step of each cycle draws the rollouts, the
+    next ppo_epochs - 1 train on the same transitions again, the probability ratio to the drawing policy clipped at
+    `task.clip`. The force field scores each batch once, so rollouts and force evaluations per optimizer step drop
+    by this factor; train.max_steps counts optimizer steps. 1: every step draws (the default)."""
+    shaping_weight: float = 0.0
+    """Weight of potential-based shaping per transition (0: off). Each stored transition's advantage gets this times
+    its shaped return-to-go, gamma^t Phi(final molecule) - Phi(predicted clean molecule at z_t) (the telescoped sum of
+    the per-transition rewards gamma Phi(s') - Phi(s)), normalised within its group and clipped like the reward's;
+    Phi is `task.shaping_potential` under the reward force field. Costs `task.transitions` more force evaluations
+    per rollout (logged as `force_evals_per_group`) and one more forward of the stored transitions."""
+    shaping_potential: str = "energy"
+    """Phi of the shaping: `energy`, minus the energy per atom above the isolated atoms (eV/atom; Elign's); `force`,
+    the force term as the reward takes it (minus the force RMS, or minus its log under force_reward=log_rms)."""
+    shaping_gamma: float = 1.0
+    """Discount of the shaping, in (0, 1] (Elign: 1)."""
     num_groups: int = 1048576
     """Prompts in the pool: the group with index i draws its atom count, start and rollouts from (run.seed, i), so
     step s of a run with global batch G reads groups s * G .. s * G + G - 1 (data.shuffle=false)."""
@@ -235,6 +251,13 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
         if min(self.force_weight, self.energy_weight, self.stability_weight) < 0 or not (
                 self.force_weight or self.energy_weight or self.stability_weight):
             raise ConfigError("task.force_weight, energy_weight and stability_weight must be >= 0, one of them > 0")
+        if self.shaping_weight < 0 or self.shaping_potential not in ("energy", "force") or not (
+                0 < self.shaping_gamma <= 1):
+            raise ConfigError(f"task.shaping_weight must be >= 0, task.shaping_potential 'energy' or 'force' and "
+                              f"task.shaping_gamma in (0, 1], got {self.shaping_weight}, {self.shaping_potential!r} "
+                              f"and {self.shaping_gamma}")
+        if self.ppo_epochs < 1:
+            raise ConfigError(f"task.ppo_epochs must be >= 1, got {self.ppo_epochs}")
         if self.num_groups < 1:
             raise ConfigError(f"task.num_groups must be >= 1, got {self.num_groups}")
 
