@@ -30,7 +30,15 @@ from conftest import (
     run_cmd,
 )
 
-from trainer.core.elastic import ElasticSpec, agent_command, lost_peer, reachable, read_progress, sizes_that_keep
+from trainer.core.elastic import (
+    ElasticSpec,
+    agent_command,
+    lost_peer,
+    reachable,
+    read_progress,
+    refused_node_counts,
+    sizes_that_keep,
+)
 from trainer.errors import ConfigError
 
 # backend -> (trainer train flags, environment): FSDP2 as `accelerate launch` with accelerate_configs/fsdp.yaml
@@ -75,6 +83,11 @@ def test_a_size_that_cannot_keep_the_global_batch_names_those_that_can():
     from trainer.core.batch_plan import plan_batch
 
     assert sizes_that_keep(12) == [1, 2, 3, 4, 6, 12]
+    spec = ElasticSpec.parse("1:4", 2, "localhost:29400")
+    assert refused_node_counts(spec, 16) == (
+        "--nnodes 1:4 x 2 processes: a group of 3 node(s) cannot keep the global batch of 16 (each would be refused "
+        "at its start, costing a restart); node counts that keep it: 1, 2, 4")
+    assert refused_node_counts(spec, 24) is None and refused_node_counts(spec, 0) is None
     cfg = load_config(TINY, ["train.global_batch_size=32"])
     with pytest.raises(ConfigError, match="the sizes that keep it: 1, 2, 4, 8, 16, 32 processes"):
         plan_batch(cfg, world=3)

@@ -134,6 +134,23 @@ def sizes_that_keep(global_batch: int, low: int = 1, high: int | None = None) ->
     return [n for n in range(max(1, low), (high or global_batch) + 1) if global_batch % n == 0]
 
 
+def refused_node_counts(spec: ElasticSpec, global_batch: int) -> str | None:
+    """One line naming the node counts in MIN..MAX whose world size cannot keep `global_batch` (a group of that
+    size is refused at its start), and those that can; None when every count keeps it or no global batch is set
+    (the first group's size then fixes it)."""
+    if global_batch <= 0:
+        return None
+    counts = range(spec.min_nodes, spec.max_nodes + 1)
+    refused = [n for n in counts if global_batch % (n * spec.nproc_per_node)]
+    if not refused:
+        return None
+    kept = [n for n in counts if n not in refused]
+    return (f"--nnodes {spec.min_nodes}:{spec.max_nodes} x {spec.nproc_per_node} processes: a group of "
+            f"{', '.join(map(str, refused))} node(s) cannot keep the global batch of {global_batch} (each would be "
+            f"refused at its start, costing a restart); node counts that keep it: "
+            f"{', '.join(map(str, kept)) or 'none in this range'}")
+
+
 # ---------------------------------------------------------------------------------------------- worker side
 def restartable(environ: Mapping[str, str] = os.environ) -> bool:
     """True in a worker of an elastic agent that restarts its group (trainer's, or torchrun with --max-restarts):

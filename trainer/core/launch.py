@@ -25,7 +25,15 @@ from typing import Any
 
 from trainer.config import Config, save_config
 from trainer.core.command_line import FRONT_END_ENV, RANK_STATUS_ENV, interrupted_line, resume_command
-from trainer.core.elastic import AGENT_ENV, AGENT_LOG_LINE, ELASTIC_ENV, ElasticSpec, agent_command, default_run_id
+from trainer.core.elastic import (
+    AGENT_ENV,
+    AGENT_LOG_LINE,
+    ELASTIC_ENV,
+    ElasticSpec,
+    agent_command,
+    default_run_id,
+    refused_node_counts,
+)
 from trainer.core.watchdog import started_by_launcher
 from trainer.errors import ConfigError, LaunchError
 from trainer.rundir import RunDir
@@ -123,6 +131,8 @@ def train_elastic(cfg: Config, spec: ElasticSpec, deepspeed_config: str | None =
     """Train `cfg` under torch's elastic agent on this node (core/elastic.py): every node of the job runs the same
     call; the run goes on while at least spec.min_nodes nodes are there."""
     run_id = spec.run_id or default_run_id(cfg.run.output_dir)
+    if (refused := refused_node_counts(spec, cfg.train.global_batch_size)) is not None:
+        logger.warning("%s", refused)
     trainer_args = ["--deepspeed", str(deepspeed_config)] if deepspeed_config else []
     return _launch(cfg, lambda config: agent_command(spec, run_id, ["train", str(config), *trainer_args]),
                    f"the elastic run ({spec.min_nodes}:{spec.max_nodes} nodes)", spec.nproc_per_node, None,
