@@ -92,6 +92,10 @@ def evaluations_line(total: int, forcefield: ForceField, types: str, atomic_numb
             f"(guidance.types=argmax, no fallback force field)")
 
 
+GUIDANCE_SCHEDULES: tuple[str, ...] = ("seed", "fade")
+"""The values of `GuidanceConfig.schedule`."""
+
+
 @dataclass
 class GuidanceConfig:
     """Options of force-field guidance (units: Angstrom per eV/Angstrom for `scale`)."""
@@ -106,6 +110,21 @@ class GuidanceConfig:
     """Largest per-atom displacement norm (Angstrom) per iteration; None: no clip."""
     max_uncertainty: float | None = None
     """Skip the push for a molecule whose ensemble energy spread (eV/atom) is above this on that step; None: never."""
+    step_bound: float | None = None
+    """Largest move of an atom per guided step, as a multiple of sigma_t (Angstrom at sigma_t = 1): each
+    iteration's displacement norm is clipped at step_bound * sigma_t / iterations. None: no bound."""
+    min_distance: float | None = None
+    """Angstrom: a distance floor for the guided move: after the push, every pair of atoms the push brought below
+    it is set back to the floor (or to its distance before the push, if that was already shorter); with
+    `floor_push`, every pair below it is pushed out to it. None: no floor."""
+    hh_distance: float | None = None
+    """Angstrom: the floor for pairs of two atoms the force field sees as hydrogen (above `min_distance`). None:
+    `min_distance` for them too."""
+    floor_push: bool = False
+    """With `min_distance`: push every pair below the floor out to it, not only hold the pairs the push moved."""
+    schedule: str = "seed"
+    """How the push varies over the guided steps: `seed`: scale * (1 - sigma_t); `fade`: scale * (1 - sigma_t) *
+    sigma_t / noise_threshold (zero at the end of sampling, so the model places the atoms last)."""
     types: str = "auto"
     """How the force field sees the atom types: `argmax` over all types (the seed's rule), `forcefield`:
     the argmax over the types the force field models (ani1x: no F), so no molecule needs the fallback, or
@@ -120,7 +139,10 @@ class GuidanceConfig:
             raise ConfigError(f"guidance noise_threshold must be a finite number >= 0, got {self.noise_threshold}")
         if self.types not in GUIDANCE_TYPES:
             raise ConfigError(f"guidance types must be one of {', '.join(GUIDANCE_TYPES)}, got {self.types!r}")
-        for name in ("force_clip", "displacement_clip", "max_uncertainty"):
+        if self.schedule not in GUIDANCE_SCHEDULES:
+            raise ConfigError(f"guidance schedule must be one of {', '.join(GUIDANCE_SCHEDULES)}, got {self.schedule!r}")
+        for name in ("force_clip", "displacement_clip", "max_uncertainty", "step_bound", "min_distance",
+                     "hh_distance"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"guidance {name} must be > 0 or None, got {value}")
@@ -133,6 +155,39 @@ def clip_norm(vectors: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     norm = torch.linalg.vector_norm(vectors, dim=-1, keepdim=True)
     factor = torch.where(norm > max_norm, max_norm / norm.clamp(min=1e-30), torch.ones_like(norm))
     return vectors * factor
+
+
+def hold_floor(before: torch.Tensor, after: torch.Tensor, mask: torch.Tensor, floor: torch.Tensor | float,
+               push: bool = False, sweeps: int = 4) -> torch.Tensor:
+    """`after` [B, N, 3] with each pair of masked atoms that ended closer than its `floor` (Angstrom; a number or
+    [B, N, N] per pair) set back apart, symmetrically along the line joining them: to the floor, or (`push` False)
+    to the pair's distance in `before` where that was already shorter, so the move never brings a pair closer than
+    either. Pairs are corrected together (`sweeps` Jacobi sweeps), which is exact for an isolated pair."""
+    valid = mask.unsqueeze(2) & mask.unsqueeze(1) & ~torch.eye(mask.shape[1], dtype=torch.bool, device=mask.device)
+    target = torch.as_tensor(floor, dtype=after.dtype, device=after.device).expand(*mask.shape, mask.shape[1])
+    if not push:
+        target = torch.minimum(target, torch.cdist(before, before))
+    y = after
+    for _ in range(sweeps):
+        diff = y.unsqueeze(2) - y.unsqueeze(1)
+        r = torch.linalg.vector_norm(diff, dim=-1)
+        # a tolerance so float rounding of a pair already set back does not count as a violation
+        short = valid & (r < target * (1 - 1e-9)) & (r > 0)
+        if not bool(short.any()):
+            break
+        gap = torch.where(short, (target - r) / 2 / r.clamp(min=1e-30), torch.zeros_like(r))
+        y = y + (gap.unsqueeze(-1) * diff).sum(dim=2)
+    return y
+
+
+def pair_floors(numbers: torch.Tensor, min_distance: float | None, hh_distance: float | None) -> torch.Tensor:
+    """[B, N, N] distance floors (Angstrom) for atomic numbers [B, N]: `hh_distance` between two hydrogens,
+    `min_distance` between any other pair (0 where either is None)."""
+    hydrogen = numbers == 1
+    both = hydrogen.unsqueeze(2) & hydrogen.unsqueeze(1)
+    other = torch.full(both.shape, float(min_distance or 0.0), dtype=torch.float64, device=numbers.device)
+    return torch.where(both, torch.full_like(other, float(hh_distance if hh_distance is not None else
+                                                          (min_distance or 0.0))), other)
 
 
 class ForceGuidance:
@@ -201,6 +256,12 @@ class ForceGuidance:
         numbers = torch.where(mask, table[type_index.clamp(min=0)], torch.zeros_like(type_index))
         real = mask.any(dim=1)
         step_size = cfg.scale / cfg.iterations * (1.0 - sigma_t)
+        if cfg.schedule == "fade":
+            step_size *= sigma_t / cfg.noise_threshold if cfg.noise_threshold > 0 else 0.0
+        bound = cfg.displacement_clip
+        if cfg.step_bound is not None:
+            per_step = cfg.step_bound * sigma_t / cfg.iterations
+            bound = per_step if bound is None else min(bound, per_step)
         x = positions
         self.steps_guided += 1
         for _ in range(cfg.iterations):
@@ -245,9 +306,13 @@ class ForceGuidance:
             if not bool(ok.any()):
                 continue
             forces = clip_norm(torch.nan_to_num(result.forces.to(device=x.device, dtype=x.dtype)), cfg.force_clip)
-            displacement = clip_norm(step_size * forces, cfg.displacement_clip)
+            displacement = clip_norm(step_size * forces, bound)
             keep = (ok.unsqueeze(1) & mask).unsqueeze(-1)
-            moved = remove_mean_with_mask(x + displacement * keep, mask)
+            moved = x + displacement * keep
+            if cfg.min_distance is not None or cfg.hh_distance is not None:
+                floors = pair_floors(numbers, cfg.min_distance, cfg.hh_distance).to(x.dtype)
+                moved = hold_floor(x, moved, mask, floors, cfg.floor_push)
+            moved = remove_mean_with_mask(moved, mask)
             x = torch.where(ok.reshape(-1, 1, 1), moved, x)
         return x
 

@@ -90,6 +90,16 @@ class GuidanceOptions:
     """Clip each atom's force norm to this (eV/Angstrom) before the update (0: no clip)."""
     displacement_clip: float = 0.0
     """Clip each atom's displacement per iteration to this (Angstrom; 0: no clip)."""
+    step_bound: float = 0.0
+    """Bound each atom's move per guided step at step_bound x sigma_t (Angstrom; 0: no bound)."""
+    min_distance: float = 0.0
+    """Distance floor of the guided move (Angstrom): a pair the push brings below it is set back (0: none)."""
+    hh_distance: float = 0.0
+    """Distance floor between two atoms the force field sees as hydrogen (Angstrom; 0: min_distance)."""
+    floor_push: bool = False
+    """With min_distance: push every pair below the floor out to it."""
+    schedule: str = "seed"
+    """seed: scale x (1 - sigma_t); fade: that x sigma_t / noise_threshold."""
 
 
 @dataclass
