@@ -55,16 +55,25 @@ TOPIC = "Molecules: guidance and force fields"
 SCALES = (0.0005, 0.0007, 0.008)
 BIN = Path(sys.executable).parent
 
+SEED = ["guidance.displacement_clip=0", "guidance.hh_distance=0"]
 RULES: dict[str, list[str]] = {
-    "seed: (1 - sigma_t) F, no bound": ["guidance.step_bound=0"],
-    "step bound 0.1 sigma_t (default)": ["guidance.step_bound=0.1"],
-    "step bound 0.03 sigma_t": ["guidance.step_bound=0.03"],
-    "displacement clip 0.01 Å": ["guidance.step_bound=0", "guidance.displacement_clip=0.01"],
-    "floor 0.9 Å (hold)": ["guidance.step_bound=0", "guidance.min_distance=0.9"],
-    "floor 0.9 Å (push out)": ["guidance.step_bound=0", "guidance.min_distance=0.9", "guidance.floor_push=true"],
-    "schedule fade": ["guidance.step_bound=0", "guidance.schedule=fade"],
+    "seed: (1 - sigma_t) F, no bound, no floor": SEED,
+    "step bound 0.1 sigma_t": [*SEED, "guidance.step_bound=0.1"],
+    "step bound 0.03 sigma_t": [*SEED, "guidance.step_bound=0.03"],
+    "displacement clip 0.01 Å": ["guidance.hh_distance=0", "guidance.displacement_clip=0.01"],
+    "floor 0.9 Å, all pairs (hold)": [*SEED, "guidance.min_distance=0.9", "guidance.floor_push=false"],
+    "floor 0.9 Å, all pairs (push)": [*SEED, "guidance.min_distance=0.9"],
+    "H-H floor 1.4 Å (hold)": ["guidance.displacement_clip=0", "guidance.floor_push=false"],
+    "H-H floor 1.4 Å (push)": ["guidance.displacement_clip=0"],
+    "floor 0.9 Å, H-H 1.4 Å (push)": ["guidance.displacement_clip=0", "guidance.min_distance=0.9"],
+    "schedule fade": [*SEED, "guidance.schedule=fade"],
+    "H-H floor 1.4 Å (push) + step bound 0.03 sigma_t": ["guidance.displacement_clip=0", "guidance.step_bound=0.03"],
+    "H-H floor 1.4 Å (push) + step bound 0.01 sigma_t": ["guidance.displacement_clip=0", "guidance.step_bound=0.01"],
+    "H-H floor 1.4 Å (push) + clip 0.01 Å": ["guidance.displacement_clip=0.01"],
+    "H-H floor 1.4 Å (push) + clip 0.005 Å (the default)": [],
 }
 """`--rules`: the candidate rules, as `trainer sample` settings."""
+REUSED = " (`--reuse`: the sets read back from an earlier run's work folder, with that run's set times)"
 
 
 def sample(run_dir: Path, out: Path, molecules: int, scales: list[float], forcefield: str, extra: list[str],
@@ -116,7 +125,8 @@ def rules_section(run: Path, work: Path, molecules: int, extra: list[str], threa
     """`--rules`: the table lines per scale, every rule's sets from the same noise as its unguided twins."""
     results = {}
     for name, settings in rules.items():
-        folder = "rule_" + "_".join(setting.removeprefix("guidance.") for setting in settings).replace("=", "")
+        folder = "rule_" + ("_".join(setting.removeprefix("guidance.") for setting in settings).replace("=", "")
+                            or "default")
         results[name] = sample(run, work / folder, molecules, list(SCALES), "ani1x", [*extra, *settings], threads,
                                reuse)
         print(name, {s: sum(np.isfinite(results[name][f"guided_scale_{s:g}"]["rms"])) for s in SCALES}, flush=True)
@@ -191,7 +201,9 @@ def main() -> None:
             f"## Guidance rules: strong guidance stays physical, {utc_now()}",
             "",
             f"Machine: {cpu_model()}; load average {load_start[0]:.1f} at start, {load_end[0]:.1f} at the end; "
-            f"{(time.time() - started) / 60:.1f} min in all. Command: `{command_line()}`. One `trainer sample` per "
+            f"{(time.time() - started) / 60:.1f} min in all"
+            f"{REUSED if args.reuse else ''}"
+            f". Command: `{command_line()}`. One `trainer sample` per "
             f"rule ({molecules} molecules per set in one batch, T = 1000, 632 guided steps, ANI-1x guidance with "
             "`types=auto`, the final molecules scored by GFN2-xTB), every rule's sets from the same noise, so each "
             "guided molecule is paired with its unguided twin. GFN2 force RMS in eV/Å, mean ± standard error over the "

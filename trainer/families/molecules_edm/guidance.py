@@ -7,6 +7,13 @@ compute forces F (eV/Angstrom) at the current positions (Angstrom), optionally c
 norm, displacement = (scale / iterations) * (1 - sigma_t) * F, optionally clip each atom's displacement
 norm, x += displacement, re-centre on the masked mean.
 
+Added by default (the seed has neither; `displacement_clip=None, hh_distance=None` is its rule): each atom's
+displacement is clipped at 0.005 Angstrom per iteration, and two atoms the force field sees as hydrogen are pushed
+out to 1.4 Angstrom apart after the move (`hold_floor`), so a strong scale does not tear the molecule into
+fragments, H2 pairs and lone atoms (why: the fields' docstrings). Other bounds, kept as settings: a per-step bound
+proportional to sigma_t (`step_bound`), a floor for every pair (`min_distance`), a push fading out towards the end
+(`schedule="fade"`).
+
 Deliberately different from the reference (its bugs): a molecule whose force evaluation fails
 (`ok = False`) is left unguided on that step and counted, instead of getting a constant fake force;
 scale 0.0 returns the positions tensor itself, so the sampler's output equals the baseline bit for bit;
@@ -92,6 +99,11 @@ def evaluations_line(total: int, forcefield: ForceField, types: str, atomic_numb
             f"(guidance.types=argmax, no fallback force field)")
 
 
+DISPLACEMENT_CLIP = 0.005
+"""Angstrom: the default `GuidanceConfig.displacement_clip` (why: its docstring)."""
+HH_DISTANCE = 1.4
+"""Angstrom: the default `GuidanceConfig.hh_distance` (why: its docstring)."""
+
 GUIDANCE_SCHEDULES: tuple[str, ...] = ("seed", "fade")
 """The values of `GuidanceConfig.schedule`."""
 
@@ -106,8 +118,13 @@ class GuidanceConfig:
     """Guide only steps whose sigma_t is at most this (0.8: the last 632 of 1000 steps of polynomial_2)."""
     force_clip: float | None = None
     """Largest per-atom force norm (eV/Angstrom) used; None: no clip."""
-    displacement_clip: float | None = None
-    """Largest per-atom displacement norm (Angstrom) per iteration; None: no clip."""
+    displacement_clip: float | None = DISPLACEMENT_CLIP
+    """Largest per-atom displacement norm (Angstrom) per iteration; None: no clip (the seed's rule). On by default
+    with `hh_distance` (`guidance.displacement_clip=0 guidance.hh_distance=0` is the seed's rule): the push is an
+    explicit gradient step, and on a distorted geometry the stiff short-range repulsion gives forces of hundreds of
+    eV/Angstrom, so a strong scale throws atoms Angstroms in one step and the molecule falls apart into fragments
+    and lone atoms, which GFN2-xTB cannot score (its SCF does not converge); the clip bounds every step whatever
+    the force, well under a bond length, while a weak scale's pushes stay under it on most steps."""
     max_uncertainty: float | None = None
     """Skip the push for a molecule whose ensemble energy spread (eV/atom) is above this on that step; None: never."""
     step_bound: float | None = None
@@ -117,11 +134,14 @@ class GuidanceConfig:
     """Angstrom: a distance floor for the guided move: after the push, every pair of atoms the push brought below
     it is set back to the floor (or to its distance before the push, if that was already shorter); with
     `floor_push`, every pair below it is pushed out to it. None: no floor."""
-    hh_distance: float | None = None
-    """Angstrom: the floor for pairs of two atoms the force field sees as hydrogen (above `min_distance`). None:
-    `min_distance` for them too."""
-    floor_push: bool = False
-    """With `min_distance`: push every pair below the floor out to it, not only hold the pairs the push moved."""
+    hh_distance: float | None = HH_DISTANCE
+    """Angstrom: the floor for pairs of two atoms the force field sees as hydrogen (instead of `min_distance`).
+    None: `min_distance` for them too. On by default (1.4; QM9's closest H-H pair is 1.61): the force field's
+    lowest-energy answer to hydrogens crowded by the sampler is H2 (0.74 Angstrom), which a strong scale pulls them
+    into, splitting the molecule; organic molecules hold no H-H bond, so the guided move keeps hydrogens apart."""
+    floor_push: bool = True
+    """With a floor: push every pair below it out to it (default), not only hold the pairs the push moved (False:
+    a pair the sampler itself made shorter stays as short, and the force field can still pull it into H2)."""
     schedule: str = "seed"
     """How the push varies over the guided steps: `seed`: scale * (1 - sigma_t); `fade`: scale * (1 - sigma_t) *
     sigma_t / noise_threshold (zero at the end of sampling, so the model places the atoms last)."""
