@@ -124,7 +124,7 @@ class GuidanceConfig:
     explicit gradient step, and on a distorted geometry the stiff short-range repulsion gives forces of hundreds of
     eV/Angstrom, so a strong scale throws atoms Angstroms in one step and the molecule falls apart into fragments
     and lone atoms, which GFN2-xTB cannot score (its SCF does not converge); the clip bounds every step whatever
-    the force, well under a bond length, while a weak scale's pushes stay under it on most steps."""
+    the force, at a small fraction of a bond length."""
     max_uncertainty: float | None = None
     """Skip the push for a molecule whose ensemble energy spread (eV/atom) is above this on that step; None: never."""
     step_bound: float | None = None
