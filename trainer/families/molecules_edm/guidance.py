@@ -282,6 +282,9 @@ class ForceGuidance:
         if cfg.step_bound is not None:
             per_step = cfg.step_bound * sigma_t / cfg.iterations
             bound = per_step if bound is None else min(bound, per_step)
+        floors = None
+        if cfg.min_distance is not None or cfg.hh_distance is not None:
+            floors = pair_floors(numbers, cfg.min_distance, cfg.hh_distance).to(positions.dtype)
         x = positions
         self.steps_guided += 1
         for _ in range(cfg.iterations):
@@ -329,8 +332,7 @@ class ForceGuidance:
             displacement = clip_norm(step_size * forces, bound)
             keep = (ok.unsqueeze(1) & mask).unsqueeze(-1)
             moved = x + displacement * keep
-            if cfg.min_distance is not None or cfg.hh_distance is not None:
-                floors = pair_floors(numbers, cfg.min_distance, cfg.hh_distance).to(x.dtype)
+            if floors is not None:
                 moved = hold_floor(x, moved, mask, floors, cfg.floor_push)
             moved = remove_mean_with_mask(moved, mask)
             x = torch.where(ok.reshape(-1, 1, 1), moved, x)
