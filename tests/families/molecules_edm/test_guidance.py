@@ -21,6 +21,8 @@ from trainer.families.molecules_edm.forcefields.springs import SpringForceField
 from trainer.families.molecules_edm.guidance import ForceGuidance, GuidanceConfig
 
 Z = (1, 6, 7, 8, 9)
+SEED_RULE = {"displacement_clip": None, "hh_distance": None}
+"""The seed's rule (no displacement clip, no H-H floor): what the hand computations below follow."""
 
 
 class FixedForces:
@@ -116,7 +118,7 @@ def test_guidance_step_matches_hand_computation() -> None:
     forces = np.random.default_rng(0).normal(size=(2, 4, 3)) * 3.0
     ff = FixedForces(forces)
     sigma_t, scale, iterations = 0.3, 0.01, 2
-    hook = ForceGuidance(ff, GuidanceConfig(scale=scale, iterations=iterations), Z)
+    hook = ForceGuidance(ff, GuidanceConfig(scale=scale, iterations=iterations, **SEED_RULE), Z)
     out = hook(x, types, mask, sigma_t, 5)
     m = mask.numpy()
     expected = x.numpy()
@@ -141,12 +143,13 @@ def test_force_and_displacement_clips() -> None:
     m = mask.numpy()
     sigma_t = 0.5
 
-    out = ForceGuidance(FixedForces(forces), GuidanceConfig(scale=0.1, force_clip=5.0), Z)(x, types, mask, sigma_t, 0)
+    out = ForceGuidance(FixedForces(forces), GuidanceConfig(scale=0.1, force_clip=5.0, **SEED_RULE), Z)(
+        x, types, mask, sigma_t, 0)
     clipped = forces.copy()
     clipped[0, 1] *= 5.0 / 50.0
     np.testing.assert_allclose(out.numpy(), _centre(x.numpy() + 0.1 * 0.5 * clipped, m), atol=1e-12)
 
-    out = ForceGuidance(FixedForces(forces), GuidanceConfig(scale=0.1, displacement_clip=0.2), Z)(
+    out = ForceGuidance(FixedForces(forces), GuidanceConfig(scale=0.1, displacement_clip=0.2, hh_distance=None), Z)(
         x, types, mask, sigma_t, 0)
     disp = 0.1 * 0.5 * forces
     disp[0, 1] *= 0.2 / np.linalg.norm(disp[0, 1])  # 2.5 A -> 0.2 A
@@ -213,7 +216,8 @@ def test_guidance_lowers_spring_energy_against_paired_baseline() -> None:
     num_atoms, seeds = [5, 6, 7, 5, 6, 7], [41, 42, 43, 44, 45, 46]
     ff = SpringForceField(stiffness=10.0, cutoff=2.0)
     base = model.sample(num_atoms, [torch.Generator().manual_seed(s) for s in seeds])
-    hook = ForceGuidance(ff, GuidanceConfig(scale=0.02, iterations=2), model.atomic_numbers_of_types)
+    # the springs' H-H rest length is H2's, below the default H-H floor: the seed's rule
+    hook = ForceGuidance(ff, GuidanceConfig(scale=0.02, iterations=2, **SEED_RULE), model.atomic_numbers_of_types)
     guided = model.sample(num_atoms, [torch.Generator().manual_seed(s) for s in seeds], guidance=hook)
     e_base, e_guided = _spring_energy(ff, base), _spring_energy(ff, guided)
     assert e_base.min() > 0.5  # the baseline geometries are strained: the test has something to relax
@@ -281,3 +285,108 @@ def test_default_types_give_a_partial_force_field_its_own_types_and_say_so() -> 
     assert evaluations_line(7, FixedForces(np.zeros((1, 2, 3))), "auto", Z) == "7 fixed force evaluations"
     with pytest.raises(ConfigError, match="auto"):
         GuidanceConfig(scale=0.001, types="all")
+
+
+class PullTogether:
+    """A force field pulling atoms 0 and 1 of every molecule towards each other with `strength` eV/A, however close
+    (an attraction with no repulsion: what lets strong guidance collapse a pair)."""
+
+    name = "pull"
+
+    def __init__(self, strength: float = 50.0) -> None:
+        self.strength = strength
+
+    def compute(self, numbers, positions, mask) -> ForceResult:
+        forces = np.zeros_like(positions)
+        bond = positions[:, 1] - positions[:, 0]
+        unit = bond / np.maximum(np.linalg.norm(bond, axis=-1, keepdims=True), 1e-12)
+        forces[:, 0], forces[:, 1] = self.strength * unit, -self.strength * unit
+        return ForceResult(np.zeros(len(numbers)), forces, np.ones(len(numbers), dtype=bool))
+
+    def close(self) -> None:
+        pass
+
+
+def test_step_bound_caps_each_atoms_move_at_a_multiple_of_sigma() -> None:
+    x, types, mask = _positions(3)
+    forces = np.zeros((2, 4, 3))
+    forces[0, 1] = [30.0, 40.0, 0.0]  # a 50 eV/A push: 0.1 x 0.7 x 50 = 3.5 A unbounded
+    sigma_t = 0.3
+    out = ForceGuidance(FixedForces(forces), GuidanceConfig(scale=0.1, iterations=2, step_bound=0.1, **SEED_RULE), Z)(
+        x, types, mask, sigma_t, 0)
+    moved = out.numpy() - x.numpy()
+    # two iterations of 0.1 x 0.3 / 2 A each along the force: the step's move is 0.03 A
+    np.testing.assert_allclose(moved[0, 1] - moved[0, 0], 0.03 * forces[0, 1] / 50.0, atol=1e-12)
+    np.testing.assert_allclose(out.numpy()[1], x.numpy()[1], atol=1e-12)  # no force, no move
+
+    # in the sampler, under a force no bound would tame: no atom moves more than the bound per step, plus the
+    # re-centring's shift (the mean of bounded moves, itself within the bound)
+    model = _model(20)
+    seen: list[tuple[float, float]] = []
+    hook = ForceGuidance(FixedForces(np.random.default_rng(2).normal(size=(2, 5, 3)) * 100.0),
+                         GuidanceConfig(scale=0.05, step_bound=0.1, **SEED_RULE),
+                         model.atomic_numbers_of_types)
+
+    def watch(positions, type_index, node_mask, sigma_t, step_index):
+        out = hook(positions, type_index, node_mask, sigma_t, step_index)
+        seen.append((float(torch.linalg.vector_norm(out - positions, dim=-1).max()), sigma_t))
+        return out
+
+    model.sample([4, 5], [torch.Generator().manual_seed(s) for s in (3, 4)], guidance=watch)
+    guided = [(move, sigma) for move, sigma in seen if sigma <= 0.8]
+    assert guided and all(move <= 2 * 0.1 * sigma * (1 + 1e-5) for move, sigma in guided)
+    assert max(move / sigma for move, sigma in guided) > 0.1  # the force is strong enough to reach the bound
+
+
+@pytest.mark.parametrize("push", [False, True])
+def test_attracted_hydrogens_stop_at_the_floor(push: bool) -> None:
+    floor = 1.4
+    types = torch.tensor([[0, 0, 1]])  # H H C in QM9's type order
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    x = torch.tensor([[[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 2.0, 0.0]]], dtype=torch.float64)
+    hook = ForceGuidance(PullTogether(), GuidanceConfig(scale=0.01, displacement_clip=None, hh_distance=floor,
+                                                            floor_push=push), Z)
+    distances = []
+    for step in range(40):  # 0.01 x 0.9 x 50 = 0.45 A per step towards each other
+        x = hook(x, types, mask, 0.1, step)
+        distances.append(float(torch.linalg.vector_norm(x[0, 1] - x[0, 0])))
+    assert min(distances) >= floor * (1 - 1e-9) and distances[-1] == pytest.approx(floor)
+    assert float(torch.linalg.vector_norm(x[0, 2] - x[0, 0])) > 1.0  # the bystander carbon is not dragged along
+
+    # a pair already below the floor: never pushed closer (hold), or pushed out to it (push)
+    close = torch.tensor([[[-0.3, 0.0, 0.0], [0.3, 0.0, 0.0], [0.0, 2.0, 0.0]]], dtype=torch.float64)
+    out = hook(close, types, mask, 0.1, 0)
+    gap = float(torch.linalg.vector_norm(out[0, 1] - out[0, 0]))
+    assert gap == pytest.approx(floor if push else 0.6)
+
+
+def test_floor_is_per_pair_and_off_without_a_setting() -> None:
+    types = torch.tensor([[1, 0, 1]])  # C H C: the H-H floor does not hold a C-H pair
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    x = torch.tensor([[[-0.6, 0.0, 0.0], [0.6, 0.0, 0.0], [0.0, 3.0, 0.0]]], dtype=torch.float64)
+    out = ForceGuidance(PullTogether(), GuidanceConfig(scale=0.01, displacement_clip=None, hh_distance=1.4), Z)(
+        x, types, mask, 0.1, 0)
+    assert float(torch.linalg.vector_norm(out[0, 1] - out[0, 0])) < 1.0
+    out = ForceGuidance(PullTogether(), GuidanceConfig(scale=0.01, displacement_clip=None, hh_distance=None, min_distance=1.0,
+                                                         floor_push=False), Z)(
+        x, types, mask, 0.1, 0)
+    assert float(torch.linalg.vector_norm(out[0, 1] - out[0, 0])) == pytest.approx(1.0)  # pulled from 1.2 to the floor
+
+
+def test_default_rule_clips_each_push_and_keeps_hydrogens_apart() -> None:
+    from trainer.families.molecules_edm.spec import MoleculeSampleConfig
+
+    cfg, options = GuidanceConfig(scale=0.008), MoleculeSampleConfig().guidance
+    assert (cfg.displacement_clip, cfg.hh_distance, cfg.floor_push) == (
+        options.displacement_clip, options.hh_distance, options.floor_push) == (0.005, 1.4, True)
+    types = torch.tensor([[0, 0, 1]])  # H H C
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    x = torch.tensor([[[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 2.0, 0.0]]], dtype=torch.float64)
+    hook = ForceGuidance(PullTogether(strength=500.0), cfg, Z)  # unclipped: 0.008 x 0.9 x 500 = 3.6 A per step
+    for step in range(150):
+        out = hook(x, types, mask, 0.1, step)
+        gap = float(torch.linalg.vector_norm(out[0, 1] - out[0, 0]))
+        assert float(torch.linalg.vector_norm(x[0, 1] - x[0, 0])) - gap <= 2 * 0.005 + 1e-12  # 0.005 A each
+        assert gap >= 1.4 * (1 - 1e-9)
+        x = out
+    assert gap == pytest.approx(1.4)

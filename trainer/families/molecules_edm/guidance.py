@@ -7,6 +7,13 @@ compute forces F (eV/Angstrom) at the current positions (Angstrom), optionally c
 norm, displacement = (scale / iterations) * (1 - sigma_t) * F, optionally clip each atom's displacement
 norm, x += displacement, re-centre on the masked mean.
 
+Added by default (the seed has neither; `displacement_clip=None, hh_distance=None` is its rule): each atom's
+displacement is clipped at 0.005 Angstrom per iteration, and two atoms the force field sees as hydrogen are pushed
+out to 1.4 Angstrom apart after the move (`hold_floor`), so a strong scale does not tear the molecule into
+fragments, H2 pairs and lone atoms (why: the fields' docstrings). Other bounds, kept as settings: a per-step bound
+proportional to sigma_t (`step_bound`), a floor for every pair (`min_distance`), a push fading out towards the end
+(`schedule="fade"`).
+
 Deliberately different from the reference (its bugs): a molecule whose force evaluation fails
 (`ok = False`) is left unguided on that step and counted, instead of getting a constant fake force;
 scale 0.0 returns the positions tensor itself, so the sampler's output equals the baseline bit for bit;
@@ -92,6 +99,15 @@ def evaluations_line(total: int, forcefield: ForceField, types: str, atomic_numb
             f"(guidance.types=argmax, no fallback force field)")
 
 
+DISPLACEMENT_CLIP = 0.005
+"""Angstrom: the default `GuidanceConfig.displacement_clip` (why: its docstring)."""
+HH_DISTANCE = 1.4
+"""Angstrom: the default `GuidanceConfig.hh_distance` (why: its docstring)."""
+
+GUIDANCE_SCHEDULES: tuple[str, ...] = ("seed", "fade")
+"""The values of `GuidanceConfig.schedule`."""
+
+
 @dataclass
 class GuidanceConfig:
     """Options of force-field guidance (units: Angstrom per eV/Angstrom for `scale`)."""
@@ -102,10 +118,33 @@ class GuidanceConfig:
     """Guide only steps whose sigma_t is at most this (0.8: the last 632 of 1000 steps of polynomial_2)."""
     force_clip: float | None = None
     """Largest per-atom force norm (eV/Angstrom) used; None: no clip."""
-    displacement_clip: float | None = None
-    """Largest per-atom displacement norm (Angstrom) per iteration; None: no clip."""
+    displacement_clip: float | None = DISPLACEMENT_CLIP
+    """Largest per-atom displacement norm (Angstrom) per iteration; None: no clip (the seed's rule). On by default
+    with `hh_distance` (`guidance.displacement_clip=0 guidance.hh_distance=0` is the seed's rule): the push is an
+    explicit gradient step, and on a distorted geometry the stiff short-range repulsion gives forces of hundreds of
+    eV/Angstrom, so a strong scale throws atoms Angstroms in one step and the molecule falls apart into fragments
+    and lone atoms, which GFN2-xTB cannot score (its SCF does not converge); the clip bounds every step whatever
+    the force, at a small fraction of a bond length."""
     max_uncertainty: float | None = None
     """Skip the push for a molecule whose ensemble energy spread (eV/atom) is above this on that step; None: never."""
+    step_bound: float | None = None
+    """Largest move of an atom per guided step, as a multiple of sigma_t (Angstrom at sigma_t = 1): each
+    iteration's displacement norm is clipped at step_bound * sigma_t / iterations. None: no bound."""
+    min_distance: float | None = None
+    """Angstrom: a distance floor for the guided move: after the push, every pair of atoms the push brought below
+    it is set back to the floor (or to its distance before the push, if that was already shorter); with
+    `floor_push`, every pair below it is pushed out to it. None: no floor."""
+    hh_distance: float | None = HH_DISTANCE
+    """Angstrom: the floor for pairs of two atoms the force field sees as hydrogen (instead of `min_distance`).
+    None: `min_distance` for them too. On by default (1.4; QM9's closest H-H pair is 1.61): the force field's
+    lowest-energy answer to hydrogens crowded by the sampler is H2 (0.74 Angstrom), which a strong scale pulls them
+    into, splitting the molecule; organic molecules hold no H-H bond, so the guided move keeps hydrogens apart."""
+    floor_push: bool = True
+    """With a floor: push every pair below it out to it (default), not only hold the pairs the push moved (False:
+    a pair the sampler itself made shorter stays as short, and the force field can still pull it into H2)."""
+    schedule: str = "seed"
+    """How the push varies over the guided steps: `seed`: scale * (1 - sigma_t); `fade`: scale * (1 - sigma_t) *
+    sigma_t / noise_threshold (zero at the end of sampling, so the model places the atoms last)."""
     types: str = "auto"
     """How the force field sees the atom types: `argmax` over all types (the seed's rule), `forcefield`:
     the argmax over the types the force field models (ani1x: no F), so no molecule needs the fallback, or
@@ -120,7 +159,10 @@ class GuidanceConfig:
             raise ConfigError(f"guidance noise_threshold must be a finite number >= 0, got {self.noise_threshold}")
         if self.types not in GUIDANCE_TYPES:
             raise ConfigError(f"guidance types must be one of {', '.join(GUIDANCE_TYPES)}, got {self.types!r}")
-        for name in ("force_clip", "displacement_clip", "max_uncertainty"):
+        if self.schedule not in GUIDANCE_SCHEDULES:
+            raise ConfigError(f"guidance schedule must be one of {', '.join(GUIDANCE_SCHEDULES)}, got {self.schedule!r}")
+        for name in ("force_clip", "displacement_clip", "max_uncertainty", "step_bound", "min_distance",
+                     "hh_distance"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"guidance {name} must be > 0 or None, got {value}")
@@ -133,6 +175,39 @@ def clip_norm(vectors: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     norm = torch.linalg.vector_norm(vectors, dim=-1, keepdim=True)
     factor = torch.where(norm > max_norm, max_norm / norm.clamp(min=1e-30), torch.ones_like(norm))
     return vectors * factor
+
+
+def hold_floor(before: torch.Tensor, after: torch.Tensor, mask: torch.Tensor, floor: torch.Tensor | float,
+               push: bool = False, sweeps: int = 4) -> torch.Tensor:
+    """`after` [B, N, 3] with each pair of masked atoms that ended closer than its `floor` (Angstrom; a number or
+    [B, N, N] per pair) set back apart, symmetrically along the line joining them: to the floor, or (`push` False)
+    to the pair's distance in `before` where that was already shorter, so the move never brings a pair closer than
+    either. Pairs are corrected together (`sweeps` Jacobi sweeps), which is exact for an isolated pair."""
+    valid = mask.unsqueeze(2) & mask.unsqueeze(1) & ~torch.eye(mask.shape[1], dtype=torch.bool, device=mask.device)
+    target = torch.as_tensor(floor, dtype=after.dtype, device=after.device).expand(*mask.shape, mask.shape[1])
+    if not push:
+        target = torch.minimum(target, torch.cdist(before, before))
+    y = after
+    for _ in range(sweeps):
+        diff = y.unsqueeze(2) - y.unsqueeze(1)
+        r = torch.linalg.vector_norm(diff, dim=-1)
+        # a tolerance so float rounding of a pair already set back does not count as a violation
+        short = valid & (r < target * (1 - 1e-9)) & (r > 0)
+        if not bool(short.any()):
+            break
+        gap = torch.where(short, (target - r) / 2 / r.clamp(min=1e-30), torch.zeros_like(r))
+        y = y + (gap.unsqueeze(-1) * diff).sum(dim=2)
+    return y
+
+
+def pair_floors(numbers: torch.Tensor, min_distance: float | None, hh_distance: float | None) -> torch.Tensor:
+    """[B, N, N] distance floors (Angstrom) for atomic numbers [B, N]: `hh_distance` between two hydrogens,
+    `min_distance` between any other pair (0 where either is None)."""
+    hydrogen = numbers == 1
+    both = hydrogen.unsqueeze(2) & hydrogen.unsqueeze(1)
+    other = torch.full(both.shape, float(min_distance or 0.0), dtype=torch.float64, device=numbers.device)
+    return torch.where(both, torch.full_like(other, float(hh_distance if hh_distance is not None else
+                                                          (min_distance or 0.0))), other)
 
 
 class ForceGuidance:
@@ -201,6 +276,15 @@ class ForceGuidance:
         numbers = torch.where(mask, table[type_index.clamp(min=0)], torch.zeros_like(type_index))
         real = mask.any(dim=1)
         step_size = cfg.scale / cfg.iterations * (1.0 - sigma_t)
+        if cfg.schedule == "fade":
+            step_size *= sigma_t / cfg.noise_threshold if cfg.noise_threshold > 0 else 0.0
+        bound = cfg.displacement_clip
+        if cfg.step_bound is not None:
+            per_step = cfg.step_bound * sigma_t / cfg.iterations
+            bound = per_step if bound is None else min(bound, per_step)
+        floors = None
+        if cfg.min_distance is not None or cfg.hh_distance is not None:
+            floors = pair_floors(numbers, cfg.min_distance, cfg.hh_distance).to(positions.dtype)
         x = positions
         self.steps_guided += 1
         for _ in range(cfg.iterations):
@@ -245,9 +329,12 @@ class ForceGuidance:
             if not bool(ok.any()):
                 continue
             forces = clip_norm(torch.nan_to_num(result.forces.to(device=x.device, dtype=x.dtype)), cfg.force_clip)
-            displacement = clip_norm(step_size * forces, cfg.displacement_clip)
+            displacement = clip_norm(step_size * forces, bound)
             keep = (ok.unsqueeze(1) & mask).unsqueeze(-1)
-            moved = remove_mean_with_mask(x + displacement * keep, mask)
+            moved = x + displacement * keep
+            if floors is not None:
+                moved = hold_floor(x, moved, mask, floors, cfg.floor_push)
+            moved = remove_mean_with_mask(moved, mask)
             x = torch.where(ok.reshape(-1, 1, 1), moved, x)
         return x
 

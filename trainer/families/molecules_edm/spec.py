@@ -88,8 +88,20 @@ class GuidanceOptions:
     """Guide only steps whose sigma_t is at most this (0.8: the last 632 of 1000 steps)."""
     force_clip: float = 0.0
     """Clip each atom's force norm to this (eV/Angstrom) before the update (0: no clip)."""
-    displacement_clip: float = 0.0
-    """Clip each atom's displacement per iteration to this (Angstrom; 0: no clip)."""
+    displacement_clip: float = 0.005
+    """Clip each atom's displacement per iteration to this (Angstrom; 0: no clip, the seed's rule with
+    hh_distance=0). The default keeps strong scales from throwing atoms out of the molecule (`GuidanceConfig`)."""
+    step_bound: float = 0.0
+    """Bound each atom's move per guided step at step_bound x sigma_t (Angstrom; 0: no bound)."""
+    min_distance: float = 0.0
+    """Distance floor of the guided move between any two atoms (Angstrom; 0: none)."""
+    hh_distance: float = 1.4
+    """Distance floor of the guided move between two atoms the force field sees as hydrogen (Angstrom; 0:
+    min_distance): keeps strong guidance from pulling hydrogens into H2 (`GuidanceConfig`)."""
+    floor_push: bool = True
+    """Push every pair below its floor out to it (false: only hold the pairs the push brought closer)."""
+    schedule: str = "seed"
+    """seed: scale x (1 - sigma_t); fade: that x sigma_t / noise_threshold."""
 
 
 @dataclass

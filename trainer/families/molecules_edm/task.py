@@ -268,6 +268,10 @@ class MoleculesEDMTask(Task):
                                                      noise_threshold=g_opt.noise_threshold,
                                                      force_clip=g_opt.force_clip or None,
                                                      displacement_clip=g_opt.displacement_clip or None,
+                                                     step_bound=g_opt.step_bound or None,
+                                                     min_distance=g_opt.min_distance or None,
+                                                     hh_distance=g_opt.hh_distance or None,
+                                                     floor_push=g_opt.floor_push, schedule=g_opt.schedule,
                                                      max_uncertainty=g_opt.max_uncertainty or None,
                                                      types=g_opt.types),
                                       self.atomic_numbers)
