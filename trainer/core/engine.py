@@ -114,10 +114,14 @@ class Engine:
         """Write the model, optimizer and every rank's RNG in the backend's own files (every rank)."""
         self.accelerator.save_state(str(directory), safe_serialization=True)
 
-    def stage_checkpoint(self) -> list[StagedFile] | None:
+    def can_stage_checkpoint(self) -> bool:
+        """Whether `stage_checkpoint` can hand the backend's files over (not where each rank writes its shards)."""
+        return False
+
+    def stage_checkpoint(self) -> list[StagedFile]:
         """What `save_checkpoint` writes, as host data for the checkpoint writer process (this rank's share:
-        writer.py); None where the backend must write its files itself (sharded layouts)."""
-        return None
+        writer.py); only where `can_stage_checkpoint`."""
+        raise NotImplementedError(f"{type(self).__name__} writes its checkpoint files itself")
 
     def load_checkpoint(self, path: Path, saved: dict[str, Any], param_names: list[list[str]]) -> None:
         """Read a checkpoint this backend's own loader can read (checkpoint/convert.py: `needs_conversion`)."""
@@ -209,13 +213,15 @@ class TorchEngine(Engine):
         self.guard.check(longest, step)
         return new
 
-    def stage_checkpoint(self) -> list[StagedFile] | None:
-        """accelerate's `save_state` files of the plain and DDP layouts: the model (main process), the optimizer
-        (main process) and this rank's RNG, in the same formats. None where save_state would write more (a
-        GradScaler, registered schedulers, objects or hooks, a sampler's or stateful loader's state)."""
+    def can_stage_checkpoint(self) -> bool:
+        """The plain and DDP layouts, where save_state writes nothing beyond model, optimizer and RNG (no
+        GradScaler, registered schedulers, objects or hooks, sampler or stateful loader state)."""
+        return self.plain and _holds_only_model_and_optimizer(self.accelerator)
+
+    def stage_checkpoint(self) -> list[StagedFile]:
+        """accelerate's `save_state` files: the model (main process), the optimizer (main process) and this rank's
+        RNG, in the same formats."""
         acc = self.accelerator
-        if not (self.plain and _holds_only_model_and_optimizer(acc)):
-            return None
         from accelerate.utils.other import clean_state_dict_for_safetensors
 
         from trainer.core.checkpoint.parts import rng_file_states

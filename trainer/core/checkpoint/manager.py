@@ -40,8 +40,8 @@ from trainer.core.checkpoint.agreement import (
 from trainer.core.checkpoint.parts import (
     BackendState,
     Stateful,
-    TaskStats,
     TrainState,
+    can_stage,
     load_files,
     placement,
     save_files,
@@ -189,9 +189,7 @@ class Checkpointer:
     def _start_writer(self) -> None:
         """Main process: start the writer process where every part can stage its files (the same answer on every
         rank: the layout decides); its start-up overlaps the first steps, whose saves write on the step."""
-        stages = writer.supported() and all(stage_files(part, self._scratch) is not None
-                                            for part in self.parts.values()
-                                            if not isinstance(part, TaskStats))  # its artifacts: written when staged
+        stages = writer.supported() and all(can_stage(part) for part in self.parts.values())
         if stages and self.acc.is_main_process:
             self._writer = writer.BackgroundWriter()
 
@@ -221,10 +219,6 @@ class Checkpointer:
         error, self._completion_error = self._completion_error, None
         if error is not None:
             raise error
-
-    def completing(self) -> bool:
-        """Every rank: whether the main process is still completing a checkpoint (the same answer everywhere)."""
-        return self._poll()[0]
 
     def _poll(self) -> tuple[bool, bool]:
         """Every rank, the same answers: whether the last checkpoint is still being completed, and whether the next

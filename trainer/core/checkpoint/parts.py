@@ -92,11 +92,16 @@ class Part:
         manifest lists as the checkpoint's artifacts (files the task reads back when sampling or exporting)."""
         return []
 
-    def stage_files(self, scratch: Path) -> list[StagedFile] | None:
-        """What `save_files` writes, as host data for the checkpoint writer process (ckpt.async_save; every rank
-        its share); None where the part must write its files itself. `scratch`: a folder of the run's for files
-        the part writes once and the writer copies into every checkpoint."""
-        return [] if type(self).save_files is Part.save_files else None
+    @property
+    def can_stage(self) -> bool:
+        """Whether `stage_files` can hand this part's files over (a part without files of its own can)."""
+        return type(self).save_files is Part.save_files
+
+    def stage_files(self, scratch: Path) -> list[StagedFile]:
+        """What `save_files` writes, as host data for the checkpoint writer process (ckpt.async_save, where every
+        part `can_stage`; every rank its share). `scratch`: a folder of the run's for files the part writes once
+        and the writer copies into every checkpoint."""
+        return []
 
     def load_files(self, path: Path, saved: dict[str, Any], finished: bool = False) -> str | None:
         """Read this part's own files from checkpoint `path` (whose `trainer_state.json` is `saved`), before any part's
@@ -110,7 +115,12 @@ def save_files(part: Stateful, directory: Path) -> list[str]:
     return part.save_files(directory) if isinstance(part, Part) else []
 
 
-def stage_files(part: Stateful, scratch: Path) -> list[StagedFile] | None:
+def can_stage(part: Stateful) -> bool:
+    """`part.can_stage` where the part has files, else True (its state goes into trainer_state.json)."""
+    return part.can_stage if isinstance(part, Part) else True
+
+
+def stage_files(part: Stateful, scratch: Path) -> list[StagedFile]:
     """`part.stage_files` where the part has files, else nothing to stage."""
     return part.stage_files(scratch) if isinstance(part, Part) else []
 
@@ -174,7 +184,11 @@ class BackendState(Part):
         self.engine.save_checkpoint(directory)
         return []
 
-    def stage_files(self, scratch: Path) -> list[StagedFile] | None:
+    @property
+    def can_stage(self) -> bool:
+        return self.engine.can_stage_checkpoint()
+
+    def stage_files(self, scratch: Path) -> list[StagedFile]:
         return self.engine.stage_checkpoint()
 
     def load_files(self, path: Path, saved: dict[str, Any], finished: bool = False) -> str | None:
@@ -324,7 +338,9 @@ class TaskStats(Part):
     def save_files(self, directory: Path) -> list[str]:
         return self.task.save_artifacts(directory) if self.is_main else []
 
-    def stage_files(self, scratch: Path) -> list[StagedFile] | None:
+    can_stage = True
+
+    def stage_files(self, scratch: Path) -> list[StagedFile]:
         """The artifacts derive from the training data, fixed for the run: written once into `scratch`, copied
         into every checkpoint by the writer."""
         if not self.is_main:

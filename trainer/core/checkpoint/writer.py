@@ -172,7 +172,7 @@ class BackgroundWriter:
 
     def _stage(self, layout: _Layout) -> None:
         """Copy the layout's tensors into the staging memory (the same layout as last time reuses its views)."""
-        key = tuple(layout.keys)
+        key = tuple(layout.refs)  # offsets follow from dtypes and shapes: equal refs, equal layout
         if key != self._layout_key:
             if self._buffer is None or self._buffer.numel() < layout.size:
                 self._allocate(max(layout.size + layout.size // 4, _ALIGN))
@@ -226,7 +226,6 @@ class _Layout:
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.refs: list[_Ref] = []
-        self.keys: list[tuple] = []
         self.size = 0
 
     def add(self, tree: Any) -> Any:
@@ -235,7 +234,6 @@ class _Layout:
             ref = _Ref(self.size, str(tree.dtype).removeprefix("torch."), tuple(tree.shape))
             self.tensors.append(tree)
             self.refs.append(ref)
-            self.keys.append((ref.dtype, ref.shape))
             self.size += -(-tree.numel() * tree.element_size() // _ALIGN) * _ALIGN
             return ref
         if isinstance(tree, dict):
