@@ -128,7 +128,9 @@ class Trainer:
                  "task_stats": TaskStats(self.task, self.is_main)}
         if self.ema is not None:
             parts["ema"] = EMAState(self.ema, acc, self.model, self.state)
-        if isinstance(self.task, StatefulTask):
+        self.stateful_task = self.task if isinstance(self.task, StatefulTask) else None
+        """The task, where its loss carries state between optimizer steps (a protocol check is too slow per step)."""
+        if self.stateful_task is not None:
             parts["task_state"] = TaskTrainingState(self.task, acc)
         self.checkpointer = Checkpointer(cfg, acc, self.run_dir, parts, target)
         self.save_clock = SaveClock(cfg.ckpt.every_seconds, world)
@@ -237,8 +239,8 @@ class Trainer:
         micro-batch's loss draws from its rows' own random streams (`MicroBatch.rng`).
         """
         acc, accum = self.accelerator, len(batches)
-        if isinstance(self.task, StatefulTask):
-            self.task.start_step(self.state.step, accum)
+        if self.stateful_task is not None:
+            self.stateful_task.start_step(self.state.step, accum)
         fractions, local_units = self._unit_fractions([b.batch for b in batches])
         shares, logs = [], defaultdict(list)
         for (batch, rng), fraction in zip(batches, fractions):
