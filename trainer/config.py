@@ -186,6 +186,12 @@ class CkptConfig:
     (under FSDP and DeepSpeed the ranks write their files and the main process completes them in a thread). A save
     asked for while the last is being written is skipped; the final checkpoint is waited for. For frequent
     checkpoints, e.g. every step of an elastic run."""
+    async_cpu_share: float = 0.25
+    """With async_save on the plain and DDP layouts: the share of one CPU the writer process may use on average, in
+    (0, 1]. After a checkpoint that took it c CPU-seconds, the loop's saves are skipped for c x (1/share - 1)
+    seconds. Where the writer shares a core with the step (a laptop, a small VM, SMT siblings) this bounds what
+    checkpointing takes from training; with short steps checkpoints then complete every few steps (steps long
+    against the writer's work, e.g. 4 x its CPU time at 0.25, still get one each). 1: no rest."""
     keep_last: int = 2
     """Keep this many most recent checkpoints (the best one is kept in addition)."""
     verify: bool = True
@@ -422,6 +428,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("data.batching=budget needs data.max_units_per_batch >= 1 (units per rank and micro-batch)")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         raise ConfigError("config key 'train.ema_decay' must be in [0, 1)")
+    if not 0.0 < cfg.ckpt.async_cpu_share <= 1.0:
+        raise ConfigError(f"config key 'ckpt.async_cpu_share' must be in (0, 1], got {cfg.ckpt.async_cpu_share}")
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, layer: dict | None = None,

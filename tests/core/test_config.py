@@ -94,6 +94,7 @@ def test_bad_yaml_shapes_are_one_line_errors(tmp_path, text, match):
     ("optim.scheduler=cosin", r"unknown scheduler 'cosin'.*Did you mean 'cosine'"),
     ("eval.metric=accuracy", r"eval.metric='accuracy' is not a metric of task 'regression'.*loss, mae"),
     ("task=regression", r"section 'task'.*command line.*mapping"),
+    ("ckpt.async_cpu_share=0", r"ckpt.async_cpu_share.*\(0, 1\]"),
 ])
 def test_bad_values_fail_at_config_time(override, match):
     with pytest.raises(ConfigError, match=match):

@@ -76,6 +76,28 @@ def test_the_writer_writes_every_kind_of_file_and_completes_the_checkpoint(tmp_p
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000002"
 
 
+def test_the_writer_rests_in_proportion_to_its_work(tmp_path):
+    """At cpu_share 1/3 the writer counts as busy for twice the CPU time its last job took, then takes the next;
+    a share outside (0, 1] is refused."""
+    with pytest.raises(ValueError, match="cpu_share"):
+        BackgroundWriter(cpu_share=0.0)
+    w = BackgroundWriter(cpu_share=1 / 3)
+    try:
+        _wait_ready(w)
+        submitted = time.monotonic()
+        w.submit(_job(tmp_path, [StagedFile("model.safetensors", "safetensors", {"w": torch.randn(256, 256)})]))
+        assert w.wait() is None
+        cpu_s = w.jobs_cpu_s
+        assert cpu_s > 0 and w.busy()
+        while w.busy():
+            time.sleep(0.001)
+        assert time.monotonic() - submitted >= 3 * cpu_s  # the job (one thread: wall >= CPU time), then 2 x rest
+        w.submit(_job(tmp_path, [StagedFile("model.safetensors", "safetensors", {"w": torch.randn(4)})], step=2))
+        assert w.wait() is None and w.jobs_cpu_s > cpu_s
+    finally:
+        w.close()
+
+
 def test_a_failure_in_the_writer_comes_back_as_the_error_the_disk_gave(tmp_path):
     """An OSError keeps its errno (a full disk is then named as such by the save that raises it), and the writer
     goes on serving."""

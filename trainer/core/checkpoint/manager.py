@@ -99,9 +99,9 @@ class Checkpointer:
         writer process, which writes and completes the checkpoint (writer.py). Elsewhere every rank writes its
         files on the step and the main process completes the checkpoint (hashes, fsync, manifest, rename,
         pointers, rotation) in a background thread. A failure there is raised, on every rank, by the next save or
-        `wait()`. A save asked for while the previous one is still being written is skipped (None; a best
-        checkpoint waits instead): checkpoints then come as often as the disk completes them, and no step waits
-        for the disk."""
+        `wait()`. A save asked for while the previous one is still being written, or while the writer
+        process rests after it (ckpt.async_cpu_share), is skipped (None; a best checkpoint waits instead):
+        checkpoints then come as often as the disk completes them, and no step waits for the disk."""
         background = self.cfg.ckpt.async_save and not wait
         busy, writer_ready = self._poll() if background else (False, False)
         if busy and not best:
@@ -191,7 +191,7 @@ class Checkpointer:
         rank: the layout decides); its start-up overlaps the first steps, whose saves write on the step."""
         stages = writer.supported() and all(can_stage(part) for part in self.parts.values())
         if stages and self.acc.is_main_process:
-            self._writer = writer.BackgroundWriter()
+            self._writer = writer.BackgroundWriter(cpu_share=self.cfg.ckpt.async_cpu_share)
 
     def _complete(self, tmp: Path, final: Path, record: dict[str, Any], best: bool) -> None:
         """Main process: hashes and manifest (the mark of completeness), the rename, the pointers, the rotation."""

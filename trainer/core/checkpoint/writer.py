@@ -8,7 +8,10 @@ hashes, fsync, manifest, rename, pointers, rotation). A process rather than a th
 hashing hold the interpreter lock in long stretches that a thread would take from the training step.
 
 One job at a time: the Checkpointer skips a save asked for while the last one is still being written
-(`BackgroundWriter.busy`), so the staging memory is never overwritten under the writer. The writer dies with
+(`BackgroundWriter.busy`), so the staging memory is never overwritten under the writer. After each job the writer
+also rests in proportion to the CPU time the job took (`cpu_share`): where it shares a core with the training
+step (a laptop, a small VM, SMT siblings) its work slows the step, and the rest bounds that share, at the price of
+checkpoints completed less often when steps are short. The writer dies with
 its parent (PR_SET_PDEATHSIG): a killed rank leaves at most a temp folder, as a killed synchronous save does,
 never a second process renaming checkpoints under the group that restarts after it. It ignores SIGINT and
 SIGTERM, which a batch system sends to the whole process group: the rank decides when its writer stops.
@@ -25,6 +28,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,7 +88,11 @@ class BackgroundWriter:
     """The training process's side: stages a `WriteJob`'s tensors, hands the job to the writer process, and tells
     whether it is done (`busy`) and how it ended (`wait`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_share: float = 1.0) -> None:
+        if not 0 < cpu_share <= 1:
+            raise ValueError(f"cpu_share must be in (0, 1], got {cpu_share}")
+        self.cpu_share = cpu_share
+        """The share of one CPU the writer may use on average: `busy` after a job for its CPU time x (1/share - 1)."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = parent
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -99,6 +107,9 @@ class BackgroundWriter:
         self._pending = False
         self._ready = False
         self._result: tuple[str, Any] | None = None
+        self._resting_until = 0.0
+        self.jobs_cpu_s = 0.0
+        """CPU seconds the writer process spent on the jobs it completed (start-up excluded)."""
         self._layout_key: tuple | None = None
         self._views: list[torch.Tensor] = []
         self.warnings: list[str] = []
@@ -117,9 +128,9 @@ class BackgroundWriter:
         self._pending, self._result = True, None
 
     def busy(self) -> bool:
-        """Whether the last job is still being written (never waits)."""
+        """Whether the last job is still being written, or the writer rests after it (`cpu_share`); never waits."""
         self._drain()
-        return self._pending
+        return self._pending or time.monotonic() < self._resting_until
 
     def ready(self) -> bool:
         """Whether the writer process has started (its imports take a while: until then a save writes its files
@@ -213,6 +224,10 @@ class BackgroundWriter:
         if kind == "warnings":
             self.warnings += value
             return
+        if kind == "done":
+            value, cpu_s = value
+            self.jobs_cpu_s += cpu_s
+            self._resting_until = time.monotonic() + cpu_s * (1 / self.cpu_share - 1)
         self._pending, self._result = False, (kind, value)
 
 
@@ -333,6 +348,7 @@ def _serve(sock: socket.socket) -> None:
             buffer = torch.frombuffer(mapping, dtype=torch.uint8)
             continue
         job: WriteJob = value
+        started = time.process_time()
         try:
             shutil.rmtree(job.tmp, ignore_errors=True)
             job.tmp.mkdir(parents=True)
@@ -346,7 +362,7 @@ def _serve(sock: socket.socket) -> None:
             else:
                 reply = ("error", (None, None, None, f"{type(err).__name__}: {err}"))
         else:
-            reply = ("done", job.final.name)
+            reply = ("done", (job.final.name, time.process_time() - started))
         try:
             if reply[0] == "done" and warnings:
                 _reply(sock, ("warnings", warnings))
