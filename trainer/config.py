@@ -186,12 +186,13 @@ class CkptConfig:
     (under FSDP and DeepSpeed the ranks write their files and the main process completes them in a thread). A save
     asked for while the last is being written is skipped; the final checkpoint is waited for. For frequent
     checkpoints, e.g. every step of an elastic run."""
-    async_cpu_share: float = 0.25
+    async_cpu_share: float = 1.0
     """With async_save on the plain and DDP layouts: the share of one CPU the writer process may use on average, in
     (0, 1]. After a checkpoint that took it c CPU-seconds, the loop's saves are skipped for c x (1/share - 1)
-    seconds. Where the writer shares a core with the step (a laptop, a small VM, SMT siblings) this bounds what
-    checkpointing takes from training; with short steps checkpoints then complete every few steps (steps long
-    against the writer's work, e.g. 4 x its CPU time at 0.25, still get one each). 1: no rest."""
+    seconds. Where the writer shares a core with the step (a laptop, a small VM, SMT siblings) a share below 1
+    bounds what checkpointing takes from training, at the price of checkpoints completed less often (steps
+    longer than 1/share x the writer's CPU time still get one each). 1: no rest, the freshest checkpoints (a node
+    with idle cores, an elastic run)."""
     keep_last: int = 2
     """Keep this many most recent checkpoints (the best one is kept in addition)."""
     verify: bool = True
