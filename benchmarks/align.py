@@ -16,7 +16,9 @@
 Targets, per alignment seed: the force RMS lower than the start's by at least `TARGET_SE` standard errors under
 GFN2-xTB and under ANI-1x; validity and atom stability not lower (the paired difference >= 0); uniqueness within
 `UNIQUENESS_POINTS` points of the start's. `--tag` names the setting's folder under `--work`, so settings tried one
-after another share the start's samples.
+after another share the start's samples; an alignment (same source, seed and overrides) or a set of molecules (same
+model, sampling seed and scoring, at least as many) already under `--work` is reused with its recorded cost, so a
+rerun with more molecules or more seeds only computes what it lacks.
 """
 
 from __future__ import annotations
@@ -150,17 +152,20 @@ def summarize(molecules: list[dict[str, Any]], prefix: str) -> dict[str, float]:
             "median": float(np.median(values)) if len(values) else math.nan}
 
 
-def start_samples(source: Path, work: Path, samples: int, seed: int, evaluation: list[str]) -> tuple[list[dict], dict]:
-    """The start model's molecules (drawn and scored once, reused while the source, seed and scoring match and
-    enough molecules are kept) and a record of how and at what cost they were drawn."""
-    folder, meta_path = work / "start", work / "start" / "meta.json"
-    key = {"source": str(source.resolve()), "seed": seed, "evaluation": evaluation, "batch_size": SAMPLE_BATCH}
+def cached_samples(run: Path, folder: Path, samples: int, seed: int, evaluation: list[str]) -> tuple[list[dict], dict]:
+    """`samples` molecules of `run` at sampling seed `seed`, scored, in `folder`: drawn once and reused by a later
+    call while the run, seed and scoring match and enough molecules are kept (the first N of a larger set drawn in
+    blocks of `SAMPLE_BATCH` are the N-molecule set); with a record of when and at what cost they were drawn."""
+    meta_path = folder / "samples_meta.json"
+    key = {"run": str(run.resolve()), "seed": seed, "evaluation": evaluation, "batch_size": SAMPLE_BATCH}
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
-    if meta is None or meta["key"] != key or meta["samples"] < samples or samples % SAMPLE_BATCH and meta["samples"] != samples:
+    if (meta is None or meta["key"] != key or meta["samples"] < samples
+            or (samples % SAMPLE_BATCH and meta["samples"] != samples)):
         folder.mkdir(parents=True, exist_ok=True)
-        out = folder / "samples"
-        wall, cpu = trainer("sample", str(source), f"num_samples={samples}", f"seed={seed}", f"batch_size={SAMPLE_BATCH}",
-                            *evaluation, "chains=0", "progress=false", f"out={out}", log=folder / "sample.log")
+        meta_path.unlink(missing_ok=True)
+        wall, cpu = trainer("sample", str(run), f"num_samples={samples}", f"seed={seed}", f"batch_size={SAMPLE_BATCH}",
+                            *evaluation, "chains=0", "progress=false", f"out={folder / 'samples'}",
+                            log=folder / "sample.log")
         meta = {"key": key, "samples": samples, "wall_s": wall, "cpu_s": cpu, "drawn": utc_now()}
         meta_path.write_text(json.dumps(meta, indent=1))
     return read_set(folder / "samples", samples), meta
@@ -206,17 +211,21 @@ def verdicts(comparisons: dict[str, Comparison], fields: tuple) -> dict[str, tup
 
 def run_seed(source: Path, folder: Path, seed: int, align_extra: list[str], samples: int, sample_seed: int,
              evaluation: list[str]) -> dict[str, Any]:
-    """Align at `seed`, sample the aligned model; its molecules and the alignment's record and cost."""
+    """Align at `seed` (an alignment of the same source, seed and overrides already in `folder` is reused, its
+    recorded cost with it), sample the aligned model; its molecules and the alignment's record and cost."""
     folder.mkdir(parents=True, exist_ok=True)
-    aligned = folder / "aligned"
-    wall, cpu = trainer("align", str(source), f"out={aligned}", "run.resume=none", "log.progress_bar=false",
-                        f"run.seed={seed}", *align_extra, log=folder / "align.log")
-    record = {"seed": seed, "align_wall_s": wall, "align_cpu_s": cpu, **align_records(aligned)}
-    out = folder / "samples"
-    record["sample_wall_s"], record["sample_cpu_s"] = trainer(
-        "sample", str(aligned), f"num_samples={samples}", f"seed={sample_seed}", f"batch_size={SAMPLE_BATCH}",
-        *evaluation, "chains=0", "progress=false", f"out={out}", log=folder / "sample.log")
-    return {"record": record, "molecules": read_set(out, samples)}
+    aligned, record_path = folder / "aligned", folder / "record.json"
+    key = {"source": str(source.resolve()), "seed": seed, "align": align_extra}
+    record = json.loads(record_path.read_text()) if record_path.is_file() else None
+    if record is None or record["key"] != key:
+        record_path.unlink(missing_ok=True)
+        wall, cpu = trainer("align", str(source), f"out={aligned}", "run.resume=none", "log.progress_bar=false",
+                            f"run.seed={seed}", *align_extra, log=folder / "align.log")
+        record = {"key": key, "seed": seed, "align_wall_s": wall, "align_cpu_s": cpu, "aligned": utc_now(),
+                  **align_records(aligned)}
+        record_path.write_text(json.dumps(record, indent=1))
+    molecules, meta = cached_samples(aligned, folder, samples, sample_seed, evaluation)
+    return {"record": {**record, "sample_cpu_s": meta["cpu_s"], "sampled": meta["samples"]}, "molecules": molecules}
 
 
 def se_ratio(difference: float, se: float) -> float:
@@ -264,7 +273,7 @@ def main() -> None:
     if not args.source:
         train_time = trainer("train", TINY, f"run.output_dir={source}", "log.progress_bar=false", *train_extra,
                              log=work / "train.log")
-    start, start_meta = start_samples(source, work, args.samples, args.seed, evaluation)
+    start, start_meta = cached_samples(source, work / "start", args.samples, args.seed, evaluation)
 
     results = {}
     for seed in args.seeds:
@@ -352,18 +361,21 @@ def section(args: argparse.Namespace, source: Path, start: list[dict], start_met
             cells.append(f"{'met' if met else '**NOT met**'}: {figure}")
         lines.append(f"| {target} | " + " | ".join(cells) + " |")
     lines += ["", "| seed | alignment CPU-s | CPU-s / iteration | wall | force evaluations (per iteration) | rollouts' "
-              "force RMS under the reward, first -> last tenth | KL at the end | rollouts excluded / clashing | sampling "
-              f"{args.samples} + scoring, CPU-s |", "|---|---|---|---|---|---|---|---|---|"]
+              "force RMS under the reward, first -> last tenth | KL at the end | rollouts excluded / clashing | aligned "
+              "model's molecules drawn and scored (CPU-s) | aligned at |", "|---|---|---|---|---|---|---|---|---|---|"]
     for seed, r in results.items():
         rec = r["record"]
         evaluations = rec["force_evaluations"]
         lines.append(f"| {seed} | {rec['align_cpu_s']:.0f} | {rec['align_cpu_s'] / rec['steps']:.1f} | "
                      f"{rec['align_wall_s']:.0f} s | {evaluations:,} ({evaluations / rec['steps']:.0f}) | "
                      f"{rec['reward_rms_first']:.2f} -> {rec['reward_rms_last']:.2f} | {rec['kl_last']:.3g} | "
-                     f"{100 * rec['excluded']:.1f} % / {100 * rec['clash']:.1f} % | {rec['sample_cpu_s']:.0f} |")
+                     f"{100 * rec['excluded']:.1f} % / {100 * rec['clash']:.1f} % | {rec['sampled']} ({rec['sample_cpu_s']:.0f}) "
+                     f"| {rec['aligned']} |")
     lines += ["", f"CPU-s: user + system of the `trainer align` process (start-up, the final evaluation and its "
               f"samples included), per optimizer step. The start's {start_meta['samples']} molecules took "
-              f"{start_meta['cpu_s']:.0f} CPU-s to draw and score (drawn {start_meta['drawn']})."]
+              f"{start_meta['cpu_s']:.0f} CPU-s to draw and score (drawn {start_meta['drawn']}); the first "
+              f"{args.samples} are compared. An alignment or a set of molecules already in `--work` for the same "
+              f"source, seeds and overrides is reused with its recorded cost (its date says when it ran)."]
     if train_time:
         lines.append(f"Training the tiny checkpoint took {train_time[0]:.0f} s wall, {train_time[1]:.0f} CPU-s.")
     return "\n".join(lines) + "\n"
