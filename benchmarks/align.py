@@ -201,11 +201,11 @@ def verdicts(comparisons: dict[str, Comparison], fields: tuple) -> dict[str, tup
     for key in ("validity", "atom_stability"):
         r = rates[key]
         out[f"{key.replace('_', ' ')} not lower"] = (
-            bool(r.difference >= 0), f"{100 * r.difference:+.1f} points [{100 * r.low:+.1f}, {100 * r.high:+.1f}]")
+            bool(r.difference >= 0), f"{100 * r.difference:+.2f} points [{100 * r.low:+.1f}, {100 * r.high:+.1f}]")
     u = rates["uniqueness"]
     out[f"uniqueness within {UNIQUENESS_POINTS:g} points"] = (
         bool(abs(100 * u.difference) <= UNIQUENESS_POINTS),
-        f"{100 * u.difference:+.1f} points [{100 * u.low:+.1f}, {100 * u.high:+.1f}]")
+        f"{100 * u.difference:+.2f} points [{100 * u.low:+.1f}, {100 * u.high:+.1f}]")
     return out
 
 
