@@ -517,7 +517,11 @@ def align_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
               & {f.name for f in dataclasses.fields(spec.config_cls)})
     preset = str(saved_task.get("preset") or "")
     task = {k: v for k, v in saved_task.items() if k in shared and k not in ("name", "preset")}
-    layer = {"run": {"output_dir": out, "init_from": str(checkpoint), "seed": (saved.get("run") or {}).get("seed", 0)},
+    seed = (saved.get("run") or {}).get("seed", 0)
+    if "split_seed" in shared and int(task.get("split_seed", -1)) < 0:
+        # The aligned run's data split (and so its node-count histogram) stays RUN_DIR's under another run.seed.
+        task["split_seed"] = seed
+    layer = {"run": {"output_dir": out, "init_from": str(checkpoint), "seed": seed},
              "task": {**task, "name": target.name, "preset": preset if preset in target.presets else "tiny"}}
     cfg = load_config(None, rest, layer=layer, layer_source=f"trainer align {run_dir}")
     if Path(cfg.run.output_dir).resolve() == run_dir.resolve():

@@ -229,6 +229,9 @@ def test_align_config_layers_the_preset_the_aligned_run_and_the_command_line(tmp
     # The reference is pinned to the checkpoint that was latest when the alignment started.
     pinned = str((run / "checkpoints" / "step_00000009").resolve())
     assert (cfg.run.init_from, cfg.run.seed, cfg.run.output_dir) == (pinned, 7, str(tmp_path / "new"))
+    # Another alignment seed keeps the aligned run's split, hence its node-count histogram (sample k's atom count).
+    assert align_config(run, [f"out={tmp_path / 'new'}", "run.seed=3"]).task.split_seed == 7
+    assert align_config(run, [f"out={tmp_path / 'new'}", "task.split_seed=5"]).task.split_seed == 5
     with pytest.raises(ConfigError, match="needs out=NEW_RUN_DIR"):
         align_config(run, [])
     for same in ([f"out={run}"], [f"out={tmp_path / 'new'}", f"run.output_dir={run}"]):

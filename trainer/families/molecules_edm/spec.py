@@ -34,6 +34,10 @@ class MoleculesEDMConfig(TaskConfig):
     """Share of molecules (by id hash) for validation."""
     test_fraction: float = 0.1
     """Share of molecules (by id hash) held out for the final test evaluation."""
+    split_seed: int = -1
+    """Key of the train/validation/test split (-1: run.seed). The training split gives the node-count histogram
+    p(N) that sampling draws atom counts from, so `trainer align` keeps the aligned run's split whatever its own
+    run.seed: an aligned model samples sample k with sample k's atom count."""
     cache_dir: str = ""
     """Arrow cache folder (empty: the `datasets` cache)."""
     model_preset: str = "tiny"

@@ -100,7 +100,7 @@ class MoleculesEDMTask(Task):
                                       min_distance=c.min_distance)
         ids = [str(i) for i in full["id"]]
         parts = split_indices(ids, {"train": 1.0 - c.val_fraction - c.test_fraction, "validation": c.val_fraction,
-                                    "test": c.test_fraction}, key=self.seed)
+                                    "test": c.test_fraction}, key=self.seed if c.split_seed < 0 else c.split_seed)
         if len(parts["train"]) == 0:
             raise ConfigError(f"{source}: no training molecules left after the validation/test split")
         train = full.select(parts["train"])
