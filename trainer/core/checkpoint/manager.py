@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from accelerate.utils import gather_object
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from trainer.config import Config
 from trainer.core.checkpoint import store, writer
@@ -150,8 +150,7 @@ class Checkpointer:
         record, files, listed = self._records()
         if acc.is_main_process:
             with errors.record():
-                for file, state in files.items():
-                    _write_part_file(tmp / file, state)
+                writer.write_files(tmp, [_part_file(file, state) for file, state in files.items()], None)
         errors.agree()  # every rank's files are written: only then the manifest, which completes the checkpoint
         if acc.is_main_process:
             with errors.record():
@@ -177,8 +176,7 @@ class Checkpointer:
             staged = staged + [f for share in shares for f in share] if acc.is_main_process else staged
         if acc.is_main_process:
             with errors.record():
-                staged += [StagedFile(file, "safetensors" if file.endswith(".safetensors") else "json", state)
-                           for file, state in files.items()]
+                staged += [_part_file(file, state) for file, state in files.items()]
                 record["artifacts"] = listed + [f.name for f in staged if f.artifact]
                 corrupt = final in self.corrupt
                 self.corrupt.discard(final)
@@ -342,11 +340,10 @@ class Checkpointer:
             self._load_part("ema", path, saved)
 
 
-def _write_part_file(file: Path, state: Any) -> None:
-    if file.suffix == ".safetensors":
-        save_file(state, str(file))
-    else:
-        file.write_text(json.dumps(state, indent=1))
+def _part_file(file: str, state: Any) -> StagedFile:
+    """A part's file of its own (`Placement.file`): safetensors by its suffix, else JSON; written on the step or by
+    the writer process, by the same `writer.write_files`."""
+    return StagedFile(file, "safetensors" if file.endswith(".safetensors") else "json", state)
 
 
 def _read_part_file(file: Path) -> Any:
