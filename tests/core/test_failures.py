@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from trainer import cli
 from trainer.atomic_io import disk_bytes, format_bytes, no_space_reason
 from trainer.config import load_config
-from trainer.core.checkpoint import export, manager
+from trainer.core.checkpoint import export, writer
 from trainer.core.checkpoint import store as ckpt
 from trainer.core.trainer import Trainer
 from trainer.errors import CheckpointError
@@ -148,7 +148,7 @@ def safetensors_full(monkeypatch) -> None:
     def save_file(tensors, filename, metadata=None):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(manager, "save_file", save_file)
+    monkeypatch.setattr(writer, "save_file", save_file)
 
 
 def python_full(monkeypatch) -> None:

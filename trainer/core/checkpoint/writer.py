@@ -19,10 +19,12 @@ SIGTERM, which a batch system sends to the whole process group: the rank decides
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import pickle
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 STAGED_KINDS = ("safetensors", "torch", "json", "copy")
 _ALIGN = 64
@@ -301,11 +304,6 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
 # ---------------------------------------------------------------------- the writer process
 def write_files(directory: Path, files: list[StagedFile], buffer: torch.Tensor | None) -> None:
     """Write `files` into `directory` (which exists)."""
-    import json
-    import shutil
-
-    from safetensors.torch import save_file
-
     for f in files:
         path = directory / f.name
         data = _materialize(f.data, buffer)
@@ -326,8 +324,6 @@ def write_files(directory: Path, files: list[StagedFile], buffer: torch.Tensor |
 
 
 def _serve(sock: socket.socket) -> None:
-    import shutil
-
     from trainer.core.checkpoint import store
 
     buffer, mapping = None, None
