@@ -246,7 +246,7 @@ def checkpoint_section(args: argparse.Namespace, work: Path) -> list[str]:
     which the section reports (steps per completed checkpoint), with the step's share (ms on the step per save)."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    from trainer.config import load_config
+    from trainer.config import CkptConfig, load_config
     from trainer.core.checkpoint.manager import Checkpointer
     from trainer.core.trainer import Trainer
 
@@ -301,8 +301,6 @@ def checkpoint_section(args: argparse.Namespace, work: Path) -> list[str]:
 
     def med(name: str, key: str) -> float:
         return statistics.median(f[key] for f in figures[name])
-
-    from trainer.config import CkptConfig
 
     share = CkptConfig().async_cpu_share
     base = med("none", "step")
