@@ -305,7 +305,10 @@ def section(args: argparse.Namespace, source: Path, start: list[dict], start_met
     rates0 = next(iter(first["comparisons"].values())).rates
     settings = (f"{rec['steps']} iterations of {rec['groups']} groups x {rec['group_size']} rollouts, lr {rec['lr']:g}, "
                 f"{task['transitions']} transitions a rollout, reward {task['force_reward']} x {task['force_weight']:g}"
-                f" + stability {task['stability_weight']:g}, KL weight {task['kl_weight']:g}, ppo_epochs "
+                f" + stability {task['stability_weight']:g}"
+                + (f" - close pairs {task['close_pair_weight']:g} (from {task['close_pair_distance']:g} Å)"
+                   if task.get("close_pair_weight") else "")
+                + f", KL weight {task['kl_weight']:g}, ppo_epochs "
                 f"{task['ppo_epochs']}, shaping weight {task['shaping_weight']:g}"
                 + (f" ({task['shaping_potential']} potential, gamma {task['shaping_gamma']:g})"
                    if task["shaping_weight"] else ""))

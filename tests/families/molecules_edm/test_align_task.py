@@ -206,6 +206,22 @@ def test_clashing_atoms_get_the_worst_reward_of_their_group_not_an_exclusion():
     assert reward[5] == -5.0  # the worst of rows 3 and 4 (RMS 4 and 5)
 
 
+def test_close_pairs_lower_the_reward_before_and_after_the_clash_rule():
+    """The close-pair term reaches the near misses the clash rule does not see, and ranks a clash below them."""
+    task = align_task(close_pair_weight=2.0, close_pair_distance=1.0)
+    task.reward_forcefield = lambda: FakeForceField()
+    final = final_molecules(6)  # forces of RMS 1 .. 6; atoms 1.1 A apart
+    final.positions[1, 1] = torch.tensor([0.8, 0.0, 0.0])  # a near miss: penalty 0.2
+    final.positions[2, 1] = torch.tensor([0.4, 0.0, 0.0])  # a clash: penalty 0.6, and the clash rule
+    reward, _, counted, clash = task.rewards(final, torch.tensor([7, 8]))
+    assert clash.tolist() == [False, False, True, False, False, False] and counted.all()
+    torch.testing.assert_close(reward, torch.tensor([-1.0, -2.4, -4.2, -4.0, -5.0, -6.0]))
+    plain = align_task()
+    plain.reward_forcefield = lambda: FakeForceField()
+    reward, *_ = plain.rewards(final, torch.tensor([7, 8]))
+    torch.testing.assert_close(reward[:3], torch.tensor([-1.0, -2.0, -3.0]))  # the clash: its own RMS, below row 1's
+
+
 def test_a_reward_that_is_not_finite_stops_the_run():
     from trainer.families.molecules_edm.align_task import NonFiniteRewardError
 
@@ -239,6 +255,8 @@ def test_align_config_layers_the_preset_the_aligned_run_and_the_command_line(tmp
             align_config(run, same)
     with pytest.raises(ConfigError, match="untrained_final_steps"):
         align_config(run, [f"out={tmp_path / 'new'}", "task.trained_steps=10", "task.untrained_final_steps=10"])
+    with pytest.raises(ConfigError, match="close_pair_distance > 0"):
+        align_config(run, [f"out={tmp_path / 'new'}", "task.close_pair_weight=1", "task.close_pair_distance=0"])
     with pytest.raises(ConfigError, match="not a run directory"):
         align_config(tmp_path / "nothing", [f"out={tmp_path / 'new'}"])
     (run / "config.yaml").write_text("task: {name: regression}\n")

@@ -162,6 +162,15 @@ def test_clash_rule_gives_the_groups_worst_sound_reward_and_never_a_better_one()
     assert torch.isnan(out[6:]).all()
 
 
+def test_close_pair_penalty_grows_linearly_below_its_distance_and_is_zero_beyond():
+    from trainer.families.molecules_edm.alignment import close_pair_penalty
+
+    closest = torch.tensor([0.0, 0.45, 0.9, 1.5, float("inf")])  # inf: a molecule of one atom
+    torch.testing.assert_close(close_pair_penalty(closest, 0.9), torch.tensor([1.0, 0.5, 0.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="distance must be > 0"):
+        close_pair_penalty(closest, 0.0)
+
+
 def _training_batch(seed: int):
     from trainer.families.molecules_edm.alignment import TrainingBatch
 

@@ -263,11 +263,12 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
 
     def rewards(self, final: Any, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per rollout: the reward, the force RMS (eV/Angstrom), whether it counts in its group and whether its atoms
-        clash. A molecule with two atoms closer than `task.clash_distance` is broken: it gets the lowest reward of its
-        group's sound molecules (never better than its own), so collapsing atoms, which a force field may refuse to
-        evaluate, is never a way out of a bad score. Any other molecule the force field could not evaluate is
-        excluded from its group and counted. A scored molecule whose reward is not finite stops the run
-        (NonFiniteRewardError)."""
+        clash. With task.close_pair_weight, a molecule whose closest atoms are nearer than `task.close_pair_distance`
+        loses that weight times its close-pair penalty. A molecule with two atoms closer than `task.clash_distance`
+        is broken: it gets the lowest reward of its group's sound molecules (never better than its own), so
+        collapsing atoms, which a force field may refuse to evaluate, is never a way out of a bad score. Any other
+        molecule the force field could not evaluate is excluded from its group and counted. A scored molecule whose
+        reward is not finite stops the run (NonFiniteRewardError)."""
         return self._score(final, groups)[:4]
 
     def _score(self, final: Any, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -288,6 +289,9 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
             reward = reward - c.energy_weight * self._energy_per_atom(final, result, ok)
         if c.stability_weight:
             reward = reward + c.stability_weight * self._stable_share(final).to(reward)
+        closest = self._closest_pairs(final)
+        if c.close_pair_weight:
+            reward = reward - c.close_pair_weight * align.close_pair_penalty(closest, c.close_pair_distance).to(reward)
         bad = ok & ~torch.isfinite(reward)
         if bool(bad.any()):
             row = int(torch.nonzero(bad)[0])
@@ -295,15 +299,20 @@ class MoleculesEDMAlignTask(MoleculesEDMTask):
             raise NonFiniteRewardError(
                 f"molecules_edm_align: the reward of rollout {row % c.group_size} of group {group} is {float(reward[row])} "
                 f"(force RMS {float(force_rms[row])} eV/A from {c.reward_forcefield}): stopping rather than training on it")
-        clash = self._clashes(final)
+        clash = closest < c.clash_distance
         reward = align.apply_clash_rule(reward, ok, clash, c.group_size)
         return reward, force_rms, torch.isfinite(reward), clash, result
 
     def _clashes(self, final: Any) -> torch.Tensor:
         """[B] bool: two real atoms closer than `task.clash_distance`."""
+        return self._closest_pairs(final) < self.cfg.clash_distance
+
+    @staticmethod
+    def _closest_pairs(final: Any) -> torch.Tensor:
+        """[B] Angstrom between the closest two real atoms of each molecule."""
         from trainer.families.molecules_edm.forcefields.base import closest_pair_distance
 
-        return closest_pair_distance(final.positions.float(), final.node_mask) < self.cfg.clash_distance
+        return closest_pair_distance(final.positions.float(), final.node_mask)
 
     def _energy_per_atom(self, final: Any, result: Any, scored: torch.Tensor) -> torch.Tensor:
         """(E - sum of the isolated atoms' energies) / atoms of each scored molecule (NaN elsewhere), the atoms'

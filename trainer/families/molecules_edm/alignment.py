@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "apply_clash_rule",
+    "close_pair_penalty",
     "GroupAdvantages",
     "RolloutBuffer",
     "RolloutPlan",
@@ -132,6 +133,15 @@ def apply_clash_rule(rewards: torch.Tensor, scored: torch.Tensor, clash: torch.T
     worst = torch.where(torch.isfinite(worst), worst, torch.full_like(worst, math.nan)).repeat_interleave(group_size)
     broken = torch.where(scored, torch.minimum(rewards, worst), worst)
     return torch.where(sound, rewards, torch.where(clash, broken, torch.full_like(rewards, math.nan)))
+
+
+def close_pair_penalty(closest: torch.Tensor, distance: float) -> torch.Tensor:
+    """[B] (1 - d / distance) for a molecule whose closest two atoms are d < distance apart, 0 from `distance` on:
+    graded, so that a rollout which comes near a clash is told so before its atoms collapse (the clash rule only
+    ranks rollouts below `clash_distance`). `closest` [B] in Angstrom (inf for fewer than two atoms)."""
+    if distance <= 0:
+        raise ValueError(f"close_pair_penalty: distance must be > 0, got {distance}")
+    return (1.0 - closest / distance).clamp(min=0.0)
 
 
 def step_advantages(advantages: torch.Tensor, steps: torch.Tensor, lowest_step: int) -> torch.Tensor:

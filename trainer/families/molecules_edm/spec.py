@@ -206,6 +206,13 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
     clash_distance: float = 0.5
     """Angstrom: a rollout with two atoms closer than this is broken and gets the lowest reward of its group's sound
     rollouts (counted as `clash_fraction`) rather than being excluded like a failed evaluation."""
+    close_pair_weight: float = 0.0
+    """Weight of minus the close-pair penalty of the final molecule, 1 - d / close_pair_distance where its closest two
+    real atoms are d < close_pair_distance apart (0 from there on): a graded push away from clashes that also reaches
+    the near misses the clash rule does not see (0: off)."""
+    close_pair_distance: float = 0.9
+    """Angstrom where the close-pair penalty starts: shorter than any bond of the molecules EDM learns (QM9's
+    shortest, O-H, is 0.96) and longer than `clash_distance`."""
     ppo_epochs: int = 1
     """Optimizer steps per batch of rollouts (PPO's epochs): the first step of each cycle draws the rollouts, the
     next ppo_epochs - 1 train on the same transitions again, the probability ratio to the drawing policy clipped at
@@ -272,6 +279,9 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
             raise ConfigError(f"task.shaping_weight must be >= 0, task.shaping_potential 'energy' or 'force' and "
                               f"task.shaping_gamma in (0, 1], got {self.shaping_weight}, {self.shaping_potential!r} "
                               f"and {self.shaping_gamma}")
+        if self.close_pair_weight < 0 or self.close_pair_distance <= 0:
+            raise ConfigError(f"task.close_pair_weight must be >= 0 and task.close_pair_distance > 0, got "
+                              f"{self.close_pair_weight} and {self.close_pair_distance}")
         if self.ppo_epochs < 1:
             raise ConfigError(f"task.ppo_epochs must be >= 1, got {self.ppo_epochs}")
         if self.num_groups < 1:
