@@ -14,9 +14,10 @@ import pytest
 
 # One thread per pool in the test process too (subprocesses get it from child_env): the tests' models are tiny,
 # and on a loaded 2-core machine a second thread spin-waits for a busy core (an eval batch measured 10x slower).
-# OpenBLAS (numpy's) and MKL size their pools from their own variables: beside one busy process GEARS' module took
-# 11 min 41 s and 703 s CPU with OpenBLAS' default threads, 101 s with one. Set before any test module imports torch.
-ONE_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# OpenBLAS (numpy's) and MKL size their pools from their own variables, numba (scanpy's t-test, which ranks the DE
+# genes of every GEARS data load) from NUMBA_NUM_THREADS, else from the core count: on a loaded machine each of their
+# parallel loops would wait for a second core. Set before any test module imports torch (or numba).
+ONE_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 for _name in ONE_THREAD_VARIABLES:
     os.environ.setdefault(_name, "1")
 
