@@ -164,11 +164,11 @@ def agents(tmp_path):
         group.close()
 
 
-def _check_membership(out: Path, output: str, change: str, reference: Path) -> None:
+def _check_membership(out: Path, output: str, change: str, reference: Path, max_redone: int = 1) -> None:
     assert f"membership changed: {change}" in output, output[-4000:]
     assert "Traceback" not in output and "torch/distributed/elastic" not in output, output[-4000:]
     records = [r for r in read_jsonl(out) if r.get("event") == "membership"]
-    assert records and records[-1]["steps_redone"] <= 1 and records[-1]["recovery_s"] > 0, records
+    assert records and records[-1]["steps_redone"] <= max_redone and records[-1]["recovery_s"] > 0, records
     assert_run_matches(reference, out, 1e-5)
 
 
@@ -218,7 +218,9 @@ def test_the_agent_that_would_host_the_store_dies_the_job_finishes(agents, refer
         group.start()
         group.start()
         _kill_at_random_step(group, victim=0)
-        _check_membership(group.out, group.finish(1), "2 -> 1 nodes (world 2 -> 1)", reference)
+        # The agreed time cadence saves at most every other step (a rank reads the agreement one step late), and a
+        # step's progress is recorded before its save: a kill during a save redoes two steps.
+        _check_membership(group.out, group.finish(1), "2 -> 1 nodes (world 2 -> 1)", reference, max_redone=2)
     finally:
         store.send_signal(signal.SIGTERM)
         assert store.wait(timeout=30) == 0
