@@ -37,12 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import yaml
 from bench_report import command_line, cpu_model, publish_section, utc_now
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from trainer.families.molecules_edm.forcefields.base import closest_pair_distance  # noqa: E402
 from trainer.families.molecules_edm.paired import (  # noqa: E402
     Comparison,
     MeanDifference,
@@ -91,8 +93,8 @@ def read_set(samples: Path, limit: int) -> list[dict[str, Any]]:
         if isinstance(info.get("smiles"), bool):  # ASE reads the one-letter SMILES T / F as booleans
             info["smiles"] = "T" if info["smiles"] else "F"
         info["num_atoms"] = len(atoms)
-        info["closest_pair"] = float(np.min(atoms.get_all_distances() + np.diag(np.full(len(atoms), np.inf)))) \
-            if len(atoms) > 1 else math.inf
+        info["closest_pair"] = float(closest_pair_distance(torch.as_tensor(atoms.positions)[None],
+                                                           torch.ones(1, len(atoms), dtype=torch.bool))[0])
         if int(info["sample_index"]) < limit:
             out.append(info)
     return sorted(out, key=lambda m: int(m["sample_index"]))
@@ -305,9 +307,9 @@ def main() -> None:
         run = run_seed(source, work / args.tag / f"seed{seed}", seed, align_extra, args.samples, args.seed, evaluation)
         comparisons = compare(start, run["molecules"], fields)
         results[seed] = {**run, "comparisons": comparisons, "verdicts": verdicts(comparisons, fields)}
+    reaches = {key: force_target_reach(start, prefix) for key, _l, prefix in fields}
     summary = {"source": str(source), "samples": args.samples, "sample_seed": args.seed, "align": args.align,
-               "start": {"meta": start_meta,
-                         "force_target_reach": {key: force_target_reach(start, prefix) for key, _l, prefix in fields},
+               "start": {"meta": start_meta, "force_target_reach": reaches,
                          **{key: summarize(start, prefix) for key, _l, prefix in fields}},
                "seeds": {seed: {"record": r["record"], "verdicts": r["verdicts"],
                                 "aligned": {key: summarize(r["molecules"], prefix) for key, _l, prefix in fields},
@@ -317,11 +319,11 @@ def main() -> None:
                          for seed, r in results.items()}}
     (work / args.tag).mkdir(parents=True, exist_ok=True)
     (work / args.tag / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    publish_section(section(args, source, start, start_meta, results, fields, train_time), args.out,
+    publish_section(section(args, source, start, start_meta, reaches, results, fields, train_time), args.out,
                     smoke=args.smoke, topic=TOPIC)
 
 
-def section(args: argparse.Namespace, source: Path, start: list[dict], start_meta: dict, results: dict,
+def section(args: argparse.Namespace, source: Path, start: list[dict], start_meta: dict, reaches: dict, results: dict,
             fields: tuple, train_time: tuple[float, float] | None) -> str:
     """The markdown section: the start's set, per seed the paired force differences, the rates, the verdicts and
     the cost."""
@@ -357,13 +359,12 @@ def section(args: argparse.Namespace, source: Path, start: list[dict], start_met
                  f"{pct(rates0['uniqueness'].b)} | "
                  + " | ".join(f"{s[k]['mean']:.2f} / {s[k]['median']:.2f} ({s[k]['scored']})" for k, _l, _p in fields)
                  + " |")
-    reaches = {key: force_target_reach(start, prefix) for key, _l, prefix in fields}
     lines += ["", "What two kinds of improvement would reach on this start set, with nothing else changing "
               "(`force_target_reach`): "
-              + "; ".join(f"{label.split(' (')[0]}: {c['scaled']:+.2f} SE if every molecule's force RMS fell by one "
-                          f"factor (any factor), {c['repaired']:+.2f} SE if its {c['close']} molecules with a pair "
-                          f"under {CLOSE_PAIR:g} Å came to the median"
-                          for (key, label, _p), c in zip(fields, reaches.values())) + "."]
+              + "; ".join(f"{label.split(' (')[0]}: {reaches[key]['scaled']:+.2f} SE if every molecule's force RMS "
+                          f"fell by one factor (any factor), {reaches[key]['repaired']:+.2f} SE if its "
+                          f"{reaches[key]['close']} molecules with a pair under {CLOSE_PAIR:g} Å came to the median"
+                          for key, label, _p in fields) + "."]
     lines += ["", "| seed | force field | start mean | aligned mean | aligned - start | / SE | 95 % interval | "
               "aligned lower / higher | pairs left out | median start -> aligned | log10 aligned - start (/ SE) |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]

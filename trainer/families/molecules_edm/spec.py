@@ -212,7 +212,7 @@ class MoleculesEDMAlignConfig(MoleculesEDMConfig):
     the near misses the clash rule does not see (0: off)."""
     close_pair_distance: float = 0.9
     """Angstrom where the close-pair penalty starts: shorter than any bond of the molecules EDM learns (QM9's
-    shortest, O-H, is 0.96) and longer than `clash_distance`."""
+    shortest, O-H, is 0.96), and longer than `clash_distance` so that it reaches the near misses."""
     ppo_epochs: int = 1
     """Optimizer steps per batch of rollouts (PPO's epochs): the first step of each cycle draws the rollouts, the
     next ppo_epochs - 1 train on the same transitions again, the probability ratio to the drawing policy clipped at
