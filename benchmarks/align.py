@@ -90,13 +90,14 @@ def read_set(samples: Path, limit: int) -> list[dict[str, Any]]:
     out = []
     for atoms in iread(str(samples / "baseline" / "molecules.extxyz"), index=":"):
         info = dict(atoms.info)
+        if int(info["sample_index"]) >= limit:
+            continue
         if isinstance(info.get("smiles"), bool):  # ASE reads the one-letter SMILES T / F as booleans
             info["smiles"] = "T" if info["smiles"] else "F"
         info["num_atoms"] = len(atoms)
         info["closest_pair"] = float(closest_pair_distance(torch.as_tensor(atoms.positions)[None],
                                                            torch.ones(1, len(atoms), dtype=torch.bool))[0])
-        if int(info["sample_index"]) < limit:
-            out.append(info)
+        out.append(info)
     return sorted(out, key=lambda m: int(m["sample_index"]))
 
 
