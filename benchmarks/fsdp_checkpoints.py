@@ -6,7 +6,7 @@ model + optimizer + RNG part of a save three ways, from the first rank's start t
 
 - before: whole tensors in a plain run's files, gathered onto the main process (`get_state_dict`,
   full_state_dict, then accelerate's `save_accelerator_state`), as `BackendState.save` did up to commit 11fdf1a;
-- after: this checkout's `BackendState.save` (accelerate's sharded FSDP2 save, each rank writing its shards);
+- after: this checkout's `BackendState.save_files` (the FSDP engine's sharded save, each rank writing its shards);
 - native: accelerate's `save_state` with SHARDED_STATE_DICT, called directly.
 
 It also times a whole checkpoint of this checkout (`Trainer.save`: EMA, manifest with hashes, rename) and, on
@@ -87,7 +87,7 @@ def main() -> None:
         acc.state.fsdp_plugin.set_state_dict_type("SHARDED_STATE_DICT")
         acc.save_state(str(folder), safe_serialization=True)
 
-    savers = {"before": before, "after": backend.save, "native": native}
+    savers = {"before": before, "after": backend.save_files, "native": native}
     times: dict[str, list[float]] = {name: [] for name in [*savers, "checkpoint"]}
     sizes: dict[str, int] = {}
     names = list(savers)
