@@ -12,9 +12,10 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC      ?= 2
 CONFIG     ?= configs/protein_sedd/sedd_tiny.yaml
 SAMPLES    ?= 64
-# Each config trains in its own folder; a rerun resumes an interrupted run there (RESUME=none starts over), and a
-# finished one says so in one line and trains nothing (export, samples and plots are made again from it).
-RUN_DIR    ?= runs/$(basename $(notdir $(CONFIG)))
+# Each config trains in its own folder, runs/<the config's folder>/<its name> (configs/a/tiny.yaml and configs/b/tiny.yaml
+# do not share one); a rerun resumes an interrupted run there (RESUME=none starts over), and a finished one says so in
+# one line and trains nothing (export, samples and plots are made again from it).
+RUN_DIR    ?= runs/$(notdir $(patsubst %/,%,$(dir $(abspath $(CONFIG)))))/$(basename $(notdir $(CONFIG)))
 RESUME     ?= auto
 PYTEST_ARGS ?=
 # Every family's extra, so the main job and the whole test suite run from one environment.
@@ -46,6 +47,9 @@ setup: $(VENV)/.installed
 # `trainer train --nproc N` launches N DDP processes itself (torch.distributed.run on a free port) and stands between
 # them and the terminal: Ctrl-C stops every process at a step with a checkpoint, and errors stay one line.
 train: setup
+	@# runs/<config name>, without the config's folder, is another folder: a run there is continued only when asked.
+	@named=runs/$(basename $(notdir $(CONFIG))); if [ "$$named" != "$(RUN_DIR)" ] && [ -d "$$named" ] && [ ! -d "$(RUN_DIR)" ]; \
+		then echo "make train: training in $(RUN_DIR); $$named is left as it is (make train RUN_DIR=$$named continues it)"; fi
 	$(VENV)/bin/trainer train $(CONFIG) --nproc $(NPROC) run.output_dir=$(RUN_DIR) run.resume=$(RESUME)
 	$(VENV)/bin/trainer export $(RUN_DIR)
 	# SAMPLES=0 skips sampling (for a task that does not generate, e.g. CONFIG=configs/regression/tiny.yaml).
@@ -87,7 +91,8 @@ docs: setup
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-build-isolation -e ".[$(EXTRAS),docs]"
 	$(VENV)/bin/mkdocs build --strict
 
-# The config key tables of docs/configuration.md, from the dataclass docstrings.
+# The per-family parts of the docs, from the registry: docs/configuration.md's config key tables (from the dataclass
+# docstrings; a new task's section is added) and docs/api/specs.md's list of spec modules.
 docs-config: setup
 	$(PY) scripts/update_docs_config.py
 

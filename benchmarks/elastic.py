@@ -11,9 +11,13 @@ fault-free run of the same steps and global batch.
 
 Checkpoint cost: one process, the regression MLP at --hidden x 3 layers, batch 64 (the overhead benchmark's
 `medium`), --ckpt-steps steps without checkpoints, with a synchronous one every step and an asynchronous one every
-step (the writer process, at the default ckpt.async_cpu_share and at 0.25), --repeats rounds in turn.
+step (the writer process, at the default ckpt.async_cpu_share and at 0.25), --repeats rounds in turn. The same
+with `--nproc` processes launched by `trainer train --nproc` (DDP over gloo), where each save attempt is agreed by
+every rank: without checkpoints and with ckpt.async_save every step, for this tree and, with `--compare TREE`, for
+another checkout of the package (e.g. `git worktree add /tmp/before HEAD~3`) in the same rounds.
 
     python benchmarks/elastic.py [--faults 20 --interval 10] [--out BENCHMARKS.md] [--smoke]
+    python benchmarks/elastic.py --only checkpoints-launched --nproc 2 --compare /tmp/before
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def free_port() -> int:
 
 
 def listening(port: int) -> bool:
-    from trainer.core.elastic import reachable
+    from trainer.core.elastic_launch import reachable
 
     return reachable(f"127.0.0.1:{port}")
 
@@ -79,7 +83,8 @@ class Job:
         self.args = [TINY, "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv", f"127.0.0.1:{self.port}",
                      "--max-restarts", "100", *RUN, f"train.max_steps={steps}", f"task.delay_s={delay}",
                      f"run.output_dir={out}", "run.resume=none"]
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        # elastic.json at every step: the steps a fault redoes are counted from it
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRAINER_ELASTIC_PROGRESS_S": "0"}
         self.store = subprocess.Popen([TRAINER, "rendezvous", "--host", "127.0.0.1", "--port", str(self.port)],
                                       env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         while not listening(self.port):
@@ -333,6 +338,48 @@ def checkpoint_section(args: argparse.Namespace, work: Path) -> list[str]:
             f"{med('async_rest', 'writer_cpu_s') * 1e3:.1f} ms at 0.25.", ""]
 
 
+def launched_checkpoint_section(args: argparse.Namespace, work: Path) -> list[str]:
+    """`--nproc` processes (`trainer train --nproc`): the step's wall time (metrics.jsonl's step_time_s, median past
+    the first logged steps) without checkpoints and with ckpt.async_save every step, for this tree and
+    `--compare`'s, `--repeats` rounds with the order turned each round."""
+    trees = {"this tree": ROOT}
+    if args.compare:
+        trees[f"{args.compare}"] = Path(args.compare).resolve()
+    modes = {"none": ["ckpt.every_steps=0"], "async": ["ckpt.every_steps=1", "ckpt.async_save=true"]}
+    times: dict[tuple[str, str], list[float]] = {(t, m): [] for t in trees for m in modes}
+    for round_ in range(args.repeats):
+        order = [(t, m) for t in trees for m in modes]
+        for tree, mode in order if round_ % 2 == 0 else reversed(order):
+            out = work / f"launched-{len(trees)}-{mode}"
+            shutil.rmtree(out, ignore_errors=True)
+            env = {**os.environ, "PYTHONPATH": str(trees[tree]), "OMP_NUM_THREADS": "1"}
+            cmd = [sys.executable, "-m", "trainer", "train", str(trees[tree] / "configs" / "regression" / "tiny.yaml"),
+                   "--nproc", str(args.nproc), f"train.max_steps={args.ckpt_steps}", f"task.hidden={args.hidden}",
+                   "task.depth=3", "train.per_device_batch_size=64", "train.grad_accum_steps=1",
+                   "train.ema_decay=0.99", "eval.every_steps=0", "log.every_steps=50", "log.progress_bar=false",
+                   "log.tensorboard=false", "ckpt.keep_last=2", f"run.output_dir={out}", "run.resume=none",
+                   *modes[mode]]
+            done = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"{tree} {mode}: exit {done.returncode}\n{done.stderr[-3000:]}")
+            steps = [r["step_time_s"] for r in records(out) if "step_time_s" in r][2:]  # past the writer's start
+            times[(tree, mode)].append(statistics.median(steps))
+            shutil.rmtree(out, ignore_errors=True)
+
+    def fmt(tree: str, mode: str) -> str:
+        values = times[(tree, mode)]
+        return f"{statistics.median(values) * 1e3:.2f} ({min(values) * 1e3:.2f}-{max(values) * 1e3:.2f})"
+
+    lines = [f"- {args.nproc} processes (`trainer train --nproc {args.nproc}`, DDP over gloo), regression MLP "
+             f"{args.hidden} x 3 layers, batch 64 a process, EMA on, {args.ckpt_steps} steps, {args.repeats} rounds "
+             f"in turn; ms a step: median of the rounds of each run's median step_time_s (range)", "",
+             "| code | no checkpoints | ckpt.async_save every step | cost |", "|---|---|---|---|"]
+    for tree in trees:
+        cost = statistics.median(times[(tree, "async")]) / statistics.median(times[(tree, "none")]) - 1
+        lines.append(f"| {tree} | {fmt(tree, 'none')} | {fmt(tree, 'async')} | {cost:+.1%} |")
+    return lines + [""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--faults", type=int, default=20)
@@ -343,7 +390,9 @@ def main() -> None:
     parser.add_argument("--ckpt-steps", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the checkpoint-cost runs")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", choices=["faults", "checkpoints"], default=None)
+    parser.add_argument("--only", choices=["faults", "checkpoints", "checkpoints-launched"], default=None)
+    parser.add_argument("--nproc", type=int, default=2, help="processes of the launched checkpoint-cost runs")
+    parser.add_argument("--compare", default=None, help="another checkout of the package to time beside this one")
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="2 faults, a short run; nothing written")
     args = parser.parse_args()
@@ -358,6 +407,8 @@ def main() -> None:
             lines += fault_section(args, work)
         if args.only in (None, "checkpoints"):
             lines += checkpoint_section(args, work)
+        if args.only in (None, "checkpoints-launched"):
+            lines += launched_checkpoint_section(args, work)
         load = os.getloadavg()[0]
         lines.append(f"Load average {load:.1f} at the end.")
         publish_section("\n".join(lines), args.out, args.smoke, topic=TOPIC)

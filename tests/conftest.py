@@ -238,14 +238,59 @@ FAMILY_RUNS_COMMON = [
     "train.epochs=0", "eval.every_steps=0", "eval.every_epochs=0", "eval.sample_every=0", "ckpt.every_steps=0",
     "ckpt.every_epochs=0", "train.ema_decay=0", "train.per_device_batch_size=2", "train.global_batch_size=4",
     "data.num_workers=0"]
-FAMILY_RUNS = {
-    "protein_sedd": ("protein_sedd/sedd_tiny.yaml", ["task.max_length=32", "task.val_fraction=0", "task.dropout=0"]),
-    "molecules_edm": ("molecules_edm/edm_tiny.yaml", ["task.val_fraction=0", "task.test_fraction=0"]),
-    "perturbation_gears": ("perturbation_gears/gears_tiny.yaml", []),
-    "crystal_property": ("crystals/comformer_tiny.yaml", ["data.batching=fixed"]),
-    "regression": ("regression/tiny.yaml", []),
+FAMILY_RUN_OVERRIDES = {
+    "protein_sedd": ["task.max_length=32", "task.val_fraction=0", "task.dropout=0"],
+    "molecules_edm": ["task.val_fraction=0", "task.test_fraction=0"],
+    "crystal_property": ["data.batching=fixed"],
 }
-"""config file under configs/, its overrides (on top of FAMILY_RUNS_COMMON)."""
+"""What a family's tiny config needs changed for these runs, on top of FAMILY_RUNS_COMMON (most need nothing)."""
+
+
+def trainable_families() -> list[str]:
+    """This repository's tasks that train from a config of their own: each task whose spec lives in trainer/families,
+    but one that post-trains another task's runs (a spec's `aligned_by`, run by `trainer align RUN_DIR`)."""
+    from trainer.registry import available_tasks, get_spec
+
+    names = available_tasks()
+    aligners = {get_spec(name).aligned_by for name in names}
+    return [name for name in names
+            if name not in aligners and get_spec(name).config_cls.__module__.startswith("trainer.families.")]
+
+
+def tiny_configs(configs: Path = ROOT / "configs") -> dict[str, list[str]]:
+    """Task name -> its tiny configs under `configs` (`tiny.yaml` or `*_tiny.yaml`, by their `task.name`), relative
+    to `configs`."""
+    import yaml
+
+    found: dict[str, list[str]] = {}
+    for path in sorted(configs.rglob("*.yaml")):
+        if path.stem == "tiny" or path.stem.endswith("_tiny"):
+            task = (yaml.safe_load(path.read_text()) or {}).get("task") or {}
+            if task.get("name"):
+                found.setdefault(task["name"], []).append(path.relative_to(configs).as_posix())
+    return found
+
+
+def family_runs(configs: Path = ROOT / "configs") -> dict[str, tuple[str, list[str]]]:
+    """Each trainable family with one tiny config: (that config under `configs`, FAMILY_RUN_OVERRIDES' entry). A family
+    with none or several is left out here and named by test_adding_a_family.py's test_every_family_has_one_tiny_config."""
+    found = tiny_configs(configs)
+    return {name: (found[name][0], FAMILY_RUN_OVERRIDES.get(name, []))
+            for name in trainable_families() if len(found.get(name, [])) == 1}
+
+
+FAMILY_RUNS = family_runs()
+"""Task name -> (its tiny config under configs/, its overrides on top of FAMILY_RUNS_COMMON), from the registry."""
+
+
+def task_cache_dir(family: str, cache: Path) -> list[str]:
+    """`task.cache_dir=cache` where the family's task has that option (its data cache, one per test), else nothing."""
+    import dataclasses
+
+    from trainer.registry import get_spec
+
+    fields = {f.name for f in dataclasses.fields(get_spec(family).config_cls)}
+    return [f"task.cache_dir={cache}"] if "cache_dir" in fields else []
 DEEPSPEED_FAMILY_OVERRIDES = {"protein_sedd": ["task.val_fraction=0.05"], "molecules_edm": ["task.val_fraction=0.05"],
                               "perturbation_gears": ["train.grad_clip_value=0", "train.grad_clip_norm=1.0"]}
 """On top of FAMILY_RUNS under DeepSpeed: the validation split back where FAMILY_RUNS drops it (so eval and
@@ -259,7 +304,7 @@ def deepspeed_family_run(family: str, tmp_path: Path, precision: str, steps: int
     out = tmp_path / "run"
     proc = run_cmd(accelerate_cmd("zero2.yaml", str(ROOT / "configs" / config), *FAMILY_RUNS_COMMON, *overrides,
                                   *DEEPSPEED_FAMILY_OVERRIDES.get(family, []), f"run.output_dir={out}",
-                                  f"task.cache_dir={tmp_path / 'cache'}", f"train.mixed_precision={precision}",
+                                  *task_cache_dir(family, tmp_path / "cache"), f"train.mixed_precision={precision}",
                                   f"train.max_steps={steps}", f"eval.every_steps={steps}", "eval.sample_every=1",
                                   "eval.num_samples=2", nproc=1), timeout=600)
     return read_jsonl(out), proc.stdout + proc.stderr

@@ -1,6 +1,8 @@
 """Comments and docstrings state invariants and reasons: no dates and no timings (those live in BENCHMARKS.md,
-bug history in commit messages). Scans the package's and scripts' comments and docstrings and the configs'
-comments; figures inside quotes or backticks are examples of formats or output, not claims, and are skipped."""
+bug history in commit messages) and no numbers of this project's issues (history too). Scans the package's and
+scripts' comments and docstrings and the configs' comments (and, for issue numbers, the tests' too); figures inside
+quotes or backticks are examples of formats or output, not claims, and are skipped. An upstream issue that explains a
+workaround is named with its project: `pytorch#67742`, `owner/repo#12` or its address."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 # "ANI-1x" (a name) or words such as "seconds" (a unit in a field's description).
 TIMING = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:\s(?:s|min)|\s?(?:ms|µs|us))\b|(?<![\w.-])\d+(?:\.\d+)?x\b")
 QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"|`[^`]*`")
+# An issue by number alone: "issue 19", "(issues #54, #77)", "(#19)". Not "pytorch#75097" or an issue's address
+# (".../issues/35"): those name whose issue it is.
+ISSUE = re.compile(r"\bissues?\s+#?\d+|(?<![\w/.-])#\d+\b", re.IGNORECASE)
 
 
 def python_texts(source: str):
@@ -40,13 +45,17 @@ def figures(text: str) -> list[str]:
     return [m.group(0) for rx in (DATE, TIMING) for m in rx.finditer(text)]
 
 
-def offending_lines() -> list[str]:
+def issue_numbers(text: str) -> list[str]:
+    return ISSUE.findall(QUOTED.sub("", text))
+
+
+def offending_lines(check=figures, folders=("trainer", "scripts")) -> list[str]:
     found = []
-    sources = [(p, python_texts) for d in ("trainer", "scripts") for p in sorted((ROOT / d).rglob("*.py"))]
+    sources = [(p, python_texts) for d in folders for p in sorted((ROOT / d).rglob("*.py"))]
     sources += [(p, yaml_comments) for p in sorted((ROOT / "configs").rglob("*.yaml"))]
     for path, texts in sources:
         for n, text in texts(path.read_text(encoding="utf-8")):
-            if hits := figures(text):
+            if hits := check(text):
                 found.append(f"{path.relative_to(ROOT)}:{n}: {hits}: {text.strip()}")
     return found
 
@@ -62,3 +71,17 @@ def test_no_dates_or_timings_in_comments_and_docstrings():
     found = offending_lines()
     assert not found, ("comments and docstrings quote no dates or timings (put the figure in BENCHMARKS.md and "
                        "say the reason here):\n" + "\n".join(found))
+
+
+def test_issue_numbers_are_found_and_upstream_references_are_not():
+    assert issue_numbers("# what still surprised (issue 19); GEARS issues #54, #77; fixed in (#12)") == [
+        "issue 19", "issues #54", "#77", "#12"]
+    assert issue_numbers("# pytorch#75097; huggingface/accelerate#3210; https://github.com/o/r/issues/35; "
+                         "`#5`; 12 # 3 x 64; color #ff0000") == []
+
+
+def test_no_issue_numbers_in_comments_and_docstrings():
+    found = offending_lines(issue_numbers, folders=("trainer", "scripts", "tests", "benchmarks"))
+    assert not found, ("comments and docstrings name no issue by its number alone (bug history goes to commit "
+                       "messages; an upstream issue that explains a workaround is named as project#N or by its "
+                       "address):\n" + "\n".join(found))

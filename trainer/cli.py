@@ -1,4 +1,4 @@
-"""`trainer` console script: train, align, export, sample, plot, tasks, config-help, run-experiments (sweep).
+"""`trainer` console script: train, align, export, sample, plot, tasks, config-help, new-family, run-experiments (sweep).
 
 Torch-heavy modules are imported inside the commands that need them, and only once the config is
 checked: `trainer --help`, `trainer tasks`, `trainer config-help`, `trainer sample RUN_DIR --help` and a
@@ -40,9 +40,10 @@ def _fit(cfg: Config, args: argparse.Namespace) -> int:
     """Train `cfg` here, on --nproc local processes, or as one rank of a launcher's job; the run's exit status."""
     from trainer.core.watchdog import arm_exit_guard, started_by_launcher
 
+    args.output_dir = cfg.run.output_dir  # where a rank's unexpected error keeps its traceback (main)
     elastic = getattr(args, "nnodes", None)
     if elastic is not None and not started_by_launcher():
-        from trainer.core.elastic import ElasticSpec
+        from trainer.core.elastic_launch import ElasticSpec
         from trainer.core.launch import train_elastic
 
         spec = ElasticSpec.parse(elastic, args.nproc_per_node or args.nproc, args.rdzv, args.max_restarts,
@@ -53,6 +54,11 @@ def _fit(cfg: Config, args: argparse.Namespace) -> int:
 
         return _STOP_CODES[train(cfg, args.nproc, args.deepspeed).status]
     from trainer.core.command_line import started_by_front_end
+
+    if started_by_launcher():
+        from trainer.core.rank_errors import raise_if_run_failed
+
+        raise_if_run_failed(cfg.run.output_dir)  # a restart after an error of the run's own would repeat it
     from trainer.core.trainer import Trainer
 
     status = Trainer(cfg, deepspeed_config=args.deepspeed).fit()
@@ -77,9 +83,9 @@ def _add_elastic_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=None,
                        help="worker-group restarts after a failure such as a lost node (default 3; a join is free)")
     group.add_argument("--rdzv-id", dest="rdzv_id", default=None,
-                       help="rendezvous id (default: SLURM_JOB_ID, else derived from run.output_dir)")
+                       help="rendezvous id (default: derived from run.output_dir, and SLURM_JOB_ID under SLURM)")
     group.add_argument("--rdzv-conf", dest="rdzv_conf", default=None, metavar="K=V,...",
-                       help="c10d rendezvous settings over trainer's (core/elastic.py RDZV_CONF)")
+                       help="c10d rendezvous settings over trainer's, which scale with MAX (docs/elastic.md)")
 
 
 def _rendezvous(args: argparse.Namespace) -> int:
@@ -186,6 +192,20 @@ def _config_help(args: argparse.Namespace) -> int:
     return 0
 
 
+def _new_family(args: argparse.Namespace) -> int:
+    from trainer.scaffold import new_family
+
+    family = new_family(args.name, args.dir)
+    where = "in this repository" if family.in_repository else "as a package of its own"
+    print(f"wrote the {args.name} family {where}:")
+    for path in family.written:
+        print(f"  {path}")
+    print("next:")
+    for number, step in enumerate(family.next_steps, 1):
+        print(f"  {number}. {step}")
+    return 0
+
+
 def _run_experiments(args: argparse.Namespace) -> int:
     from trainer.sweep.cli import main as run_experiments_main
 
@@ -264,6 +284,14 @@ def build_parser(sweep_arguments: bool = True) -> argparse.ArgumentParser:
     chelp.add_argument("--sample", action="store_true", help="the task's `trainer sample` options instead")
     chelp.set_defaults(func=_config_help)
 
+    newfam = sub.add_parser("new-family", help="write a family's skeleton (task, spec, tiny config, tests, docs page) "
+                                               "that trains and passes the task contract as written")
+    newfam.add_argument("name", help="the family's (and its task's) name, a lowercase identifier, e.g. char_lm")
+    newfam.add_argument("--dir", default=None,
+                        help="this repository's root (the default when run there: trainer/families/NAME, configs/NAME, "
+                             "...) or, anywhere else, the folder of a new package (default ./NAME)")
+    newfam.set_defaults(func=_new_family)
+
     runexp = sub.add_parser(RUN_EXPERIMENTS[0], aliases=list(RUN_EXPERIMENTS[1:]),
                             help="run a grid of experiments over GPU/CPU slots or as a SLURM array")
     if sweep_arguments:
@@ -332,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if started_by_front_end() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the front end ignores Ctrl-C for its launcher only
     main_rank = int(os.environ.get("RANK", "0") or 0) == 0
+    args = None
     try:
         if os.environ.get(RANK_STATUS_ENV):
             from trainer.core.launch import register_rank
@@ -363,14 +392,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trainer: {kind}: {err}", file=sys.stderr)
         return _rank_status(getattr(err, "exit_code", 2))
     except Exception as err:
-        from trainer.core.elastic import lost_peer
+        # A rank's unexpected error: its traceback kept in the run folder, a lost peer said in one line, an error
+        # of an elastic run's own recorded so that no restart repeats it (core/rank_errors.py).
+        from trainer.core.rank_errors import report_rank_failure
 
-        line = None if debug else lost_peer(err)
-        if line is None:
+        code = report_rank_failure(err, getattr(args, "output_dir", None))
+        if code is None or debug:
             raise
-        if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:  # one line a node: the next group says what changed
-            print(line, file=sys.stderr, flush=True)
-        return 1
+        return code
 
 
 def _rank_status(code: int) -> int:

@@ -9,10 +9,13 @@ and, for unknown keys, the closest valid names.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import inspect
+import logging
 import math
+import os
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +25,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
+from omegaconf.nodes import StringNode
 
 from trainer.atomic_io import atomic_write_text
 from trainer.data.fetch import resolve_fetch
@@ -34,6 +38,8 @@ from trainer.task import TaskConfig, TaskSpec
 OmegaConf.register_resolver("fetch", resolve_fetch, replace=True)
 
 __all__ = ["Config", "ConfigError", "TaskConfig", "load_config"]
+
+logger = logging.getLogger("trainer")
 
 
 
@@ -235,6 +241,16 @@ _CHOICES = {
     ("run", "init_weights"): ("auto", "ema", "model"),
 }
 
+REPLACED_BY = {
+    "train.max_steps": "train.epochs",
+    "train.grad_accum_steps": "train.global_batch_size",
+    "eval.every_steps": "eval.every_epochs",
+    "ckpt.every_steps": "ckpt.every_epochs",
+    "optim.decay_every_steps": "optim.decay_every_epochs",
+}
+"""Keys that another key replaces when that one is > 0. Given in different layers, the later layer's wins
+(`_later_layer_wins`): `train.max_steps=3` typed on the command line trains 3 steps whatever the YAML's epochs."""
+
 
 def field_docs(cls: type) -> dict[str, str]:
     """Return {field: docstring} read from the string literal under each dataclass field (base classes too)."""
@@ -295,7 +311,9 @@ def _free_form(node: Any) -> bool:
     return OmegaConf.is_dict(node) and node._metadata.object_type in (None, dict)
 
 
-def _merge(schema: Any, layer: dict, source: str) -> Any:
+def _merge(schema: Any, layer: dict, source: str, written: dict[str, str] | None = None) -> Any:
+    """`layer` (from `source`, named in errors) merged over `schema`; `written`: {key: text} of the layer's values
+    that YAML read as something other than text (`_as_written`)."""
     for key in _flatten(layer):
         try:
             OmegaConf.select(schema, key, throw_on_missing=False)
@@ -309,6 +327,8 @@ def _merge(schema: Any, layer: dict, source: str) -> Any:
                 parent = parent._get_node(part)
         except ConfigKeyError:
             raise _unknown_key_error(schema, key, source) from None
+    if written:
+        layer = _as_written(schema, layer, written)
     try:
         return OmegaConf.merge(schema, layer)
     except ConfigKeyError as err:
@@ -319,14 +339,50 @@ def _merge(schema: Any, layer: dict, source: str) -> Any:
         raise ConfigError(f"bad value for config key '{key}' (from {source}): {msg}") from None
 
 
-def parse_overrides(overrides: Sequence[str]) -> dict:
-    """Turn ['train.max_steps=10', ...] into a nested dict (values parsed as YAML scalars)."""
+def _as_written(schema: Any, layer: dict, written: dict[str, str]) -> dict:
+    """`layer` with the text as written for each key typed str whose value YAML read as another type: `no` stays
+    'no' (YAML reads false), `1.50` stays '1.50' (not 1.5). A null stays None where the key may be None."""
+    layer = copy.deepcopy(layer)
+    for key, text in written.items():
+        node, target, *parents, name = [schema, layer, *key.split(".")]
+        for part in [*parents, name]:
+            node = node._get_node(part) if OmegaConf.is_dict(node) and part in node else None
+        for part in parents:  # a key YAML wrote through an alias or a merge key (`<<`) is not in `layer` as such
+            target = target.get(part) if isinstance(target, dict) else None
+        if (isinstance(node, StringNode) and isinstance(target, dict) and name in target
+                and not (target[name] is None and node._is_optional())):
+            target[name] = text
+    return layer
+
+
+def _written_in_yaml(text: str) -> dict[str, str]:
+    """{dotted key: text} of a YAML document's unquoted values that YAML reads as something other than text."""
+
+    def walk(node: yaml.Node, prefix: str) -> dict[str, str]:
+        found = {}
+        for key, value in node.value if isinstance(node, yaml.MappingNode) else ():
+            if not isinstance(key, yaml.ScalarNode):
+                continue
+            if isinstance(value, yaml.MappingNode):
+                found.update(walk(value, f"{prefix}{key.value}."))
+            elif isinstance(value, yaml.ScalarNode) and value.style is None and value.tag != "tag:yaml.org,2002:str":
+                found[f"{prefix}{key.value}"] = value.value
+        return found
+
+    return walk(yaml.compose(text, Loader=yaml.SafeLoader), "")
+
+
+def parse_overrides(overrides: Sequence[str], written: dict[str, str] | None = None) -> dict:
+    """Turn ['train.max_steps=10', ...] into a nested dict (values parsed as YAML scalars). `written`, when given,
+    receives {key: text} of the values YAML read as something other than text (`no`, `1.50`, `null`)."""
     nested: dict = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"command-line override '{item}' must look like section.key=value")
         key, raw = item.split("=", 1)
         value = yaml.safe_load(raw) if raw != "" else ""
+        if written is not None and not isinstance(value, (str, list, dict)):
+            written[key.strip()] = raw.strip()
         node = nested
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -441,8 +497,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
     Works from the task's light spec (`trainer.registry.get_spec`): a config error is found without
     importing torch or the family's model code."""
     file_layer = load_yaml(path) if path else dict(layer or {})
+    file_written = _written_in_yaml(Path(path).read_text()) if path else {}
     path = path or layer_source or None
-    cli_layer = parse_overrides(overrides)
+    cli_written: dict[str, str] = {}
+    cli_layer = parse_overrides(overrides, cli_written)
     _check_sections(file_layer, str(path))
     _check_sections(cli_layer, "command line")
     task_name = (cli_layer.get("task", {}).get("name") or file_layer.get("task", {}).get("name")
@@ -451,13 +509,16 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
     spec = get_spec(task_name)
     schema = OmegaConf.structured(Config(task=spec.config_cls()))
     OmegaConf.set_struct(schema, True)
+    layers = [(str(path), file_layer), ("command line", cli_layer)]
     if preset_name:
         if preset_name not in spec.presets:
             raise ConfigError(f"task '{task_name}' has no preset '{preset_name}'; "
                               f"available: {', '.join(sorted(spec.presets))}")
-        schema = _merge(schema, spec.presets[preset_name], f"preset {task_name}:{preset_name}")
-    schema = _merge(schema, file_layer, str(path))
-    schema = _merge(schema, cli_layer, "command line")
+        layers.insert(0, (f"preset {task_name}:{preset_name}", spec.presets[preset_name]))
+        schema = _merge(schema, spec.presets[preset_name], layers[0][0])
+    schema = _merge(schema, file_layer, str(path), file_written)
+    schema = _merge(schema, cli_layer, "command line", cli_written)
+    schema = _later_layer_wins(schema, layers)
     if not schema.eval.metric:  # the task's first metric, a default like the others (the config is never edited)
         schema = _merge(schema, {"eval": {"metric": spec.metrics[0]}}, f"task {spec.name}'s first metric")
     try:
@@ -482,6 +543,21 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
             raise
         raise ConfigError(f"task '{spec.name}': {err}") from None
     return cfg
+
+
+def _later_layer_wins(schema: Any, layers: list[tuple[str, dict]]) -> Any:
+    """Where a key and the key that replaces it (`REPLACED_BY`) are set in different layers (preset < YAML <
+    command line), the later layer's wins: the replacing key goes back to 0 (off), said in one line."""
+    set_by = {key: (rank, source) for rank, (source, layer) in enumerate(layers) for key in _flatten(layer)}
+    for key, replacing in REPLACED_BY.items():
+        value = OmegaConf.select(schema, replacing)
+        if value and key in set_by and replacing in set_by and set_by[key][0] > set_by[replacing][0]:
+            OmegaConf.update(schema, replacing, type(value)(0))
+            if int(os.environ.get("RANK", "0") or 0) == 0:  # one line per run, not one per rank of a launcher
+                logger.info("%s=%s (from %s) wins over %s=%s (from %s), which would replace it: %s=0 for this run",
+                            key, OmegaConf.select(schema, key), set_by[key][1], replacing, value, set_by[replacing][1],
+                            replacing)
+    return schema
 
 
 def align_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -590,4 +666,5 @@ def parse_options(cls: type, overrides: Sequence[str], source: str = "command li
     errors for unknown keys."""
     schema = OmegaConf.structured(cls())
     OmegaConf.set_struct(schema, True)
-    return OmegaConf.to_object(_merge(schema, parse_overrides(overrides), source))
+    written: dict[str, str] = {}
+    return OmegaConf.to_object(_merge(schema, parse_overrides(overrides, written), source, written))

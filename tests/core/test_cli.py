@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from conftest import BIN, ROOT, TINY, cli_in_process, read_jsonl, run_cmd
 
 from trainer.core.checkpoint.export import load_exported
+from trainer.registry import available_tasks
 
 REFERENCE = Path(__file__).parent / "reference" / "regression_tiny.json"
 
@@ -48,8 +50,12 @@ def test_cli_reports_config_errors_clearly(tmp_path):
                    expect=2)
     assert "unknown config key 'train.max_stepz'" in proc.stderr and "train.max_steps" in proc.stderr
     proc = run_cmd([str(BIN / "python"), "-m", "trainer", "train", TINY, "task.name=protein"], expect=2)
-    assert ("available tasks: crystal_property, molecules_edm, molecules_edm_align, perturbation_gears, protein_sedd, "
-            "regression") in proc.stderr
+    listed = re.search(r"available tasks: (.*?)\.(?: |$)", proc.stderr, re.M)
+    assert listed, f"the unknown task's error lists no tasks: {proc.stderr}"
+    listed_names, registered = listed.group(1).split(", "), available_tasks()
+    assert listed_names == registered, (f"the error lists {listed_names}; the registry has {registered} (missing: "
+                                        f"{sorted(set(registered) - set(listed_names))}, extra: "
+                                        f"{sorted(set(listed_names) - set(registered))})")
 
 
 def test_tasks_and_config_help():
@@ -60,21 +66,20 @@ def test_tasks_and_config_help():
 
 def test_configuration_page_documents_every_config_key():
     """docs/configuration.md tables every core key and every registered task's `task.*` keys with the
-    defaults and docstrings the dataclasses have today (`make docs-config` regenerates the tables)."""
-    import dataclasses
+    defaults and docstrings the dataclasses have today: the page is what `make docs-config` makes of it."""
+    import importlib.util
 
-    from trainer.config import describe_config, field_docs
-    from trainer.registry import available_tasks, get_spec
-
+    spec = importlib.util.spec_from_file_location("update_docs_config", ROOT / "scripts" / "update_docs_config.py")
+    docs_config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(docs_config)
     page = (ROOT / "docs" / "configuration.md").read_text()
-    rows = describe_config("regression").splitlines()[2:]
-    for name in available_tasks():
-        cfg = get_spec(name).config_cls()
-        docs = field_docs(type(cfg))
-        rows += [f"| `task.{f.name}` | `{getattr(cfg, f.name)!r}` | {docs.get(f.name, '')} |"
-                 for f in dataclasses.fields(cfg)]
-    for row in rows:
-        assert row in page, f"docs/configuration.md lacks or has a stale {row.split('|')[1].strip()}: run `make docs-config`"
+    generated = docs_config.render_configuration(page)
+    stale = [line.split("|")[1].strip() if "|" in line else line for line in generated.splitlines()
+             if line not in page.splitlines()]
+    assert not stale, f"docs/configuration.md lacks or has a stale {', '.join(stale[:5])}: run `make docs-config`"
+    assert generated == page, "docs/configuration.md is not what `make docs-config` makes of it: run it"
+    stale_tasks = docs_config.stale_sections(page)
+    assert not stale_tasks, f"docs/configuration.md tables tasks no longer registered: {stale_tasks}"
 
 
 def test_family_commands_come_from_entry_points_and_parse_their_own_options(capsys):

@@ -224,3 +224,79 @@ def test_a_missing_config_file_names_the_nearest_ones(tmp_path):
         load_config(tmp_path / "regression" / "tiny.yml")
     with pytest.raises(ConfigError, match=r"not found: [^;]*$"):
         load_config(tmp_path / "elsewhere" / "other.yaml")
+
+
+def test_a_string_key_takes_its_value_as_written(tmp_path):
+    """YAML reads `no` as false and `1.50` as 1.5; a key typed str (mixed_precision's documented `no`) takes the
+    text as written, from the command line and the YAML file alike. Keys of other types keep YAML's reading."""
+    from dataclasses import dataclass
+
+    from trainer.config import parse_options
+
+    cfg = load_config(None, ["train.mixed_precision=no", "run.output_dir=1.50", "run.init_weights=auto",
+                             "train.compile=no", "optim.lr=1e-3", "ckpt.every_seconds=0x10"])
+    assert cfg.train.mixed_precision == "no" and cfg.run.output_dir == "1.50"
+    assert cfg.train.compile is False and cfg.optim.lr == 0.001 and cfg.ckpt.every_seconds == 16.0
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  output_dir: 0123\n  resume: 'none'\ntrain:\n  mixed_precision: no\n  compile: no\n")
+    cfg = load_config(path)
+    assert (cfg.train.mixed_precision, cfg.run.output_dir, cfg.run.resume, cfg.train.compile) == ("no", "0123", "none",
+                                                                                                   False)
+    with pytest.raises(ConfigError, match=r"'train.mixed_precision' must be one of \['no', 'bf16', 'fp16'\], got 'off'"):
+        load_config(None, ["train.mixed_precision=off"])
+
+    @dataclass
+    class SampleOptions:
+        out: str = "samples.fasta"
+        temperature: float = 1.0
+
+    options = parse_options(SampleOptions, ["out=2024", "temperature=0.5"])
+    assert options.out == "2024" and options.temperature == 0.5
+    assert parse_options(SampleOptions, ["out=off"]).out == "off"
+
+
+REPLACING = {"train.max_steps": ("train.epochs", "3", 2.0), "eval.every_steps": ("eval.every_epochs", "2", 0.5),
+             "ckpt.every_steps": ("ckpt.every_epochs", "2", 1.0),
+             "optim.decay_every_steps": ("optim.decay_every_epochs", "5", 1.0),
+             "train.grad_accum_steps": ("train.global_batch_size", "2", 64)}
+"""A key, the key that replaces it when set (> 0) with the value the YAML gives it, and the command line's value."""
+
+
+@pytest.mark.parametrize("key", list(REPLACING))
+def test_a_command_line_key_wins_over_the_yaml_key_that_would_replace_it(tmp_path, caplog, key):
+    """train.max_steps=3 typed on the command line trains 3 steps although the YAML sets train.epochs (which
+    replaces max_steps when > 0): the replacing key is cleared, in one line that says so. Both in one layer: the
+    replacing key wins, as its help says."""
+    import logging
+
+    replacing, typed, given = REPLACING[key]
+    section, name = replacing.split(".")
+    path = write(tmp_path, {"task": {"name": "regression"}, section: {name: given}})
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        cfg = load_config(path, [f"{key}={typed}"])
+    got = dict(dataclasses.asdict(cfg))
+    assert got[section][name] == 0
+    assert str(got[key.split(".")[0]][key.split(".")[1]]) == typed
+    lines = [r.getMessage() for r in caplog.records if replacing in r.getMessage()]
+    assert len(lines) == 1 and f"{key}={typed} (from command line)" in lines[0] and str(path) in lines[0], lines
+    save_config(cfg, tmp_path / "config.yaml")  # the run directory's config says what the run trains with
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())[section][name] == 0
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        both = load_config(None, [f"{replacing}={given}", f"{key}={typed}"])
+        from_yaml = load_config(path, [f"{replacing}={given}"])
+    assert getattr(getattr(both, section), name) == given and getattr(getattr(from_yaml, section), name) == given
+    assert not [r for r in caplog.records if replacing in r.getMessage()]
+
+
+def test_the_yaml_wins_over_a_preset_key_that_would_replace_it(tmp_path, monkeypatch):
+    from trainer.registry import get_spec
+
+    spec = get_spec("regression")
+    monkeypatch.setitem(spec.presets, "epochs", {"train": {"epochs": 2.0}})
+    path = write(tmp_path, {"task": {"name": "regression", "preset": "epochs"}, "train": {"max_steps": 7}})
+    cfg = load_config(path)
+    assert (cfg.train.max_steps, cfg.train.epochs) == (7, 0)
+    cfg = load_config(write(tmp_path, {"task": {"name": "regression", "preset": "epochs"}}))
+    assert cfg.train.epochs == 2.0

@@ -3,8 +3,9 @@ ends at the weights of the fault-free run (1e-5).
 
 Each "node" is an agent (`trainer train --nnodes 1:2 --nproc-per-node 1 --rdzv 127.0.0.1:PORT`) in a process group
 of its own, on one host with gloo; a node is lost by SIGKILL of its whole group. The reference is one process with
-the same global batch (32). The rendezvous settings are trainer's (core/elastic.py RDZV_CONF: a dead node leaves the
-rendezvous after 3 s); regression steps are slowed (task.delay_s) so a kill or a join lands mid-run.
+the same global batch (32). The rendezvous settings are trainer's for 2 nodes (core/elastic_launch.py
+`rendezvous_settings`: a dead node leaves the rendezvous after 3 s); regression steps are slowed (task.delay_s) so a
+kill or a join lands mid-run.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from conftest import (
     run_cmd,
 )
 
-from trainer.core.elastic import (
+from trainer.core.elastic import PROGRESS_FILE, MembershipWatch, lost_peer, read_progress
+from trainer.core.elastic_launch import (
     ElasticSpec,
     agent_command,
-    lost_peer,
+    default_run_id,
     reachable,
-    read_progress,
     refused_node_counts,
+    rendezvous_settings,
     sizes_that_keep,
 )
 from trainer.errors import ConfigError
@@ -91,6 +93,104 @@ def test_a_size_that_cannot_keep_the_global_batch_names_those_that_can():
     cfg = load_config(TINY, ["train.global_batch_size=32"])
     with pytest.raises(ConfigError, match="the sizes that keep it: 1, 2, 4, 8, 16, 32 processes"):
         plan_batch(cfg, world=3)
+
+
+def test_the_launcher_side_imports_no_torch():
+    """`trainer train --nnodes` builds the agent's command line before anything imports torch."""
+    import sys
+
+    code = ("import sys, trainer.core.elastic_launch, trainer.core.launch, trainer.core.rank_errors; "
+            "print([m for m in ('torch', 'accelerate') if m in sys.modules])")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          timeout=120).stdout.strip() == "[]"
+
+
+def test_rendezvous_settings_grow_with_the_node_count():
+    """Short timeouts up to a few nodes; above, eviction and the last call grow with the node count up to torch's
+    defaults (5 s x 3, 30 s), so a stall of one agent among many does not evict it and late survivors make the round."""
+    assert rendezvous_settings(2) == rendezvous_settings(4) == {
+        "join_timeout": 600, "last_call_timeout": 2, "close_timeout": 10, "keep_alive_interval": 1,
+        "keep_alive_max_attempt": 3}
+    eight, sixteen, many = rendezvous_settings(8), rendezvous_settings(16), rendezvous_settings(256)
+    assert (eight["keep_alive_interval"], eight["last_call_timeout"]) == (2, 4)
+    assert (sixteen["keep_alive_interval"], sixteen["last_call_timeout"]) == (4, 8)
+    assert (many["keep_alive_interval"], many["keep_alive_max_attempt"], many["last_call_timeout"]) == (5, 3, 30)
+    for key in ("keep_alive_interval", "last_call_timeout", "close_timeout"):
+        values = [rendezvous_settings(n)[key] for n in range(1, 300)]
+        assert values == sorted(values), key
+    # The agent gets the settings for MAX nodes, the user's --rdzv-conf over them.
+    conf = next(w for w in agent_command(ElasticSpec.parse("2:16", 8, "head:29400", rdzv_conf="last_call_timeout=9"),
+                                         "job", ["train", "c.yaml"]) if w.startswith("--rdzv-conf="))
+    assert "keep_alive_interval=4" in conf and "last_call_timeout=9" in conf and "last_call_timeout=8" not in conf
+
+
+def test_the_default_run_id_is_the_output_folder_also_under_slurm(tmp_path):
+    """Two runs in one SLURM allocation (two folders) are two rendezvous runs; every node of one agrees."""
+    slurm = {"SLURM_JOB_ID": "4242"}
+    a, b = default_run_id(tmp_path / "a", slurm), default_run_id(tmp_path / "b", slurm)
+    assert a != b and a.startswith("slurm-4242-") and b.startswith("slurm-4242-")
+    assert default_run_id(tmp_path / "a" / ".." / "a", slurm) == a
+    assert default_run_id(tmp_path / "a", {}) != a and default_run_id(tmp_path / "a", {}).startswith("run-")
+
+
+def test_progress_is_rewritten_at_most_every_interval_and_when_the_group_stops(tmp_path):
+    """elastic.json on a shared file system: the first step, then at most every `every_s`, and a stopped group's last
+    step exactly (the next group counts the steps it redoes from it); 0 rewrites every step."""
+    environ = {"TORCHELASTIC_RUN_ID": "job", "GROUP_WORLD_SIZE": "2"}
+    watch = MembershipWatch(tmp_path, True, 4, 0, lambda record: None, environ, every_s=3600)
+    for step in range(1, 6):
+        watch.after_step(step)
+    assert read_progress(tmp_path)["step"] == 1
+    watch.finish("preempted")
+    assert read_progress(tmp_path) | {"time": 0} == {"run_id": "job", "step": 5, "time": 0, "world_size": 4, "nodes": 2}
+    watch.finish("completed")
+    assert not (tmp_path / PROGRESS_FILE).exists()
+
+    every_step = MembershipWatch(tmp_path, True, 4, 0, lambda record: None, {**environ, "TRAINER_ELASTIC_PROGRESS_S": "0"})
+    for step in range(1, 4):
+        every_step.after_step(step)
+        assert read_progress(tmp_path)["step"] == step
+    assert MembershipWatch(tmp_path, True, 4, 0, lambda record: None, environ).every_s == 1.0  # the default
+
+
+def test_the_agent_that_hosts_the_store_says_that_its_loss_ends_the_job():
+    import socket
+
+    from trainer.core.launch import store_host_line
+
+    port = free_port()
+    line = store_host_line(ElasticSpec.parse("1:2", 1, f"127.0.0.1:{port}"))
+    assert line is not None and "losing this node ends the job" in line and f"trainer rendezvous --port {port}" in line
+    assert store_host_line(ElasticSpec.parse("1:2", 1, f"127.0.0.1:{port}", rdzv_conf="is_host=false")) is None
+    assert store_host_line(ElasticSpec.parse("1:2", 1, f"192.0.2.1:{port}")) is None  # another machine (TEST-NET)
+    with socket.socket() as held:  # a `trainer rendezvous` (or an agent before this one) holds the port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        assert store_host_line(ElasticSpec.parse("1:2", 1, f"127.0.0.1:{held.getsockname()[1]}")) is None
+
+
+def test_the_rendezvous_store_survives_a_hang_up_and_ends_on_sigterm():
+    """`trainer rendezvous` started from a shell that closes (SIGHUP) goes on serving; SIGTERM ends it cleanly."""
+    import re
+
+    store = subprocess.Popen([str(BIN / "trainer"), "rendezvous", "--host", "127.0.0.1", "--port", "0"],
+                             env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "rendezvous store on" not in line:
+            line = store.stderr.readline()
+            assert line or store.poll() is None, "trainer rendezvous ended before serving"
+        port = int(re.search(r"rendezvous store on 127\.0\.0\.1:(\d+)", line).group(1))
+        store.send_signal(signal.SIGHUP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            store.wait(timeout=1)
+        assert _listening(port)
+        store.send_signal(signal.SIGTERM)
+        assert store.wait(timeout=30) == 0
+    finally:
+        if store.poll() is None:
+            store.kill()
+            store.wait()
 
 
 # ------------------------------------------------------------------------------------------------ agents

@@ -1,4 +1,4 @@
-"""Failures that still surprised (issue 19): a full disk during an export or a checkpoint save, checkpoint
+"""Failures that must not surprise: a full disk during an export or a checkpoint save, checkpoint
 folders that a resume passes over, exports that differed byte-wise. A full disk is simulated (no root for a
 small tmpfs): writes that fill up and then fail as Python, torch's zip writer and safetensors report it."""
 
@@ -19,12 +19,12 @@ from conftest import reset_accelerate
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from trainer import cli
-from trainer.atomic_io import disk_bytes, format_bytes, no_space_reason
+from trainer import cli, disk_space
 from trainer.config import load_config
 from trainer.core.checkpoint import export, writer
 from trainer.core.checkpoint import store as ckpt
 from trainer.core.trainer import Trainer
+from trainer.disk_space import disk_bytes, format_bytes, no_space_reason
 from trainer.errors import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
@@ -131,8 +131,9 @@ def test_export_onto_a_full_disk_is_one_line_and_keeps_the_previous_export(run, 
 
 def torch_short_write(monkeypatch, writing: str = ".tmp-step_00000008") -> None:
     """torch's zip writer on a full disk (for files under `writing`): a short write, reported only as
-    "unexpected pos"."""
+    "unexpected pos", on a disk left with 4 KiB free (which tells it from a quota or a failing device)."""
     real = torch.save
+    monkeypatch.setattr(disk_space, "free_bytes", lambda path: 4096)
 
     def save(obj, f, *args, **kwargs):
         if writing in str(f):
@@ -186,8 +187,9 @@ def test_checkpoint_save_on_a_full_disk_says_so(run, monkeypatch):
 @pytest.mark.parametrize("err, reason", [
     (OSError(errno.ENOSPC, "No space left on device"), "no space left on device"),
     (OSError(errno.EDQUOT, "Disk quota exceeded"), "disk quota exceeded"),
-    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8448 vs 8342"), "no space left on device"),
-    (RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"), "no space left on device"),
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 8448 vs 8342"), None),  # the disk tells
+    (RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"), None),
+    (OSError(errno.EIO, "Input/output error"), None),
     (SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
      "no space left on device"),
     (PermissionError(errno.EACCES, "Permission denied"), None),
@@ -305,7 +307,7 @@ def test_saving_over_a_step_folder_without_manifest_keeps_it_aside(tmp_path, cap
     assert ckpt.list_checkpoints(root) == [root / "step_00000004"]
 
 
-# ---------------------------------------------------------------- e) resume's failure paths (issue 34)
+# ---------------------------------------------------------------- e) resume's failure paths
 
 def cut_back_to_step_4(run: Path) -> Path:
     """`run` as a stop after its step-4 checkpoint leaves it (the step-6 checkpoint not yet written)."""

@@ -1,5 +1,6 @@
 """A full disk is named as such on every write path, whatever the writer raised: torch's C++ writer reports one
-as "basic_ios::clear: iostream error", which names no cause, so the disk is looked at after a failed write.
+as "basic_ios::clear: iostream error" or as a short write, which name no cause, so the disk is looked at after a
+failed write. A quota, an I/O error or a stale NFS handle is named as itself, never as a full disk.
 Real full filesystems (a small tmpfs, where this process may mount one) and, for the many paths, in process."""
 
 from __future__ import annotations
@@ -15,18 +16,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import reset_accelerate
+from safetensors import SafetensorError
 
-from trainer import atomic_io, cli
-from trainer.atomic_io import LOW_SPACE, disk_bytes, format_bytes, no_space_reason
+from trainer import cli, disk_space
 from trainer.config import load_config
 from trainer.core import generation
 from trainer.core.checkpoint import agreement, convert, export
 from trainer.core.trainer import Trainer
+from trainer.disk_space import LOW_SPACE, disk_bytes, format_bytes, no_space_reason
 from trainer.errors import CheckpointError, DiskFullError
 
 SIZE = r"\d+(\.\d)? (B|KiB|MiB|GiB)"
 STREAM_ERROR = "basic_ios::clear: iostream error"
 """What torch.save raised on a full tmpfs when the file's tail failed to flush (no errno, no 'no space')."""
+SHORT_WRITES = ("[enforce fail at inline_container.cc:672] . unexpected pos 8448 vs 8342",
+                "PytorchStreamWriter failed writing file data/0: file write failed")
+"""What torch's zip writer raises on any failed write: a full disk, an exceeded quota or a failing device alike."""
+ROOMY = 50 << 30
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 RUN = ["task.preset=tiny", "train.max_steps=4", "ckpt.every_steps=2", "ckpt.keep_last=5", "log.progress_bar=false",
        "log.tensorboard=false"]
@@ -61,7 +67,7 @@ def hashes(folder: Path) -> dict[str, bytes]:
 
 def disk_with(monkeypatch, free: int) -> None:
     """Every folder reports `free` bytes free."""
-    monkeypatch.setattr(atomic_io, "free_bytes", lambda path: free)
+    monkeypatch.setattr(disk_space, "free_bytes", lambda path: free)
 
 
 # ---------------------------------------------------------------- what a full disk looks like, for real
@@ -86,6 +92,51 @@ def test_a_full_disk_is_judged_by_looking_at_it_when_the_error_does_not_say(monk
     disk_with(monkeypatch, 0)
     for named in (PermissionError(errno.EACCES, "Permission denied"), CheckpointError("checkpoint x: corrupt")):
         assert no_space_reason(named, tmp_path) is None  # an error that names its cause keeps it
+
+
+@pytest.mark.parametrize("text", SHORT_WRITES, ids=["unexpected-pos", "file-write-failed"])
+def test_a_short_write_is_a_full_disk_only_when_the_disk_is_full(monkeypatch, tmp_path, text):
+    """torch's short-write texts name no cause: beside free space they are the writer's error, not a full disk."""
+    target = tmp_path / "state.pt"
+    assert no_space_reason(RuntimeError(text)) is None  # the words alone do not tell
+    disk_with(monkeypatch, ROOMY)
+    err = RuntimeError(text)
+    assert no_space_reason(err, target) is None
+    assert agreement.failure_reason(err, target) == f"RuntimeError: {text}"
+    disk_with(monkeypatch, LOW_SPACE // 2)
+    err = RuntimeError(text)
+    assert agreement.failure_reason(err, target) == f"no space left on device writing {target}"
+
+
+def quota_error() -> OSError:
+    return OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+
+@pytest.mark.parametrize("make, reason", [
+    (quota_error, "disk quota exceeded"),
+    (lambda: SafetensorError(f"Error while serializing: I/O error: Disk quota exceeded (os error {errno.EDQUOT})"),
+     "disk quota exceeded"),
+    (lambda: OSError(errno.EIO, os.strerror(errno.EIO)), "I/O error"),
+    (lambda: SafetensorError(f"Error while serializing: I/O error: Input/output error (os error {errno.EIO})"),
+     "I/O error"),
+    (lambda: OSError(errno.ESTALE, os.strerror(errno.ESTALE)), "stale NFS file handle"),
+    (lambda: SafetensorError(f"Error while serializing: I/O error: Stale file handle (os error {errno.ESTALE})"),
+     "stale NFS file handle"),
+], ids=["quota", "quota-safetensors", "eio", "eio-safetensors", "estale", "estale-safetensors"])
+def test_quota_io_error_and_stale_handle_are_named_as_themselves(monkeypatch, tmp_path, make, reason):
+    """Each as itself, with a full disk or room on it alike, and however deep in the chain the cause is."""
+    target = tmp_path / "state.pt"
+    for free in (0, ROOMY):
+        disk_with(monkeypatch, free)
+        assert agreement.failure_reason(make(), target) == f"{reason} writing {target}"
+        try:
+            try:
+                raise make()
+            except Exception as cause:
+                raise RuntimeError(SHORT_WRITES[0]) from cause  # the short write names no cause; its cause does
+        except RuntimeError as err:
+            assert agreement.failure_reason(err, target) == f"{reason} writing {target}"
+            assert no_space_reason(err) == (reason if reason == "disk quota exceeded" else None)
 
 
 # ---------------------------------------------------------------- every write path
@@ -161,6 +212,57 @@ def test_checkpoint_save_with_a_stream_error_on_a_full_disk_names_the_space(monk
     assert not (root / ".tmp-step_00000004").exists()
 
 
+@pytest.mark.parametrize("failure, said", [
+    (quota_error, rf"disk quota exceeded writing .*\); 50.0 GiB free in {{root}} now but none under your disk quota, "
+                  rf"about {SIZE} needed \(estimate: the previous checkpoint's size\); "),
+    (lambda: OSError(errno.EIO, os.strerror(errno.EIO)), r"I/O error writing .*\); "),
+    (lambda: RuntimeError(SHORT_WRITES[0]), rf"RuntimeError: {re.escape(SHORT_WRITES[0])}\); "),
+], ids=["quota", "eio", "short-write"])
+def test_checkpoint_save_beside_free_space_is_not_called_a_full_disk(monkeypatch, tmp_path, failure, said):
+    """A quota is named with its folder (the free space is not what ran out), an I/O error and a short write with
+    room on the disk as what they are."""
+    trainer = Trainer(load_config(None, [*RUN, "train.max_steps=2", f"run.output_dir={tmp_path / 'run'}"]))
+    trainer.fit()
+    root = trainer.run_dir.checkpoints
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if ".tmp-" in str(f):
+            Path(f).write_bytes(b"x" * 300)
+            raise failure()
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    disk_with(monkeypatch, ROOMY)
+    trainer.state.step = 4
+    with pytest.raises(CheckpointError) as raised:
+        trainer.checkpointer.save()
+    message = str(raised.value)
+    assert re.fullmatch(rf"could not save checkpoint step_00000004 \(rank 0: {said.format(root=re.escape(str(root)))}"
+                        rf"the previous checkpoint .*step_00000002 is intact", message), message
+    assert "no space left on device" not in message
+    assert not (root / ".tmp-step_00000004").exists()
+
+
+def test_samples_beyond_a_quota_name_the_quota_and_keep_the_previous_set(monkeypatch, tmp_path):
+    out = tmp_path / "samples" / "samples.fasta"
+    out.parent.mkdir()
+    out.write_text(">old\n")
+
+    class Task:
+        def write_samples(self, samples, options, partial):
+            partial.write_text(">sample_0\n")
+            raise quota_error()
+
+    disk_with(monkeypatch, ROOMY)
+    with pytest.raises(DiskFullError, match=rf"^could not write {re.escape(str(out))}: disk quota exceeded \(50.0 GiB "
+                                            rf"free in {re.escape(str(out.parent))} now but none under your disk "
+                                            rf"quota, about {SIZE} needed \(at least what was written before the "
+                                            rf"space ran out\)\); the previous samples.fasta is intact$"):
+        generation._write_whole(Task(), [], None, out)
+    assert out.read_text() == ">old\n"
+
+
 def test_export_refuses_before_writing_when_the_disk_has_too_little_room(monkeypatch, tmp_path):
     run = tmp_path / "run"
     Trainer(load_config(None, [*RUN, "train.max_steps=2", f"run.output_dir={run}"])).fit()
@@ -186,7 +288,7 @@ def test_samples_on_a_full_disk_are_one_error_and_keep_the_previous_set(monkeypa
     disk_with(monkeypatch, 8 * 1024)
     with pytest.raises(DiskFullError, match=rf"^could not write {re.escape(str(out))}: no space left on device \(8.0 "
                                             rf"KiB free in {re.escape(str(out.parent))} now, about {SIZE} needed "
-                                            rf"\(at least what was written before the disk filled\)\); the previous "
+                                            rf"\(at least what was written before the space ran out\)\); the previous "
                                             rf"samples.fasta is intact$"):
         generation._write_whole(Task(), [], None, out)
     assert [p.name for p in out.parent.iterdir()] == ["samples.fasta"] and out.read_text() == ">old\n"

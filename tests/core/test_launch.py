@@ -51,8 +51,9 @@ class FakeRun:
 
     def __init__(self, code: int = 0, preempted: bool = False):
         self.code, self.preempted, self.calls = code, preempted, []
+        self.stopped_for = None  # the launcher was not stopped on a recorded failure
 
-    def __call__(self, cmd, env):
+    def __call__(self, cmd, env, stop_for=None):
         self.calls.append((cmd, env))
         run_dir = Path(cmd[cmd.index("train") + 1]).parent
         records = [{"step": 0, "event": "start", "world_size": 3}, {"step": 2, "eval/loss": 0.5}]

@@ -1,4 +1,4 @@
-"""Failures that used to hang, pass silently or end in a traceback (issue 11): an unrestorable RNG state,
+"""Failures that must be one clear error, never a hang, a silent pass or a traceback: an unrestorable RNG state,
 a kill while a save is finalised, data without one batch, an unwritable run or checkpoint directory,
 a SIGTERM that no step boundary answers, DeepSpeed's warning in plain runs, the run lock after fit."""
 

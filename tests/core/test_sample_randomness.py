@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FAMILY_RUNS, FAMILY_RUNS_COMMON, ROOT, reset_accelerate
+from conftest import FAMILY_RUNS, FAMILY_RUNS_COMMON, ROOT, reset_accelerate, task_cache_dir
 from safetensors.torch import load_file
 
 from trainer.api import train
@@ -85,7 +85,7 @@ ALSO_ONE_PROCESS = {"protein_sedd": ["train.per_device_batch_size=4"]}
 def family_config(family: str, out, cache, *overrides: str):
     config, extra = FAMILY_RUNS[family]
     return load_config(str(ROOT / "configs" / config), [*FAMILY_RUNS_COMMON, *extra, f"run.output_dir={out}",
-                                                        *([f"task.cache_dir={cache}"] if family != "regression" else []),
+                                                        *task_cache_dir(family, cache),
                                                         *overrides])
 
 

@@ -33,6 +33,7 @@ from conftest import (
     cut_run_back,
     deepspeed_family_run,
     run_cmd,
+    task_cache_dir,
     train_losses,
 )
 
@@ -132,7 +133,7 @@ def test_fp16_zero2_checkpoint_resumes_in_a_plain_fp16_process(tmp_path):
 def family_cmd(family: str, out: Path, cache: Path, *extra: str) -> list[str]:
     config, overrides = FAMILY_RUNS[family]
     return [sys.executable, TRAIN, str(ROOT / "configs" / config), *FAMILY_RUNS_COMMON, *overrides,
-            f"run.output_dir={out}", *([f"task.cache_dir={cache}"] if family != "regression" else []), *extra]
+            f"run.output_dir={out}", *task_cache_dir(family, cache), *extra]
 
 
 SAMPLE_OPTIONS = {"protein_sedd": ["num_samples=4", "batch_size=4", "steps=16"],

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 
 from trainer.config import Config, ConfigError
-from trainer.core.elastic import sizes_that_keep
+from trainer.core.elastic_launch import sizes_that_keep
 
 logger = logging.getLogger("trainer")
 

@@ -5,6 +5,7 @@ Imports no torch: the front end (core/launch.py) uses it too.
 
 from __future__ import annotations
 
+import datetime
 import os
 import shlex
 import sys
@@ -16,6 +17,7 @@ from trainer.core.watchdog import started_by_launcher
 
 if TYPE_CHECKING:
     from trainer.config import Config
+    from trainer.rundir import RunDir
 
 FRONT_END_ENV = "TRAINER_FRONT_END"
 """Set by `trainer train --nproc` (core/launch.py) for the ranks it starts: after a stop the ranks exit 0, so
@@ -32,6 +34,16 @@ def interrupted_line(step: int | str, max_steps: int, checkpoint: Path | str | N
     """The one line a run stopped by Ctrl-C ends with."""
     return (f"trainer: interrupted by Ctrl-C at step {step} of {max_steps}: checkpoint {checkpoint} written; "
             f"resume with: {resume}")
+
+
+def already_complete_line(run_dir: RunDir, step: int, planned: int, checkpoint: Path) -> str:
+    """The one line a rerun of a finished run says: it trains and writes nothing; its results are `checkpoint`'s."""
+    when = datetime.datetime.fromtimestamp(checkpoint.stat().st_mtime).strftime("%Y-%m-%d %H:%M")
+    done = (f"run already complete at step {step}/{planned}" if step == planned else
+            f"{run_dir.root} holds a run that ended at step {step}, past this config's plan of {planned} steps "
+            f"(another config trained it)")
+    return (f"{done}: nothing to train; its results are from {when} ({run_dir.metrics}, {checkpoint}); "
+            f"run.resume=none or another run.output_dir trains this config")
 
 
 def started_by_front_end(environ: Mapping[str, str] = os.environ) -> bool:

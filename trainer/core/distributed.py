@@ -25,8 +25,9 @@ from accelerate.utils import DistributedType, GradientAccumulationPlugin, Projec
 
 from trainer.config import Config, ConfigError
 from trainer.core.deepspeed_ops import use_environment_op_cache
-from trainer.core.run_lock import RunLockedError, acquire_run_lock
+from trainer.core.run_lock import RunLockedError, acquire_run_lock, join_generation
 from trainer.core.watchdog import guard_against_orphaning
+from trainer.errors import CheckpointError
 from trainer.task import CompilableModel
 
 if TYPE_CHECKING:
@@ -308,13 +309,15 @@ def quiet_replica() -> None:
 def claim_output_dir(accelerator: Accelerator, output_dir: str | Path) -> None:
     """The main process takes the run directory's lock (released at the end of `fit`, or at exit); if
     a live run holds it, or the directory cannot be written, every rank raises the same error, so none
-    of them goes on to build data and model."""
-    error = None
+    of them goes on to build data and model. Every rank joins the lock's generation (run_lock.py)."""
+    error, generation = None, 0
     if accelerator.is_main_process:
         try:
-            acquire_run_lock(output_dir)
+            generation = acquire_run_lock(output_dir).generation
         except RunLockedError as err:
             error = ("locked", str(err))
+        except CheckpointError as err:  # an unreadable generation file beside the lock
+            error = ("checkpoint", str(err))
         except OSError as err:  # an unwritable directory must not leave the others waiting
             where = err.filename or output_dir
             error = ("config", f"run.output_dir {output_dir} cannot be written ({where}: "
@@ -322,12 +325,13 @@ def claim_output_dir(accelerator: Accelerator, output_dir: str | Path) -> None:
     if accelerator.num_processes > 1:
         import torch.distributed as dist
 
-        box = [error]
+        box = [(error, generation)]
         dist.broadcast_object_list(box, src=0)
-        error = box[0]
+        error, generation = box[0]
     if error is not None:
         kind, message = error
-        raise RunLockedError(message) if kind == "locked" else ConfigError(message)
+        raise {"locked": RunLockedError, "checkpoint": CheckpointError}.get(kind, ConfigError)(message)
+    join_generation(output_dir, generation)
 
 
 _WRAPPERS: tuple[type, ...] | None = None

@@ -224,7 +224,7 @@ class TorchEngine(Engine):
         acc = self.accelerator
         from accelerate.utils.other import clean_state_dict_for_safetensors
 
-        from trainer.core.checkpoint.parts import rng_file_states
+        from trainer.core.checkpoint.rng import rng_file_states
 
         files = [StagedFile(f"random_states_{acc.process_index}.pkl", "torch", rng_file_states(acc))]
         if acc.is_main_process:

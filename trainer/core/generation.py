@@ -28,8 +28,9 @@ import yaml
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from trainer.atomic_io import atomic_write_text, disk_bytes, no_space_reason, space_report, temp_path, temp_paths_of
+from trainer.atomic_io import atomic_write_text, temp_path, temp_paths_of
 from trainer.config import config_from_dict, parse_options
+from trainer.disk_space import disk_bytes, no_space_reason, space_report
 from trainer.errors import ConfigError, DiskFullError
 from trainer.registry import get_task
 from trainer.seeding import derive_seed
@@ -179,7 +180,7 @@ def _write_whole(task: GenerativeTask, samples: Any, options: Any, out: Path) ->
         written = disk_bytes(partial)
         _remove(partial)
         if full is not None:
-            _raise_if_disk_full(err, out, written, estimate="at least what was written before the disk filled")
+            _raise_if_disk_full(err, out, written, estimate="at least what was written before the space ran out")
         raise
     _remove(out)
     os.replace(partial, out)
@@ -187,12 +188,13 @@ def _write_whole(task: GenerativeTask, samples: Any, options: Any, out: Path) ->
 
 
 def _raise_if_disk_full(err: Exception, out: Path, needed: int, estimate: str) -> None:
-    """A DiskFullError naming `out`'s folder, its free space and `needed`, when `err` is a full disk."""
+    """A DiskFullError naming `out`'s folder, its free space and `needed`, when `err` is a full disk or quota."""
     full = no_space_reason(err, out)
     if full is None:
         return
     kept = f"the previous {out.name} is intact" if out.exists() else "nothing was written there"
-    raise DiskFullError(f"could not write {out}: {full} ({space_report(out.parent, needed, estimate)}); {kept}") from err
+    space = space_report(out.parent, needed, estimate, reason=full)
+    raise DiskFullError(f"could not write {out}: {full} ({space}); {kept}") from err
 
 
 def _remove(path: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -25,13 +26,14 @@ from typing import Any
 
 from trainer.config import Config, save_config
 from trainer.core.command_line import FRONT_END_ENV, RANK_STATUS_ENV, interrupted_line, resume_command
-from trainer.core.elastic import (
+from trainer.core.elastic_launch import (
     AGENT_ENV,
     AGENT_LOG_LINE,
     ELASTIC_ENV,
     ElasticSpec,
     agent_command,
     default_run_id,
+    hosts_store,
     refused_node_counts,
 )
 from trainer.core.watchdog import started_by_launcher
@@ -128,15 +130,63 @@ def train(cfg: Config, num_processes: int = 1, deepspeed_config: str | None = No
 
 
 def train_elastic(cfg: Config, spec: ElasticSpec, deepspeed_config: str | None = None) -> RunResult:
-    """Train `cfg` under torch's elastic agent on this node (core/elastic.py): every node of the job runs the same
-    call; the run goes on while at least spec.min_nodes nodes are there."""
+    """Train `cfg` under torch's elastic agent on this node (core/elastic_launch.py): every node of the job runs
+    the same call; the run goes on while at least spec.min_nodes nodes are there.
+
+    A rank's error of the run's own (not a lost peer: core/rank_errors.py) stops this node's agent instead of a
+    restart that would repeat it: the failed rank's traceback is printed and a `LaunchError` names it."""
     run_id = spec.run_id or default_run_id(cfg.run.output_dir)
     if (refused := refused_node_counts(spec, cfg.train.global_batch_size)) is not None:
         logger.warning("%s", refused)
+    if (line := store_host_line(spec)) is not None:
+        logger.warning("%s", line)
     trainer_args = ["--deepspeed", str(deepspeed_config)] if deepspeed_config else []
-    return _launch(cfg, lambda config: agent_command(spec, run_id, ["train", str(config), *trainer_args]),
-                   f"the elastic run ({spec.min_nodes}:{spec.max_nodes} nodes)", spec.nproc_per_node, None,
-                   AGENT_ENV)
+    failure = _RunFailure(cfg.run.output_dir, run_id, time.time())
+    try:
+        return _launch(cfg, lambda config: agent_command(spec, run_id, ["train", str(config), *trainer_args]),
+                       f"the elastic run ({spec.min_nodes}:{spec.max_nodes} nodes)", spec.nproc_per_node, None,
+                       AGENT_ENV, stop_for=failure.poll)
+    except LaunchError:
+        failure.show_traceback()
+        raise
+
+
+def store_host_line(spec: ElasticSpec) -> str | None:
+    """One line when this node's agent will host the rendezvous store (`hosts_store`): its loss then ends the job."""
+    if not hosts_store(spec):
+        return None
+    port = spec.endpoint.rpartition(":")[2]
+    return (f"this node's agent hosts the rendezvous store at {spec.endpoint} (nothing listens there yet): losing "
+            f"this node ends the job; `trainer rendezvous --port {port}` started there first keeps the store apart")
+
+
+class _RunFailure:
+    """The front end's view of an elastic run's recorded failure (core/rank_errors.py), written since its launch."""
+
+    def __init__(self, run_dir: str | Path, run_id: str, since: float):
+        self.run_dir, self.run_id, self.since = run_dir, run_id, since
+        self.record: dict | None = None
+
+    def poll(self) -> LaunchError | None:
+        """The error to end the launch with once a rank recorded a failure, else None."""
+        from trainer.core.rank_errors import failure_line, read_failure
+
+        if self.record is None:
+            self.record = read_failure(self.run_dir, self.run_id, self.since)
+        if self.record is None:
+            return None
+        return LaunchError(f"the elastic run stopped: {failure_line(self.record)}", exit_code=1)
+
+    def show_traceback(self) -> None:
+        """Print the failed rank's last traceback (its file keeps every one)."""
+        if self.record is None or not self.record.get("traceback"):
+            return
+        try:
+            text = Path(self.record["traceback"]).read_text()
+        except OSError:
+            return
+        headers = [m.start() for m in re.finditer(r"^--- .* ---$", text, re.M)]
+        print(text[headers[-1] if headers else 0:].rstrip(), file=sys.stderr, flush=True)
 
 
 def _train_here(cfg: Config, deepspeed_config: str | None) -> RunResult:
@@ -171,12 +221,16 @@ class RanksEnded:
     """Ctrl-C presses passed on to the ranks."""
     statuses: frozenset[int]
     """The exit statuses the ranks' command lines reported (2: an input error they said in one line)."""
+    stopped_for: LaunchError | None = None
+    """The error the front end stopped the launcher for (`run_ranks`' stop_for), None if it ended by itself."""
 
 
 def run_ranks(cmd: list[str], num_processes: int, gpu_ids: Sequence[int] | None = None,
-              extra_env: Mapping[str, str] | None = None) -> RanksEnded:
+              extra_env: Mapping[str, str] | None = None,
+              stop_for: Callable[[], LaunchError | None] | None = None) -> RanksEnded:
     """Run a launcher command (`ranks_command`) through the front end: a clean environment for the launch, Ctrl-C
-    passed to the ranks, and the launcher's own report of what the ranks already said left out (`_FrontEnd`)."""
+    passed to the ranks, and the launcher's own report of what the ranks already said left out (`_FrontEnd`).
+    `stop_for`, polled while the launcher runs: once it returns an error, the launcher is stopped (SIGTERM)."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(extra_env or {})}
     for key in ("MASTER_ADDR", "MASTER_PORT"):  # --standalone picks a free port; a stale one must not leak in
         env.pop(key, None)
@@ -188,8 +242,9 @@ def run_ranks(cmd: list[str], num_processes: int, gpu_ids: Sequence[int] | None 
         env.update({FRONT_END_ENV: "1", RANK_STATUS_ENV: status_dir,
                     # The agent (torchrun's --signals-to-handle) leaves Ctrl-C to the front end, which passes it on.
                     "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGHUP,SIGQUIT"})
-        code, interrupts = _FrontEnd(cmd, env).run()
-        return RanksEnded(code, interrupts, frozenset(read_rank_statuses(status_dir)))
+        front = _FrontEnd(cmd, env, stop_for)
+        code, interrupts = front.run()
+        return RanksEnded(code, interrupts, frozenset(read_rank_statuses(status_dir)), front.stopped_for)
 
 
 def raise_for_ranks(ended: RanksEnded, what: str, hint: str = "") -> None:
@@ -203,13 +258,17 @@ def raise_for_ranks(ended: RanksEnded, what: str, hint: str = "") -> None:
 
 
 def _launch(cfg: Config, command: Callable[[Path], list[str]], what: str, num_processes: int,
-            gpu_ids: list[int] | None, extra_env: Mapping[str, str] | None = None) -> RunResult:
+            gpu_ids: list[int] | None, extra_env: Mapping[str, str] | None = None,
+            stop_for: Callable[[], LaunchError | None] | None = None) -> RunResult:
     run = RunDir(cfg.run.output_dir)
     run.root.mkdir(parents=True, exist_ok=True)
     config_file = run.root / LAUNCH_CONFIG
     save_config(cfg, config_file)
     started, metrics_before = time.time(), _file_signature(run.metrics)
-    ended = run_ranks(command(config_file), num_processes, gpu_ids, extra_env)
+    ended = run_ranks(command(config_file), num_processes, gpu_ids, extra_env, stop_for)
+    # Also when the launcher ended by itself first (its restarts spent): the recorded failure is the reason.
+    if (failed := ended.stopped_for or (stop_for() if stop_for and ended.code != 0 else None)) is not None:
+        raise failed
     marker = _stop_marker(run, started)
     if ended.interrupts and marker is None:  # before training started, or pressed twice before the checkpoint
         latest = _latest(run)
@@ -302,9 +361,14 @@ class _FrontEnd:
     traceback naming the ranks' exit statuses) is left out: the ranks' `trainer:` lines said it.
     """
 
-    def __init__(self, cmd: list[str], env: dict[str, str]):
-        self.cmd, self.env = cmd, env
+    STOP_POLL_S = 1.0
+    """`stop_for` is asked at most this often (it may read the shared file system)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], stop_for: Callable[[], LaunchError | None] | None = None):
+        self.cmd, self.env, self.stop_for = cmd, env, stop_for
         self.quiet_agent = env.get(ELASTIC_ENV) == "1"  # the next worker group says what a restart changed
+        self.stopped_for: LaunchError | None = None
+        self._looked_at = -self.STOP_POLL_S
         self.interrupts = 0
         self.quiet = False
         self.status_dir = Path(env[RANK_STATUS_ENV])
@@ -333,6 +397,7 @@ class _FrontEnd:
                     break
                 except subprocess.TimeoutExpired:
                     self._pass_on_interrupts()
+                    self._stop_if_failed()
         finally:
             for relay in relays:
                 relay.join(timeout=10)
@@ -370,6 +435,19 @@ class _FrontEnd:
                     os.kill(pid, signal.SIGINT)
                 except ProcessLookupError:
                     break
+
+    def _stop_if_failed(self) -> None:
+        """Stop the launcher once `stop_for` names an error: what follows (the launcher's own account of its stop,
+        the stopped ranks' output) is left out but for `trainer:` lines."""
+        if self.stop_for is None or self.stopped_for is not None or time.monotonic() - self._looked_at < self.STOP_POLL_S:
+            return
+        self._looked_at = time.monotonic()
+        self.stopped_for = self.stop_for()
+        if self.stopped_for is not None:
+            import signal
+
+            self.quiet = True
+            self.proc.send_signal(signal.SIGTERM)  # torchrun's agent stops its workers and leaves the rendezvous open
 
     def _launcher_speaks(self) -> bool:
         """True once the ranks (registered, so they did start) ended after a Ctrl-C or a reported input error: what

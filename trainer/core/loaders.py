@@ -116,6 +116,21 @@ class StreamBatches(IterableDataset):
             yield EpochEnd(samples)
 
 
+def unit_fractions(task: Task, batches: list[Any], accelerator: Any) -> tuple[list, Any]:
+    """Each of this rank's micro-batches' share of the units (`Task.batch_weight`) of the whole optimizer step (all
+    ranks), and this rank's units: the weights of the step's mean loss."""
+    acc = accelerator
+    weights = [task.batch_weight(b) for b in batches]
+    if acc.num_processes == 1 and all(isinstance(w, (int, float)) for w in weights):
+        total = float(sum(weights))  # host numbers: no device work at all
+        return [w / total for w in weights], total
+    weights = [w.to(acc.device, torch.float32) if isinstance(w, torch.Tensor)
+               else torch.full((), float(w), dtype=torch.float32, device=acc.device) for w in weights]
+    local = weights[0] if len(weights) == 1 else torch.stack(weights).sum()
+    total = acc.reduce(local, reduction="sum") if acc.num_processes > 1 else local
+    return [w / total for w in weights], local
+
+
 def loader_options(cfg: Config, task: Task) -> dict[str, Any]:
     """DataLoader keywords shared by the training, eval and test loaders."""
     return dict(collate_fn=task.collate, num_workers=cfg.data.num_workers,

@@ -1,22 +1,36 @@
-"""Stop signals: SIGTERM/SIGUSR1 (preemption) and SIGINT (Ctrl-C) become a stop at a step boundary that
-every rank agrees on.
+"""Stop signals: SIGTERM/SIGUSR1 (preemption) and SIGINT (Ctrl-C) become a stop at a step boundary (or an
+evaluation batch) that every rank agrees on.
 
-The Trainer asks `PreemptionWatcher.should_stop()` at each step boundary; on a stop it writes a
-checkpoint and the process exits with `PREEMPTED_EXIT_CODE` after SIGTERM/SIGUSR1, which batch systems
-read as "requeue", or `INTERRUPTED_EXIT_CODE` after Ctrl-C, the shell's status for SIGINT.
+The Trainer asks `PreemptionWatcher.should_stop()` at each step boundary and before each evaluation batch (an
+evaluation may outlast a batch system's grace period; a stopped one is dropped); on a stop it writes the step's
+checkpoint and `report_stop` its marker, and the process exits with `PREEMPTED_EXIT_CODE` after SIGTERM/SIGUSR1,
+which batch systems read as "requeue", or `INTERRUPTED_EXIT_CODE` after Ctrl-C, the shell's status for SIGINT.
 A rank that cannot reach a boundary exits without a checkpoint instead of hanging (see the class).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import socket
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
+
+from trainer.atomic_io import atomic_write_text
+from trainer.core.checkpoint import store
+from trainer.core.command_line import interrupted_line, resume_command, started_by_front_end
+
+if TYPE_CHECKING:
+    from trainer.config import Config
+    from trainer.rundir import RunDir
+
+logger = logging.getLogger("trainer")
 
 PREEMPTED_EXIT_CODE = 75
 """Exit status after a SIGTERM/SIGUSR1 checkpoint (EX_TEMPFAIL: try again, i.e. requeue)."""
@@ -40,10 +54,11 @@ def stop_exit_code(signal_name: str | None) -> int:
 
 
 class PreemptionWatcher:
-    """Turns SIGTERM/SIGUSR1/SIGINT into a stop request that all ranks agree on at the same step.
+    """Turns SIGTERM/SIGUSR1/SIGINT into a stop request that all ranks agree on at the same step (or evaluation batch).
 
     With several processes the local flags are max-reduced over a gloo group, asynchronously: the
-    reduction started at step k is read at step k+1, so no step waits on the device. A Ctrl-C on any
+    reduction started at step (or batch) k is read at k+1, so no step waits on the device. Every rank asks at
+    the same points, and once they agreed the answer stays yes. A Ctrl-C on any
     rank outranks a preemption signal, so every rank agrees on the reason too (`stop_signal`).
 
     A rank that never reaches a step boundary (stuck in a collective, or in data that yields nothing)
@@ -154,8 +169,24 @@ class PreemptionWatcher:
         finally:
             os._exit(128 + signum)
 
+    @property
+    def stopping(self) -> bool:
+        """Whether the ranks agreed to stop (at a `should_stop`)."""
+        return self._stopping
+
+    @property
+    def status(self) -> str:
+        """The run's status: `interrupted` (the ranks agreed to stop for a Ctrl-C), `preempted` (for another stop
+        signal) or `completed` (no stop)."""
+        if not self._stopping:
+            return "completed"
+        return "interrupted" if self.stop_signal == "SIGINT" else "preempted"
+
     def should_stop(self) -> bool:
+        """Whether to stop here: the same answer on every rank, each of which asks at the same points."""
         self._boundary_at = time.monotonic()
+        if self._stopping:  # agreed at an earlier point: no further collective
+            return True
         if self._world_size == 1:
             self._stopping = self.requested
             self.stop_signal = self.received if self.requested else None
@@ -200,11 +231,28 @@ class PreemptionWatcher:
             PreemptionWatcher._active = None
 
 
+def report_stop(cfg: Config, run_dir: RunDir, step: int, max_steps: int, watcher: PreemptionWatcher,
+                quiet: bool = False) -> None:
+    """On the main process, once a stopped run's checkpoint is written: its marker, `RUN_DIR/preempted.json`
+    (launchers such as torchrun's agent replace the ranks' exit status; batch scripts look for this file), and
+    one line: after Ctrl-C the command that resumes (the front end, `trainer train --nproc`, says it itself),
+    after a preemption signal the exit status (not when `quiet`: an elastic agent restarts the group)."""
+    signal_name = watcher.stop_signal or watcher.received
+    atomic_write_text(run_dir.preempted, json.dumps({"step": step, "signal": signal_name}))
+    if watcher.status == "interrupted":
+        if not started_by_front_end():
+            latest = store.latest_checkpoint(run_dir.checkpoints)
+            print(interrupted_line(step, max_steps, latest, resume_command(cfg)), file=sys.stderr, flush=True)
+    elif not quiet:
+        logger.warning("stop requested by %s: checkpoint at step %d written, exiting with status %d",
+                       signal_name or "another rank", step, stop_exit_code(signal_name))
+
+
 def _first_signal_message(name: str) -> str:
-    if name == "SIGINT":
-        return ("\ntrainer: Ctrl-C: stopping after the current step with a checkpoint "  # after a progress bar's line
+    if name == "SIGINT":  # on a line of its own, after a progress bar's
+        return ("\ntrainer: Ctrl-C: stopping after the current step or evaluation batch with a checkpoint "
                 "(Ctrl-C again stops at once, without one)\n")
-    return (f"trainer: {name} received: stopping after the current step "
+    return (f"trainer: {name} received: stopping after the current step or evaluation batch "
             f"(a second {name} stops at once, without a checkpoint)\n")
 
 

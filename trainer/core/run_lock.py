@@ -11,6 +11,13 @@ restarted worker group of an elastic run takes over the lock of an earlier group
 even from a lost node (`_earlier_group`).
 Within one process the lock is re-entrant; a forked child (a DataLoader worker) drops its copy, so it
 cannot keep the lock of a killed main process alive.
+
+A holder that was taken over may still be alive (a node cut off from the others, a process stopped for longer than
+the heartbeat allows), and its saves must not land any more. Each takeover therefore starts a new generation of the
+run: one more in `RUN_DIR/.generation` (`generation_file`), written while the new holder has the lock. Every process
+of a worker group gets its group's number (`claim_output_dir` hands the main process's to the others;
+`run_generation`), and the checkpoint store checks it against the file before it renames or removes anything
+(`store.Generation`). A lock taken without a takeover (its last holder released it) keeps the generation.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from typing import Any
 
 import psutil
 
+from trainer.atomic_io import atomic_write_text
+from trainer.core.checkpoint.store import Generation, read_generation
 from trainer.core.elastic import restartable
 from trainer.errors import TrainerError
 from trainer.rundir import RunDir
@@ -37,6 +46,7 @@ logger = logging.getLogger("trainer")
 
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 120.0
+GENERATION_FILE = ".generation"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
@@ -101,10 +111,12 @@ def _in_use(path: Path, holder: dict[str, Any] | None) -> RunLockedError:
 
 
 class RunLock:
-    """An acquired lock on one run directory; `release()` (also at exit) removes it."""
+    """An acquired lock on one run directory; `release()` (also at exit) removes it. `generation`: the run's
+    generation this holder's worker group belongs to (module docstring)."""
 
-    def __init__(self, path: Path, fd: int):
+    def __init__(self, path: Path, fd: int, generation: int = 0):
         self.path = path
+        self.generation = generation
         self._fd: int | None = fd
         self._owner = os.getpid()
         self._stop = threading.Event()
@@ -162,6 +174,37 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
+def generation_file(output_dir: str | Path) -> Path:
+    """Where the run's newest generation is kept, beside the lock (outside `checkpoints/`, which run.resume=none
+    moves aside)."""
+    return RunDir(output_dir).root.absolute() / GENERATION_FILE
+
+
+def _start_generation(output_dir: str | Path) -> int:
+    """One more than the run's newest generation, written before the new holder does anything in the directory."""
+    number = read_generation(generation_file(output_dir)) + 1
+    atomic_write_text(generation_file(output_dir), f"{number}\n")
+    return number
+
+
+_joined: dict[Path, int] = {}
+"""The generation of this process's worker group by lock path, where another process of the group holds the lock."""
+
+
+def join_generation(output_dir: str | Path, number: int) -> None:
+    """Record the generation of the worker group this process belongs to (its main process took the lock)."""
+    _joined[RunDir(output_dir).lock.absolute()] = number
+
+
+def run_generation(output_dir: str | Path) -> Generation | None:
+    """The generation this process's saves into `output_dir` belong to: its lock's, or the one its worker group
+    joined; None when it neither holds the lock nor joined a group that does."""
+    path = RunDir(output_dir).lock.absolute()
+    lock = _held.get(path)
+    number = lock.generation if lock is not None and lock.held else _joined.get(path)
+    return None if number is None else Generation(number, generation_file(output_dir))
+
+
 def release_run_lock(output_dir: str | Path) -> None:
     """Release this process's lock on `output_dir` now rather than at exit (no-op if not held)."""
     lock = _held.get(RunDir(output_dir).lock.absolute())
@@ -184,7 +227,8 @@ def _stale_reason(holder: dict[str, Any] | None, fd: int) -> str | None:
 
 
 def acquire_run_lock(output_dir: str | Path) -> RunLock:
-    """Take `RunDir(output_dir).lock` for this process, or raise RunLockedError naming the live holder.
+    """Take `RunDir(output_dir).lock` for this process, or raise RunLockedError naming the live holder; a takeover
+    starts a new generation of the run (module docstring).
 
     Re-entrant within one process (several Trainers in one interpreter, e.g. a test, share it).
     """
@@ -193,6 +237,7 @@ def acquire_run_lock(output_dir: str | Path) -> RunLock:
         if path in _held and _held[path].held:
             return _held[path]
         path.parent.mkdir(parents=True, exist_ok=True)
+        took_over = False
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
@@ -205,6 +250,7 @@ def acquire_run_lock(output_dir: str | Path) -> RunLock:
                 logger.info("taking over the lock of %s from an earlier worker group of this elastic run (%s)",
                             path.parent, _describe(holder))
                 path.unlink(missing_ok=True)  # a new file: the old one's flock stays with the old group's file
+                took_over = True
                 continue
             except OSError as err:
                 if err.errno not in _NO_FLOCK:
@@ -225,7 +271,14 @@ def acquire_run_lock(output_dir: str | Path) -> RunLock:
                     os.close(fd)
                     raise _in_use(path, holder)
                 logger.warning("taking over the lock of %s left by %s: %s", path.parent, _describe(holder), reason)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(_this_process()) + "\n").encode(), 0)
-            lock = _held[path] = RunLock(path, fd)
+            try:
+                # A file left with content: its holder never released it (dead, or alive and cut off).
+                took_over = took_over or os.fstat(fd).st_size > 0
+                generation = _start_generation(output_dir) if took_over else read_generation(generation_file(output_dir))
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(_this_process()) + "\n").encode(), 0)
+            except BaseException:
+                os.close(fd)
+                raise
+            lock = _held[path] = RunLock(path, fd, generation)
             return lock

@@ -48,9 +48,9 @@ class RunPlan:
     warmup_steps: int
     """Warm-up optimizer steps, scaled with the lr when optim.scale_warmup."""
     eval_metric: str
+    """The eval metric that selects the best checkpoint."""
     ckpt_every_seconds: float = 0.0
     """Also checkpoint once this many seconds passed since the last checkpoint (0: no time cadence)."""
-    """The eval metric that selects the best checkpoint."""
 
     @property
     def per_device_batch_size(self) -> int:

@@ -3,9 +3,9 @@
 torch's CPU wheels use GNU OpenMP, whose threads spin between parallel regions unless told otherwise. A spinning
 thread is runnable, so the kernel shares its core with another process's busy thread in whole timeslices; every
 small operator's region then waits a timeslice for its thread on the busy core, and the spinning threads take CPU the
-other process (or this process's own xTB workers) would use. Sampling and training run thousands of small operators a
-second, so beside another job they slowed far beyond the share of CPU they lost (BENCHMARKS.md, "Guided sampling
-under load"). A passive wait (a thread sleeps as soon as its region ends) costs a wake-up per region when the
+other process (or this process's own xTB workers) would use. Sampling and training run many small operators, so
+beside another job they slow far beyond the share of CPU they lose (BENCHMARKS.md, "Guided sampling under load").
+A passive wait (a thread sleeps as soon as its region ends) costs a wake-up per region when the
 machine is idle and avoids the collapse when it is not. The runtime reads the policy once, when it is loaded: this
 must run before `import torch`.
 """

@@ -3,19 +3,17 @@
 Read top to bottom: `__init__` builds task, data, model and optimizer, prepares them and resumes;
 `fit` runs optimizer steps (`train_step`), evaluates (`evaluate`) and checkpoints (`save`). Its parts
 live beside it: engine.py (what differs per backend: backward scaling, clipping, the optimizer step,
-skipped steps), loaders.py (this rank's batches), checkpoint/ (the resume target, checkpoint save and resume), ema.py,
-run_logger.py (start lines, logging steps, the summary), optim.py. The loop never branches on the
-task or the backend.
+skipped steps), loaders.py (this rank's batches and their shares of a step's loss), checkpoint/ (the
+resume target, checkpoint save and resume), preemption.py (stop signals, agreed at a step's end or an
+evaluation batch), ema.py, run_logger.py (start lines, logging steps, the summary), optim.py. The loop
+never branches on the task or the backend.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import json
 import logging
 import math
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,6 @@ import torch
 from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
-from trainer.atomic_io import atomic_write_text
 from trainer.config import Config, save_config
 from trainer.core.batch_plan import plan_batch
 from trainer.core.checkpoint import pick_resume_target, store
@@ -41,16 +38,16 @@ from trainer.core.checkpoint.parts import (
     TaskTrainingState,
     TrainState,
 )
-from trainer.core.command_line import interrupted_line, resume_command, started_by_front_end
+from trainer.core.command_line import already_complete_line
 from trainer.core.distributed import build_accelerator, compile_model, unwrap_model
 from trainer.core.elastic import MembershipWatch, restartable, resume_on_restart
 from trainer.core.ema import EMA
 from trainer.core.engine import build_engine, check_backend_supports
 from trainer.core.generation import generate_distributed
 from trainer.core.host_memory import HeapTrimmer
-from trainer.core.loaders import MicroBatch, TrainBatches, agreed_start, build_eval_loader
+from trainer.core.loaders import MicroBatch, TrainBatches, agreed_start, build_eval_loader, unit_fractions
 from trainer.core.optim import build_optimizer, build_scheduler
-from trainer.core.preemption import PreemptionWatcher, stop_exit_code
+from trainer.core.preemption import PreemptionWatcher, report_stop
 from trainer.core.run_lock import release_run_lock
 from trainer.core.run_logger import RunLogger, StepWindow
 from trainer.core.run_plan import build_run_plan
@@ -118,6 +115,8 @@ class Trainer:
                                 global_batch_size=batch.global_batch, lr_world_size=batch.lr_world_size,
                                 zero_stage=self.engine.zero_stage, task=cfg.task.name)
         self.last_eval: dict[str, float] = {}
+        self.watcher: PreemptionWatcher | None = None
+        """While `fit` runs: the stop signals, asked at every step's end and every evaluation batch."""
         self.test_weights_step: int | None = None
         """The step whose weights the test pass used (eval.test_weights), None: the current step."""
 
@@ -133,7 +132,7 @@ class Trainer:
         if self.stateful_task is not None:
             parts["task_state"] = TaskTrainingState(self.task, acc)
         self.checkpointer = Checkpointer(cfg, acc, self.run_dir, parts, target)
-        self.save_clock = SaveClock(cfg.ckpt.every_seconds, world)
+        self.save_clock = SaveClock(cfg.ckpt.every_seconds, world, cfg.run.collective_timeout_s)
         resumed = self.checkpointer.resume(finished=target.step >= plan.max_steps)
         self.resumed_from = resumed.path if resumed else None
         # A run resumed at its last step that was not stopped there has its final eval, test and checkpoint:
@@ -171,12 +170,11 @@ class Trainer:
             return self._say_already_complete()
         # Under an elastic agent a stop signal is the agent restarting the group: the next group says what changed.
         quiet = restartable()
-        watcher = PreemptionWatcher(acc.num_processes, announce=acc.is_main_process and not quiet)
+        self.watcher = watcher = PreemptionWatcher(acc.num_processes, announce=acc.is_main_process and not quiet)
         micro = agreed_start(self.data.micro_batches(self.state.step * plan.grad_accum_steps), acc)
         bar = tqdm(total=plan.max_steps, initial=self.state.step, desc="train", dynamic_ncols=True,
                    disable=not (acc.is_main_process and cfg.log.progress_bar))
         window = StepWindow()
-        status = "completed"
         saved_at = self.state.step if self.resumed_from else -1  # that step is on disk already
         self.model.train()
         while self.state.step < plan.max_steps:
@@ -191,20 +189,20 @@ class Trainer:
                 self._log_train(window, stats, bar)
             improved = False
             if plan.eval_every_steps and step % plan.eval_every_steps == 0 and step < plan.max_steps:
-                improved = self._track_best(self.evaluate())
+                improved = self._track_best(self.evaluate())  # a stopped evaluation has no metrics (None)
             timed = self.save_clock.due()  # every rank, every step: the time cadence is agreed
             if step < plan.max_steps and (improved or timed or (plan.ckpt_every_steps
                                                                 and step % plan.ckpt_every_steps == 0)):
                 if self.save(best=improved, wait=False) is not None:  # None: the last one is still being written
                     saved_at = step
             if watcher.should_stop():
-                status = "interrupted" if watcher.stop_signal == "SIGINT" else "preempted"
                 break
         bar.close()
         self.save_clock.close()
-        self._finish(status, saved_at, watcher, quiet)
+        status = self._finish(saved_at, quiet)
         self.membership.finish(status)
         watcher.close()
+        self.watcher = None
         acc.wait_for_everyone()
         acc.end_training()
         if status == "completed" or (status == "preempted" and not quiet):  # a Ctrl-C ends with its line (_finish)
@@ -218,13 +216,8 @@ class Trainer:
         """One line for a rerun of a finished run (nothing trained, nothing written); returns `already_complete`."""
         acc = self.accelerator
         if acc.is_main_process:
-            when = datetime.datetime.fromtimestamp(Path(self.resumed_from).stat().st_mtime).strftime("%Y-%m-%d %H:%M")
-            step, planned = self.state.step, self.plan.max_steps
-            done = (f"run already complete at step {step}/{planned}" if step == planned else
-                    f"{self.run_dir.root} holds a run that ended at step {step}, past this config's plan of {planned} "
-                    f"steps (another config trained it)")
-            logger.info("%s: nothing to train; its results are from %s (%s, %s); run.resume=none or another "
-                        "run.output_dir trains this config", done, when, self.run_dir.metrics, self.resumed_from)
+            logger.info("%s", already_complete_line(self.run_dir, self.state.step, self.plan.max_steps,
+                                                    Path(self.resumed_from)))
         acc.wait_for_everyone()
         acc.end_training()
         if acc.is_main_process:
@@ -241,7 +234,7 @@ class Trainer:
         acc, accum = self.accelerator, len(batches)
         if self.stateful_task is not None:
             self.stateful_task.start_step(self.state.step, accum)
-        fractions, local_units = self._unit_fractions([b.batch for b in batches])
+        fractions, local_units = unit_fractions(self.task, [b.batch for b in batches], acc)
         shares, logs = [], defaultdict(list)
         for (batch, rng), fraction in zip(batches, fractions):
             with acc.accumulate(self.model) if accum > 1 else contextlib.nullcontext():
@@ -261,19 +254,6 @@ class Trainer:
         return {"loss": step_loss, "units": local_units, "grad_norm": grad_norm,
                 **{k: v[0] if accum == 1 else torch.stack(v).mean() for k, v in logs.items()}}
 
-    def _unit_fractions(self, batches: list[Any]) -> tuple[list, Any]:
-        """Each micro-batch's share of the units of the whole step (all ranks), and this rank's units."""
-        acc = self.accelerator
-        weights = [self.task.batch_weight(b) for b in batches]
-        if acc.num_processes == 1 and all(isinstance(w, (int, float)) for w in weights):
-            total = float(sum(weights))  # host numbers: no device work at all
-            return [w / total for w in weights], total
-        weights = [w.to(acc.device, torch.float32) if isinstance(w, torch.Tensor)
-                   else torch.full((), float(w), dtype=torch.float32, device=acc.device) for w in weights]
-        local = weights[0] if len(weights) == 1 else torch.stack(weights).sum()
-        total = acc.reduce(local, reduction="sum") if acc.num_processes > 1 else local
-        return [w / total for w in weights], local
-
     def _log_train(self, window: StepWindow, stats: dict[str, Any], bar: tqdm) -> None:
         """The logging step: the only place the loop reads the device (losses, units, skipped steps)."""
         self.state.nonfinite_skipped += self.engine.check_skips(self.state.step)
@@ -292,11 +272,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
-    def evaluate(self, split: str = "eval") -> dict[str, float]:
+    def evaluate(self, split: str = "eval") -> dict[str, float] | None:
         """Metrics over the whole eval (or test) set, each sample once whatever world size and batch.
 
-        The test split (`TaskData.test`) is evaluated once, at the end of a completed run;
-        the main process then hands all its per-sample values to `Task.write_report` (e.g. a parity plot).
+        The test split (`TaskData.test`) is evaluated once, at the end of a completed run; the main process then
+        hands all its per-sample values to `Task.write_report` (e.g. a parity plot). Within `fit` a stop signal ends
+        an evaluation at the next batch, the same on every rank (`PreemptionWatcher`), and it returns None: the
+        metrics of part of a split are neither logged nor compared.
         """
         loader = self.eval_loader if split == "eval" else self.test_loader
         if loader is None:
@@ -308,13 +290,18 @@ class Trainer:
         trim = HeapTrimmer()  # the kept outputs fragment the heap between large batches (host_memory.py)
         with use_ema:
             for batch in loader:
+                if self.watcher is not None and self.watcher.should_stop():  # every rank asks at every batch
+                    break
                 out = acc.gather_for_metrics(self.task.eval_step(self.model, batch))
                 for key, value in out.items():
                     values[key].append(value.detach().float().cpu())
                 trim()
-            with self.engine.sampling_context():
-                scores = self._sample_scores() if split == "eval" else {}
+            else:  # the whole split was evaluated
+                with self.engine.sampling_context():
+                    scores = self._sample_scores() if split == "eval" else {}
         self.model.train()
+        if self.watcher is not None and self.watcher.stopping:
+            return None
         joined = {k: torch.cat(v) for k, v in values.items()}
         metrics = {**self.task.reduce_metrics(joined), **scores}
         if split == "eval":
@@ -347,8 +334,10 @@ class Trainer:
             scores = broadcast_object_list([scores])[0]
         return {f"sample_{k}": float(v) for k, v in scores.items()}
 
-    def _track_best(self, metrics: dict[str, float]) -> bool:
+    def _track_best(self, metrics: dict[str, float] | None) -> bool:
         name = self.plan.eval_metric
+        if metrics is None:  # a stopped evaluation
+            return False
         if name not in metrics:
             if metrics:
                 logger.warning("eval.metric '%s' is not among the eval metrics %s", name, sorted(metrics))
@@ -368,32 +357,23 @@ class Trainer:
             self.save_clock.reset()
         return path
 
-    def _finish(self, status: str, saved_at: int, watcher: PreemptionWatcher, quiet: bool = False) -> None:
-        """Final eval, test and checkpoint of a completed run, or the checkpoint and marker of a stopped one."""
+    def _finish(self, saved_at: int, quiet: bool = False) -> str:
+        """Final eval, test and checkpoint of a completed run, or the checkpoint and marker of a stopped one (also
+        one stopped during the final eval or the test pass); returns `completed`, `preempted` or `interrupted`."""
         improved = False
-        if status == "completed":
+        if self.watcher.status == "completed":
             improved = self._track_best(self.evaluate())
         if saved_at != self.state.step or improved:
             self.save(best=improved)
         self.checkpointer.wait(close=True)
-        if status == "completed" and self.test_loader is not None:
+        if self.watcher.status == "completed" and self.test_loader is not None:
             self._load_test_weights()
             self.evaluate("test")
-        if self.accelerator.is_main_process:
+        if self.is_main:
             self.run_dir.preempted.unlink(missing_ok=True)
-            if status != "completed":
-                # Launchers (torchrun's agent) replace our exit status; batch scripts look for this file.
-                signal_name = watcher.stop_signal or watcher.received
-                atomic_write_text(self.run_dir.preempted, json.dumps({"step": self.state.step, "signal": signal_name}))
-                if status == "interrupted":
-                    if started_by_front_end():  # it says so itself, with the command that started it
-                        return
-                    latest = store.latest_checkpoint(self.run_dir.checkpoints)
-                    print(interrupted_line(self.state.step, self.plan.max_steps, latest, resume_command(self.cfg)),
-                          file=sys.stderr, flush=True)
-                elif not quiet:
-                    logger.warning("stop requested by %s: checkpoint at step %d written, exiting with status %d",
-                                   signal_name or "another rank", self.state.step, stop_exit_code(signal_name))
+            if self.watcher.status != "completed":
+                report_stop(self.cfg, self.run_dir, self.state.step, self.plan.max_steps, self.watcher, quiet)
+        return self.watcher.status
 
     def _load_test_weights(self) -> None:
         """eval.test_weights=best: load the best checkpoint's weights (and EMA) for the test pass."""

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer.atomic_io import disk_bytes, no_space_reason, space_report
+from trainer.disk_space import disk_bytes, no_space_reason, space_report
 from trainer.errors import DiskFullError, TrainerError
 from trainer.sweep.parsing import ExperimentsError
 from trainer.sweep.scheduler import run_experiments
@@ -94,8 +94,8 @@ def main(args: argparse.Namespace) -> int:
         if full is None:
             raise
         database = max(out.glob("study.*"), key=disk_bytes, default=None)
-        space = (space_report(out, disk_bytes(database), estimate=f"estimate: the size of {database.name} now")
-                 if database else space_report(out, None))
+        space = (space_report(out, disk_bytes(database), estimate=f"estimate: the size of {database.name} now",
+                              reason=full) if database else space_report(out, None, reason=full))
         raise DiskFullError(f"run-experiments could not write under {out}: {full} ({space}); what was recorded "
                             f"before is kept: free space there and continue with --resume") from err
 

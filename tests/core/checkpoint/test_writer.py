@@ -6,10 +6,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -99,7 +102,7 @@ def test_the_writer_rests_in_proportion_to_its_work(tmp_path):
 
 
 def test_a_failure_in_the_writer_comes_back_as_the_error_the_disk_gave(tmp_path):
-    """An OSError keeps its errno (a full disk is then named as such by the save that raises it), and the writer
+    """A failed job comes back as one line in the disk's words, named by the job's own checkpoint, and the writer
     goes on serving."""
     w = BackgroundWriter()
     try:
@@ -108,8 +111,8 @@ def test_a_failure_in_the_writer_comes_back_as_the_error_the_disk_gave(tmp_path)
         job = WriteJob(blocker / ".tmp-step_00000001", blocker / "step_00000001",
                        [StagedFile("a.json", "json", {})], {"step": 1}, best=False, keep_last=1, verify=True)
         w.submit(job)
-        err = w.wait()
-        assert isinstance(err, OSError) and err.errno == errno.ENOTDIR, err
+        failure = w.wait()
+        assert failure == writer.WriteFailure("step_00000001", f"{job.tmp}: {os.strerror(errno.ENOTDIR)}"), failure
         blocker.unlink()
         w.submit(_job(tmp_path, [StagedFile("a.json", "json", {"x": 1})]))
         assert w.wait() is None
@@ -186,3 +189,173 @@ def _plain(tree):
     if isinstance(tree, (list, tuple)):
         return [_plain(v) for v in tree]
     return tree
+
+
+# ---------------------------------------------------------------------- a writer process that is gone or stalls
+def _returns(call, timeout_s: float = 60):
+    """`call()`'s result, run in a thread: a call that never returns fails the test instead of hanging it."""
+    result = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"{call} did not return"
+    return result[0]
+
+
+def _dead(w: BackgroundWriter) -> None:
+    os.kill(w._proc.pid, signal.SIGKILL)
+    while w._proc.poll() is None:
+        time.sleep(0.01)
+
+
+def test_a_writer_killed_before_it_is_ready_is_noticed_at_once():
+    """Killed while it imports (OOM, a kill): the rank neither spins nor waits; the writer says how it ended."""
+    w = BackgroundWriter()
+    try:
+        _dead(w)
+        assert _returns(lambda: (w.ready(), w.busy())) == (False, False)
+        assert w.stopped == "the checkpoint writer process was killed by SIGKILL before it was ready"
+    finally:
+        _returns(w.close)
+
+
+def test_a_writer_that_cannot_start_is_noticed_with_its_exit_code(monkeypatch):
+    monkeypatch.setattr(sys, "executable", shutil.which("false"))  # exits 1 at once, as a failed import does
+    w = BackgroundWriter()
+    monkeypatch.undo()
+    try:
+        assert _returns(lambda: _until(lambda: w.stopped is not None or w.ready())) is True
+        assert not w.ready() and not w.busy()
+        assert w.stopped == "the checkpoint writer process exited with code 1 before it was ready"
+    finally:
+        _returns(w.close)
+
+
+def _until(condition, timeout_s: float = 50) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_submit_to_a_dead_writer_says_it_is_gone(tmp_path):
+    """Killed while idle: the next look notices it (no broken pipe on the step); a submit says so too."""
+    w = BackgroundWriter()
+    try:
+        _wait_ready(w)
+        _dead(w)
+        assert _returns(w.busy) is False and not w.ready()
+        with pytest.raises(writer.WriterStopped, match="killed by SIGKILL"):
+            w.submit(_job(tmp_path, [StagedFile("a.json", "json", {"x": 1})]))
+        assert w.wait() is None and not (tmp_path / "checkpoints" / "step_00000001").exists()
+    finally:
+        _returns(w.close)
+
+
+def test_a_submit_that_meets_a_broken_pipe_says_the_writer_is_gone(tmp_path):
+    w = BackgroundWriter()
+    try:
+        _wait_ready(w)
+        _dead(w)  # not looked at since: the submit is the first to meet it
+        with pytest.raises(writer.WriterStopped, match="killed by SIGKILL"):
+            w.submit(_job(tmp_path, [StagedFile("w.safetensors", "safetensors", {"w": torch.randn(64)})]))
+        assert w.stopped == "the checkpoint writer process was killed by SIGKILL" and not w.busy()
+    finally:
+        _returns(w.close)
+
+
+def test_a_writer_killed_while_writing_gives_the_checkpoint_up(tmp_path):
+    """The job it held is told as lost (not the disk's failure), named by its own checkpoint."""
+    w = BackgroundWriter()
+    try:
+        _wait_ready(w)
+        os.kill(w._proc.pid, signal.SIGSTOP)  # holds the job, as a write in progress does
+        w.submit(_job(tmp_path, [StagedFile("a.json", "json", {"x": 1})], step=7))
+        assert w.busy()
+        os.kill(w._proc.pid, signal.SIGKILL)
+        failure = _returns(w.wait)
+        assert failure.lost and failure.checkpoint == "step_00000007", failure
+        assert failure.reason == "the checkpoint writer process was killed by SIGKILL while writing it"
+        assert not w.busy() and not w.ready()
+    finally:
+        _returns(w.close)
+
+
+def test_a_write_that_stalls_past_the_deadline_is_an_error(tmp_path):
+    """A stalled filesystem (here: the writer stopped) does not hold the rank past the deadline: the checkpoint is
+    a failure, the writer process is ended, and closing returns."""
+    w = BackgroundWriter()
+    try:
+        _wait_ready(w)
+        os.kill(w._proc.pid, signal.SIGSTOP)
+        w.submit(_job(tmp_path, [StagedFile("a.json", "json", {"x": 1})], step=3))
+        failure = _returns(lambda: w.wait(timeout_s=0.5))
+        assert not failure.lost and failure.checkpoint == "step_00000003", failure
+        assert "not completed within 0.5 s" in failure.reason
+        assert w.stopped is not None and w._proc.poll() is not None
+    finally:
+        _returns(w.close)
+
+
+def test_the_writer_judges_the_disk_before_it_removes_the_partial_output(tmp_path, monkeypatch):
+    """A write that fails with words that name no cause, on a disk left with less than 1 MiB: a full disk, with
+    what the job had written (measured before the writer removed it); the temp folder is then gone."""
+    from collections import namedtuple
+
+    def save(tensors, path, metadata=None):
+        Path(path).write_bytes(b"x" * 3000)
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(writer, "save_file", save)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - 4096, 4096))
+    job = _job(tmp_path, [StagedFile("model.safetensors", "safetensors", {"w": torch.zeros(4)})], step=4)
+    reply, warnings = writer.write_job(job, None)
+    kind, reason = reply
+    assert kind == "error" and reason.startswith(f"no space left on device writing {job.tmp} ("), reply
+    assert reason.endswith(" of it written)") and " (0 B of it written)" not in reason, reason  # measured before
+    assert warnings == [] and not job.tmp.exists()
+
+
+def test_a_rank_that_leaves_a_reply_unread_ends_its_writer_quietly(tmp_path):
+    """A rank that exits between a job's end and reading its reply (an elastic restart) resets the connection:
+    the writer process ends as at a plain close, without a traceback on the rank's terminal."""
+    w = BackgroundWriter()
+    try:
+        _wait_ready(w)
+        w.submit(_job(tmp_path, [StagedFile("a.json", "json", {"x": 1})]))
+        assert _until(lambda: w._readable(0.0)), "the writer did not reply"
+        w._selector.close()
+        w._sock.close()  # the reply unread
+        assert w._proc.wait(timeout=30) == 0
+    finally:
+        w._proc.kill()
+        w._proc.wait()
+
+
+def test_the_writer_serves_a_rank_with_more_than_a_thousand_open_files(tmp_path):
+    """The connection's descriptor past 1023 (a rank with many open files: data shards, sockets): still watched."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip(f"the hard limit on open files ({hard}) is below 1100")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        w = BackgroundWriter()
+        try:
+            assert w._sock.fileno() >= 1024
+            _wait_ready(w)
+            w.submit(_job(tmp_path, [StagedFile("a.json", "json", {"x": 1})]))
+            assert w.wait() is None and w.stopped is None
+        finally:
+            w.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

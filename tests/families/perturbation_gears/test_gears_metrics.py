@@ -150,7 +150,7 @@ def test_direction_uses_the_ranking_and_zero_change_is_its_own_sign() -> None:
 
 
 def test_no_change_prediction_has_zero_pearson_delta_but_high_pearson() -> None:
-    """The GEARS issue #61 confusion, as numbers: a do-nothing model still scores a high `pearson`."""
+    """The confusion of snap-stanford/GEARS#61, as numbers: a do-nothing model still scores a high `pearson`."""
     rng = np.random.default_rng(1)
     ctrl = rng.uniform(0, 5, size=50)
     true = ctrl + rng.normal(scale=0.3, size=50)

@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from trainer.atomic_io import no_space_reason, require_space
 from trainer.core.checkpoint.safe_load import weights_only_loading
+from trainer.disk_space import no_space_reason, require_space
 from trainer.errors import CheckpointError, first_line
 
 DEEPSPEED = "DEEPSPEED"

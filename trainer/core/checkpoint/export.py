@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from trainer.atomic_io import disk_bytes, no_space_reason, require_space, space_report, temp_path
+from trainer.atomic_io import temp_path
 from trainer.core.checkpoint.convert import DS_FOLDER, FSDP_MODEL, WEIGHTS, check_same_model, deepspeed_reading, read_dcp
 from trainer.core.checkpoint.store import EMA_FILE, STATE, TASK_STATS, resolve_checkpoint, verify_checkpoint
+from trainer.disk_space import disk_bytes, no_space_reason, require_space, space_report
 from trainer.errors import CheckpointError
 
 
@@ -131,7 +132,7 @@ def export_run(run_dir: str | Path, out: str | Path | None = None, checkpoint: s
             else:
                 tmp.unlink(missing_ok=True)
         if full:  # named by the target: shutil's copies name their source, our writes a temp file
-            why = f"{full} writing {target} ({space_report(out.parent, needed)})"
+            why = f"{full} writing {target} ({space_report(out.parent, needed, reason=full)})"
         else:
             named = err.filename and not Path(err.filename).name.startswith(".")
             why = f"{err.filename if named else target}: {err.strerror or err}"

@@ -25,14 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from accelerate.utils import gather_object
 from safetensors.torch import load_file
+from torch.distributed.constants import default_pg_timeout
 
 from trainer.config import Config
 from trainer.core.checkpoint import store, writer
 from trainer.core.checkpoint.agreement import (
+    SaveChannel,
     SaveErrors,
     agree_on_target,
+    describe_write_failure,
     everywhere,
     set_aside_old_checkpoints,
     verify_everywhere,
@@ -49,13 +51,17 @@ from trainer.core.checkpoint.parts import (
 )
 from trainer.core.checkpoint.target import ResumeTarget, warn_changed_task, warn_skipped
 from trainer.core.checkpoint.writer import StagedFile, WriteJob
-from trainer.errors import CheckpointError
+from trainer.core.run_lock import run_generation
+from trainer.errors import CheckpointError, first_line
 from trainer.rundir import RunDir
 
 logger = logging.getLogger("trainer")
 
 STAGED_ARTIFACTS = ".staged-artifacts"
 """The folder beside the checkpoints where the task's artifacts are written once for the writer process to copy."""
+SKIP, STAGED, ON_STEP = 0, 1, 2
+"""What a save does, as the main process decides for every rank (`Checkpointer._decide`): nothing (the last one is
+still being written), hand its files to the writer process, or write them on the step."""
 
 @dataclass
 class Resumed:
@@ -73,10 +79,18 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, acc: Any, run_dir: RunDir, parts: dict[str, Stateful], target: ResumeTarget):
         self.cfg, self.acc, self.run_dir, self.parts, self.target = cfg, acc, run_dir, parts, target
+        self._main = acc.is_main_process
         self.corrupt: set[Path] = set()
         """Checkpoints the resume passed over because they failed verification: set aside if this run saves the step."""
+        self.generation = run_generation(run_dir.root)
+        """This worker group's generation of the run (run_lock.py): it names the temp folders and fences the saves."""
         self._completion: threading.Thread | None = None
-        self._completion_error: Exception | None = None
+        self._failure: tuple[Path, list[str]] | None = None
+        """A save completed in the background that failed (its temp folder, each failing rank's line): raised, on
+        every rank, by the next save or `wait()`."""
+        self.channel = SaveChannel(acc, cfg.run.collective_timeout_s, own_group=cfg.ckpt.async_save)
+        """The saves' collectives: with ckpt.async_save on a gloo group of their own (agreement.py)."""
+        self._writer_timeout_s = cfg.run.collective_timeout_s or default_pg_timeout.total_seconds()
         self._writer: writer.BackgroundWriter | None = None
         self._scratch = run_dir.checkpoints / STAGED_ARTIFACTS
         if cfg.ckpt.async_save:
@@ -96,28 +110,60 @@ class Checkpointer:
 
         wait=False with ckpt.async_save: return before the checkpoint is complete. Where every part can hand its
         files over as host data (the plain and DDP layouts), the step only copies them into memory shared with a
-        writer process, which writes and completes the checkpoint (writer.py). Elsewhere every rank writes its
-        files on the step and the main process completes the checkpoint (hashes, fsync, manifest, rename,
-        pointers, rotation) in a background thread. A failure there is raised, on every rank, by the next save or
-        `wait()`. A save asked for while the previous one is still being written, or while the writer
-        process rests after it (ckpt.async_cpu_share), is skipped (None; a best checkpoint waits instead):
-        checkpoints then come as often as the disk completes them, and no step waits for the disk."""
+        writer process, which writes and completes the checkpoint (writer.py). Elsewhere, or once the writer process
+        is gone (said once), every rank writes its files on the step and the main process completes the checkpoint
+        (hashes, fsync, manifest, rename, pointers, rotation) in a background thread. A failure there is raised, on
+        every rank, by the next save or `wait()`, naming its own checkpoint. A save asked for while the previous one
+        is still being written, or while the writer process rests after it (ckpt.async_cpu_share), is skipped
+        (None; a best checkpoint waits instead): checkpoints then come as often as the disk completes them, and no
+        step waits for the disk. What a save does is the main process's decision, told to every rank in one
+        collective (`SaveChannel.decide`): a skipped save costs the step that one."""
         background = self.cfg.ckpt.async_save and not wait
-        busy, writer_ready = self._poll() if background else (False, False)
-        if busy and not best:
+        how, problem = SKIP, None
+        if self._main:
+            how, problem = self._decide(best, background)
+        how, problem = self.channel.decide(how, problem)
+        if problem is not None:
+            raise everywhere(CheckpointError(problem))
+        if how == SKIP:
             return None
-        name = store.step_dir_name(self.state.step)
-        tmp, final = self.run_dir.checkpoints / f".tmp-{name}", self.run_dir.checkpoints / name
-        errors = SaveErrors(self.acc, self.run_dir.checkpoints, tmp)
-        if self.acc.is_main_process:
-            with errors.record():
-                self._join_completion()
-        errors.agree()
-        if background and writer_ready:
+        tmp, final = self._folders()
+        errors = SaveErrors(self.acc, self.run_dir.checkpoints, tmp, self.channel, checkpoint=final.name)
+        if how == STAGED:
             self._save_staged(tmp, final, best, errors)
         else:
             self._save_on_step(tmp, final, best, background, errors)
         return final
+
+    def _folders(self) -> tuple[Path, Path]:
+        """This step's checkpoint: the temp folder it is written into, and the folder it becomes."""
+        final = self.run_dir.checkpoints / store.step_dir_name(self.state.step)
+        return store.temp_dir(final, self.generation), final
+
+    def _decide(self, best: bool, background: bool) -> tuple[int, str | None]:
+        """Main process: what this save does (SKIP, STAGED or ON_STEP, the temp folder of a save on the step made
+        ready), or the failure to raise instead: the last background save's, or this save's temp folder's."""
+        busy = self._completion is not None and self._completion.is_alive()
+        if self._writer is not None:
+            busy = self._writer.busy() or busy
+            self._log_writer_warnings()
+        if background and busy and not best:  # the common case in the loop: decided without a look at the disk
+            return SKIP, None
+        tmp, final = self._folders()
+        try:
+            problem = self._join_completion()
+            if problem is not None:
+                return SKIP, problem
+            if background and self._writer is not None and self._writer.ready():
+                return STAGED, None
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except Exception as err:  # noqa: BLE001 - disk errors surface as any type; raised on every rank
+            problem = f"rank {self.acc.process_index}: {describe_write_failure(err, tmp)}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            return SKIP, SaveErrors(self.acc, self.run_dir.checkpoints, tmp, self.channel,
+                                    checkpoint=final.name).failure_message([problem])
+        return ON_STEP, None
 
     def _records(self) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
         """Every rank: the parts' states for trainer_state.json, those with files of their own, and the names of
@@ -137,12 +183,9 @@ class Checkpointer:
         return record, files, artifacts
 
     def _save_on_step(self, tmp: Path, final: Path, best: bool, background: bool, errors: SaveErrors) -> None:
+        """Every rank writes its files into `tmp` (made by the main process before the save's agreement); then the
+        main process completes the checkpoint, in a background thread where `background`."""
         acc = self.acc
-        if acc.is_main_process:
-            with errors.record():
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-        errors.agree()
         artifacts: list[str] = []
         with errors.record():
             for part in self.parts.values():  # the parts' own files, every rank its share
@@ -153,36 +196,56 @@ class Checkpointer:
                 writer.write_files(tmp, [_part_file(file, state) for file, state in files.items()], None)
         errors.agree()  # every rank's files are written: only then the manifest, which completes the checkpoint
         if acc.is_main_process:
-            with errors.record():
-                record["artifacts"] = listed + artifacts
-                if background:
-                    self._completion = threading.Thread(target=self._complete_in_background,
-                                                        args=(tmp, final, record, best), name="trainer-checkpoint")
-                    self._completion.start()
-                else:
+            record["artifacts"] = listed + artifacts
+            if background:
+                self._complete_later(tmp, final, record, best)
+            else:
+                with errors.record():
                     self._complete(tmp, final, record, best)
-        errors.agree()
+        if not background:
+            errors.agree()
 
     def _save_staged(self, tmp: Path, final: Path, best: bool, errors: SaveErrors) -> None:
-        """Every rank stages its share; the main process copies the tensors into the writer's memory and hands
-        the checkpoint over (a failure to stage is this save's; the writer's is the next one's)."""
+        """Every rank stages its share; the main process gathers the others' (their RNG states: small), copies the
+        tensors into the writer's memory and hands the checkpoint over. A failure here is, as the writer's, raised
+        by the next save or `wait()`: no collective waits for it now."""
         acc, staged = self.acc, []
         with errors.record():
             for part in self.parts.values():
                 staged += stage_files(part, self._scratch)
         record, files, listed = self._records()
-        if acc.num_processes > 1:  # the other ranks' shares are their RNG states: small, sent to the main process
-            shares = gather_object([[] if acc.is_main_process else staged])
-            staged = staged + [f for share in shares for f in share] if acc.is_main_process else staged
-        if acc.is_main_process:
+        shares = self.channel.to_main((errors.error, [] if acc.is_main_process else staged))
+        if not acc.is_main_process:
+            return
+        problems = [error for error, _ in shares if error is not None]
+        if not problems:
             with errors.record():
+                staged += [f for _, share in shares for f in share]
                 staged += [_part_file(file, state) for file, state in files.items()]
                 record["artifacts"] = listed + [f.name for f in staged if f.artifact]
                 corrupt = final in self.corrupt
                 self.corrupt.discard(final)
-                self._writer.submit(WriteJob(tmp, final, staged, record, best, self.cfg.ckpt.keep_last,
-                                             self.cfg.ckpt.verify, set_aside_existing=corrupt))
-        errors.agree()
+                self._hand_over(WriteJob(tmp, final, staged, record, best, self.cfg.ckpt.keep_last,
+                                         self.cfg.ckpt.verify, set_aside_existing=corrupt, generation=self.generation))
+            problems = [errors.error] if errors.error else []
+        if problems:
+            self._failure = self._failure or (tmp, problems)
+
+    def _hand_over(self, job: WriteJob) -> None:
+        """Main process: `job` to the writer process; where that is gone, written on the step as the saves after it
+        are (`_writer_stopped`)."""
+        try:
+            self._writer.submit(job)
+            return
+        except writer.WriterStopped:
+            pass
+        shutil.rmtree(job.tmp, ignore_errors=True)
+        job.tmp.mkdir(parents=True)
+        writer.write_files(job.tmp, job.files, None)  # before the staged artifacts it copies are removed
+        self._writer_stopped(None)
+        if job.set_aside_existing:
+            self.corrupt.add(job.final)
+        self._complete_later(job.tmp, job.final, job.record, job.best)
 
     def _start_writer(self) -> None:
         """Main process: start the writer process where every part can stage its files (the same answer on every
@@ -196,41 +259,57 @@ class Checkpointer:
         corrupt = final in self.corrupt
         self.corrupt.discard(final)
         for warning in store.complete_checkpoint(tmp, final, record, best=best, verify=self.cfg.ckpt.verify,
-                                                 keep_last=self.cfg.ckpt.keep_last, set_aside_existing=corrupt):
+                                                 keep_last=self.cfg.ckpt.keep_last, set_aside_existing=corrupt,
+                                                 generation=self.generation):
             logger.warning("%s", warning)
+
+    def _complete_later(self, tmp: Path, final: Path, record: dict[str, Any], best: bool) -> None:
+        """Main process: `_complete` in a background thread; its failure is the next save's or `wait()`'s."""
+        self._completion = threading.Thread(target=self._complete_in_background, args=(tmp, final, record, best),
+                                            name="trainer-checkpoint")
+        self._completion.start()
 
     def _complete_in_background(self, tmp: Path, final: Path, record: dict[str, Any], best: bool) -> None:
         try:
             self._complete(tmp, final, record, best)
         except Exception as err:  # noqa: BLE001 - raised by the next save or wait(), on every rank
-            self._completion_error = err
+            self._failure = (tmp, [f"rank 0: {describe_write_failure(err, tmp)}"])  # before its output is removed
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _join_completion(self) -> None:
-        """Main process: wait for the checkpoint being completed in the background; raise its failure."""
+    def _join_completion(self) -> str | None:
+        """Main process: wait for the checkpoint being completed in the background (the writer process no longer
+        than a collective waits: run.collective_timeout_s, or torch's default); the line of its failure, if it
+        failed. A writer process found gone is said once, and the saves after it are written on the step."""
         if self._completion is not None:
             self._completion.join()
             self._completion = None
         if self._writer is not None:
-            self._completion_error = self._writer.wait() or self._completion_error
+            failure = self._writer.wait(self._writer_timeout_s)
             self._log_writer_warnings()
-        error, self._completion_error = self._completion_error, None
-        if error is not None:
-            raise error
+            if failure is not None and not failure.lost and self._failure is None:
+                final = self.run_dir.checkpoints / failure.checkpoint
+                self._failure = (store.temp_dir(final, self.generation), [f"rank 0: {failure.reason}"])
+            if self._writer.stopped is not None:
+                self._writer_stopped(failure)
+        if self._failure is None:
+            return None
+        (tmp, problems), self._failure = self._failure, None
+        shutil.rmtree(tmp, ignore_errors=True)
+        return SaveErrors(self.acc, self.run_dir.checkpoints, tmp, self.channel).failure_message(problems)
 
-    def _poll(self) -> tuple[bool, bool]:
-        """Every rank, the same answers: whether the last checkpoint is still being completed, and whether the next
-        one goes to the writer process (started and idle)."""
-        busy = self._completion is not None and self._completion.is_alive()  # only the main process starts one
-        ready = False
-        if self._writer is not None:
-            busy = busy or self._writer.busy()
-            ready = self._writer.ready()
-            self._log_writer_warnings()
-        if self.acc.num_processes > 1:
-            polls = gather_object([(busy, ready)])
-            busy, ready = any(b for b, _ in polls), polls[0][1]
-        return busy, ready
+    def _writer_stopped(self, failure: writer.WriteFailure | None) -> None:
+        """Main process: the writer process is gone. Said once (where its end is not the failure to raise), with
+        the checkpoint it held, given up; every save after it writes its files on the step."""
+        stopped = self._writer.stopped
+        self._close_writer()
+        if failure is not None and not failure.lost:
+            return
+        held = ""
+        if failure is not None:
+            shutil.rmtree(store.temp_dir(self.run_dir.checkpoints / failure.checkpoint, self.generation),
+                          ignore_errors=True)
+            held = f" while writing {failure.checkpoint}"
+        logger.warning("%s%s: checkpoints are written on the step from now on", stopped, held)
 
     def _log_writer_warnings(self) -> None:
         for warning in self._writer.warnings:
@@ -238,21 +317,24 @@ class Checkpointer:
         self._writer.warnings.clear()
 
     def wait(self, close: bool = False) -> None:
-        """Every rank: return once the last checkpoint is complete on disk (raises its failure everywhere);
-        `close`: then stop the writer process (a later background save starts another)."""
-        errors = SaveErrors(self.acc, self.run_dir.checkpoints, self.run_dir.checkpoints / ".tmp-none")
+        """Every rank: return once the last checkpoint is complete on disk (raises its failure everywhere, naming
+        its checkpoint); `close`: then stop the writer process."""
+        problem = None
         if self.acc.is_main_process:
-            with errors.record():
-                try:
-                    self._join_completion()
-                finally:
-                    if close:
-                        self._close_writer()
-        errors.agree()
+            try:
+                problem = self._join_completion()
+            except Exception as err:  # noqa: BLE001 - raised on every rank
+                problem = f"could not complete the last checkpoint ({type(err).__name__}: {first_line(err)})"
+            finally:
+                if close:
+                    self._close_writer()
+        _, problem = self.channel.decide(SKIP, problem)
+        if problem is not None:
+            raise everywhere(CheckpointError(problem))
 
     def _close_writer(self) -> None:
         if self._writer is not None:
-            self._writer.close()
+            self._writer.close(self._writer_timeout_s)
             self._writer = None
         shutil.rmtree(self._scratch, ignore_errors=True)
 

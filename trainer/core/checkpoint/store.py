@@ -1,17 +1,26 @@
 """The files of a checkpoint: atomic, verifiable checkpoints in `RUN_DIR/checkpoints/`.
 
-A checkpoint is written into `.tmp-step_N/`, completed with `trainer_state.json` and a
-`manifest.json` (size and sha256 of every file, and when it was completed), then renamed to
-`step_N/`; only after that are the `best` and then the `latest` pointers replaced (write-temp +
+A checkpoint is written into a temp folder of its worker group (`temp_dir`: `.tmp-step_N/`), completed with
+`trainer_state.json` and a `manifest.json` (size and sha256 of every file, and when it was completed), then renamed
+to `step_N/`; only after that are the `best` and then the `latest` pointers replaced (write-temp +
 os.replace). A crash at any moment leaves complete checkpoints and at worst stale pointers, never a
 half-written checkpoint under a step name. The pointers are therefore hints: `latest_checkpoint` and
 `resume_candidates` go by the completion time in the manifests (a kill between the rename and the
 pointer leaves `latest` one checkpoint behind), and `best_checkpoint` by the best step recorded in the
 newest checkpoint's `trainer_state.json`; `repair_pointers` rewrites them on resume.
+
+Each takeover of the run lock starts a new generation of the run (run_lock.py). A save carries the `Generation` of
+its worker group and checks it before its renames and before the rotation: once a newer generation has taken the run
+over, an older group (a node cut off from the others, still alive, its writer process too) renames nothing, moves no
+pointer and removes nothing. Temp folders carry their generation (`.tmp-step_N.genG` from the first takeover on), so
+two groups never write into one, and a rotation removes those of its own and older generations only.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import hashlib
 import json
 import logging
@@ -19,6 +28,7 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +38,8 @@ from trainer.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+TEMP_DIR = re.compile(r"^\.tmp-(step_\d+)(?:\.gen(\d+))?$")
+"""A save's temp folder: `.tmp-step_N`, with `.genG` from a worker group of generation G >= 1."""
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 TASK_STATS = "task_stats.json"
@@ -37,6 +49,59 @@ EMA_FILE = "ema.safetensors"
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+class StaleGenerationError(CheckpointError):
+    """A save of a worker group that a newer generation has taken the run over from: it left the checkpoints alone."""
+
+
+def read_generation(file: Path) -> int:
+    """The run's newest generation kept in `file` (run_lock.py), 0 before the first takeover."""
+    try:
+        text = Path(file).read_text()
+    except FileNotFoundError:
+        return 0
+    number = int(text.strip()) if text.strip().isdigit() else None
+    if number is None:
+        raise CheckpointError(f"{file} holds {text.strip()[:40]!r}, not a generation number (the count of takeovers "
+                              f"of the run lock that the trainer keeps there); remove it when no process of this run "
+                              f"is alive any more")
+    return number
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The generation a save belongs to: `number`, that of the process's worker group, and `file`, where the run's
+    newest generation is kept (run_lock.py starts a new one at each takeover of the run lock)."""
+
+    number: int
+    file: Path
+
+    def check(self, what: str) -> None:
+        """Raise StaleGenerationError, `what` (what was not done) first, when a newer generation took the run over."""
+        newest = read_generation(self.file)
+        if newest > self.number:
+            raise StaleGenerationError(
+                f"{what}: this worker group is generation {self.number} of the run, and generation {newest} has taken "
+                f"it over since ({self.file}); a group that was taken over leaves the checkpoints to the newer one")
+
+
+def temp_dir(final: Path, generation: Generation | None) -> Path:
+    """The folder a save of `final` is written into before its rename, one per generation (`TEMP_DIR`)."""
+    suffix = f".gen{generation.number}" if generation is not None and generation.number else ""
+    return final.with_name(f".tmp-{final.name}{suffix}")
+
+
+def saved_as(tmp: Path) -> str:
+    """The step folder name a temp folder (`temp_dir`) is saved as."""
+    match = TEMP_DIR.match(Path(tmp).name)
+    return match.group(1) if match else Path(tmp).name.removeprefix(".tmp-")
+
+
+def _temp_generation(name: str) -> int | None:
+    """The generation whose temp folder `name` is (0: the first), None when it is none."""
+    match = TEMP_DIR.match(name)
+    return None if match is None else int(match.group(2) or 0)
 
 
 def _sha256(path: Path) -> str:
@@ -106,15 +171,16 @@ def skipped_checkpoints(root: Path) -> list[str]:
         return []
     found = []
     for path in root.iterdir():
-        name = path.name.removeprefix(".tmp-").removeprefix(".old-")
+        temp = TEMP_DIR.match(path.name)
+        name = temp.group(1) if temp else path.name.removeprefix(".old-")
         match = STEP_DIR.match(name)
         if not path.is_dir() or match is None:
             continue
         if path.name.startswith(".old-"):
-            replaced = (root / name / MANIFEST).is_file()
+            replaced = (root / name).exists()
             reason = (f"checkpoint {path} is an older copy of {name}, set aside while {name} was saved again" +
                       (" (the next save removes it)" if replaced else
-                       f" by a save that did not finish (the next save removes it; rename it to {name} to keep it)"))
+                       f" by a save that did not finish (the next save puts it back as {name})"))
         elif path.name.startswith(".tmp-") or not (path / MANIFEST).is_file():
             reason = no_manifest_reason(path)
         else:
@@ -134,7 +200,7 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def _completed_at(ckpt_dir: Path) -> float:
-    """When a checkpoint was completed: its manifest's `written_at` (older manifests: the file's mtime)."""
+    """When a checkpoint was completed: its manifest's `written_at`, or the manifest's mtime where it has none."""
     manifest = ckpt_dir / MANIFEST
     try:
         written = json.loads(manifest.read_text()).get("written_at")
@@ -229,43 +295,92 @@ def resolve_checkpoint(path_or_run: str | Path, which: str = "latest") -> Path:
 def finalize(tmp_dir: Path, final_dir: Path, root: Path, best: bool) -> None:
     """Rename a completed temp checkpoint into place and move the pointers (main process only).
 
-    Order matters for a kill at any point: an older checkpoint of the same step is first renamed aside
-    (never a moment without a complete `step_N`), `latest` is written last (its move means the whole
-    save is done), and whatever a kill leaves stale is recovered on resume (`repair_pointers`)."""
-    old = root / f".old-{final_dir.name}"
+    Order matters for a kill at any point: an older checkpoint of the same step is swapped with the new one in one
+    step where the file system can (`_exchange`), else renamed aside to `.old-step_N` first and renamed back if the
+    second rename fails (a kill between the two leaves `.old-step_N` alone, which the next save puts back);
+    `latest` is written last (its move means the whole save is done), and whatever a kill leaves stale is
+    recovered on resume (`repair_pointers`)."""
     if final_dir.exists() and not (final_dir / MANIFEST).is_file():
         # Not a checkpoint this trainer completed (those have a manifest): keep it, renamed, rather than delete
         # what a user may have put there.
         kept = set_aside(final_dir, "replaced")
         logger.warning("%s had no %s (not a completed checkpoint): moved to %s before saving this step",
                        final_dir, MANIFEST, kept.name)
-    if final_dir.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final_dir, old)
-    os.rename(tmp_dir, final_dir)
+    replaced = None
+    if not final_dir.exists():
+        os.rename(tmp_dir, final_dir)
+    elif _exchange(tmp_dir, final_dir):
+        replaced = tmp_dir  # the older copy, under the temp folder's name
+    else:
+        replaced = root / f".old-{final_dir.name}"
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final_dir, replaced)
+        try:
+            os.rename(tmp_dir, final_dir)
+        except BaseException:
+            os.rename(replaced, final_dir)
+            raise
     fsync_dir(root)
     if best:
         atomic_write_text(root / "best", final_dir.name + "\n")
     atomic_write_text(root / "latest", final_dir.name + "\n")
-    shutil.rmtree(old, ignore_errors=True)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_NO_EXCHANGE = frozenset((errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV))
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """libc's renameat2 (Linux, glibc 2.28 and later), None where there is none."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two folders in one atomic step (renameat2's RENAME_EXCHANGE); False where the platform or the file system
+    cannot, and nothing was moved."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def complete_checkpoint(tmp: Path, final: Path, record: dict[str, Any], best: bool, verify: bool, keep_last: int,
-                        set_aside_existing: bool = False) -> list[str]:
+                        set_aside_existing: bool = False, generation: Generation | None = None) -> list[str]:
     """Complete a checkpoint whose files are in `tmp`: trainer_state.json and the manifest (hashes unless not
     `verify`), the rename to `final`, the pointers, the rotation. Returns warnings to log (old checkpoints it
     could not remove: the new one is complete, so they are no error). `set_aside_existing`: an existing `final`
-    failed verification when the run resumed from an older checkpoint: keep it renamed rather than replace it."""
+    failed verification when the run resumed from an older checkpoint: keep it renamed rather than replace it.
+    `generation`: the save's; a newer one on disk raises StaleGenerationError before anything outside `tmp` is
+    touched (after the rename: the rotation is skipped, with a warning)."""
     warnings = []
     root = final.parent
     write_manifest(tmp, record, with_hashes=verify)
+    if generation is not None:
+        generation.check(f"checkpoint {final} was not renamed into place")
     if set_aside_existing and final.exists():
         kept = set_aside(final, "corrupt")
         warnings.append(f"{final} failed verification when the run resumed from an older checkpoint: moved to "
                         f"{kept.name} before saving this step")
     finalize(tmp, final, root, best=best)
     try:
-        rotate(root, keep_last)
+        rotate(root, keep_last, generation)
+    except StaleGenerationError as err:
+        warnings.append(str(err))
     except OSError as err:
         warnings.append(f"could not remove old checkpoints under {root}: {err}")
     return warnings
@@ -278,11 +393,25 @@ def set_aside(ckpt_dir: Path, why: str) -> Path:
     return kept
 
 
-def rotate(root: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints and the best one; remove stale temp dirs."""
-    for pattern in (".tmp-step_*", ".old-step_*"):
-        for stale in root.glob(pattern):
+def rotate(root: Path, keep_last: int, generation: Generation | None = None) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints and the best one; remove the temp folders of `generation`
+    and older ones (a newer one's may be in use), put back an older copy that a kill left set aside, and remove
+    one that was replaced. A newer generation on disk than `generation` raises StaleGenerationError first."""
+    if generation is not None:
+        generation.check(f"old checkpoints under {root} were not removed")
+    own = generation.number if generation is not None else 0
+    for stale in root.glob(".tmp-step_*"):
+        owner = _temp_generation(stale.name)
+        if owner is not None and owner <= own:
             shutil.rmtree(stale, ignore_errors=True)
+    for aside in root.glob(".old-step_*"):
+        final = root / aside.name.removeprefix(".old-")
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(aside, final)
+    for doomed in root.glob(f"{REMOVING}step_*"):
+        shutil.rmtree(doomed, ignore_errors=True)
     remove_conversion_scratch(root)
     keep = set(newest_first(root)[:keep_last]) if keep_last > 0 else set()
     for target in (read_pointer(root, "best"), read_pointer(root, "latest"), best_checkpoint(root)):
@@ -291,9 +420,17 @@ def rotate(root: Path, keep_last: int) -> list[Path]:
     removed = []
     for ckpt in list_checkpoints(root):
         if ckpt not in keep:
-            shutil.rmtree(ckpt)
+            # Renamed first: a kill halfway through the removal must not leave a step folder with its manifest and
+            # part of its files.
+            doomed = ckpt.with_name(f"{REMOVING}{ckpt.name}")
+            os.rename(ckpt, doomed)
+            shutil.rmtree(doomed)
             removed.append(ckpt)
     return removed
+
+
+REMOVING = ".removing-"
+"""The prefix of a checkpoint the rotation is removing."""
 
 
 CONVERSION_SCRATCH = ".universal-"
@@ -303,8 +440,8 @@ DEEPSPEED_POINTER = "latest_universal"
 
 
 def remove_conversion_scratch(root: Path) -> None:
-    """Remove what a conversion a kill interrupted left beside the checkpoints: its scratch folders, and the
-    pointer DeepSpeed's converter writes there (written by versions that converted at the top level)."""
+    """Remove what a conversion a kill interrupted left beside the checkpoints: its scratch folders, and any
+    pointer of DeepSpeed's converter there (it writes one beside its output folder)."""
     root = Path(root)
     if not root.is_dir():
         return

@@ -15,6 +15,12 @@ checkpoints completed less often when steps are short. The writer dies with
 its parent (PR_SET_PDEATHSIG): a killed rank leaves at most a temp folder, as a killed synchronous save does,
 never a second process renaming checkpoints under the group that restarts after it. It ignores SIGINT and
 SIGTERM, which a batch system sends to the whole process group: the rank decides when its writer stops.
+
+A writer process that dies (it could not start, the kernel's OOM killer, a kill) is noticed at the next look
+(`busy`, `ready`, `submit`), never waited on: `stopped` says how it ended, and a job it held comes back from `wait`
+as lost. `wait` takes a deadline: a job not completed by then (a stalled filesystem) is a failure, and the writer
+process is ended. A job that fails in the writer comes back as one line, the storage's fault (a full disk, a quota,
+an I/O error) judged by the writer before it removed the partial output.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import json
 import mmap
 import os
 import pickle
-import select
+import selectors
 import shutil
 import signal
 import socket
@@ -31,12 +37,15 @@ import struct
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from trainer.core.checkpoint.store import Generation
 
 STAGED_KINDS = ("safetensors", "torch", "json", "copy")
 _ALIGN = 64
@@ -71,6 +80,8 @@ class WriteJob:
     verify: bool
     set_aside_existing: bool = False
     """`final` failed verification when the run resumed from an older checkpoint: kept, renamed, not replaced."""
+    generation: Generation | None = None
+    """The worker group's generation (store.Generation): a newer one on disk leaves the checkpoints alone."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,22 @@ class _Ref:
     offset: int
     dtype: str
     shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WriteFailure:
+    """A job the writer did not complete (`BackgroundWriter.wait`)."""
+
+    checkpoint: str
+    """The folder name of the job's checkpoint (step_N)."""
+    reason: str
+    """One line: what failed, a full disk or quota named as such with what the job had written."""
+    lost: bool = False
+    """The writer process died under it (`BackgroundWriter.stopped` says how): not the checkpoint's own failure."""
+
+
+class WriterStopped(RuntimeError):
+    """The writer process is gone: the job was not handed over."""
 
 
 def supported() -> bool:
@@ -107,9 +134,14 @@ class BackgroundWriter:
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
         self._buffer: torch.Tensor | None = None
+        self._selector = selectors.DefaultSelector()  # select.select fails for descriptors past 1023
+        self._selector.register(self._sock, selectors.EVENT_READ)
         self._pending = False
+        self._job: WriteJob | None = None
         self._ready = False
-        self._result: tuple[str, Any] | None = None
+        self._result: WriteFailure | None = None
+        self.stopped: str | None = None
+        """How the writer process ended ('... was killed by SIGKILL'), once it is gone; None while it serves."""
         self._resting_until = 0.0
         self.jobs_cpu_s = 0.0
         """CPU seconds the writer process spent on the jobs it completed (start-up excluded)."""
@@ -120,58 +152,70 @@ class BackgroundWriter:
 
     # ------------------------------------------------------------------ the training process
     def submit(self, job: WriteJob) -> None:
-        """Copy the job's tensors into the staging memory and hand it over (the last job must be done)."""
+        """Copy the job's tensors into the staging memory and hand it over (the last job must be done). Raises
+        WriterStopped where the writer process is gone (the job is then the caller's to write)."""
+        self._drain()
+        if self.stopped is not None:
+            raise WriterStopped(self.stopped)
         if self._pending:
             raise RuntimeError("the checkpoint writer is still writing the last checkpoint")
         layout = _Layout()
         files = [StagedFile(f.name, f.kind, layout.add(f.data), f.metadata, f.artifact) for f in job.files]
-        self._stage(layout)
-        self._send(("write", WriteJob(job.tmp, job.final, files, job.record, job.best, job.keep_last, job.verify,
-                                      job.set_aside_existing)))
-        self._pending, self._result = True, None
+        try:
+            self._stage(layout)
+            self._send(("write", replace(job, files=files)))
+        except ConnectionError as err:  # a broken pipe: it died since it was last looked at
+            self._gone()
+            raise WriterStopped(self.stopped) from err
+        self._pending, self._job, self._result = True, job, None
 
     def busy(self) -> bool:
         """Whether the last job is still being written, or the writer rests after it (`cpu_share`); never waits."""
         self._drain()
-        return self._pending or time.monotonic() < self._resting_until
+        return self._pending or (self.stopped is None and time.monotonic() < self._resting_until)
 
     def ready(self) -> bool:
         """Whether the writer process has started (its imports take a while: until then a save writes its files
-        on the step)."""
+        on the step; False once it is gone)."""
         self._drain()
-        return self._ready
+        return self._ready and self.stopped is None
 
     def _drain(self) -> None:
-        while (self._pending or not self._ready) and self._readable(0.0):
+        """Take what the writer sent; its end of the connection closed is its death (EOF stays readable: noticed
+        here, once)."""
+        while self.stopped is None and self._readable(0.0):
             self._take_reply()
 
-    def wait(self) -> Exception | None:
-        """Wait for the last job; its failure (an OSError where the writer's was one, so a full disk is named as
-        such), or None."""
+    def wait(self, timeout_s: float | None = None) -> WriteFailure | None:
+        """Wait for the last job: None when it is complete, else its failure. Past `timeout_s` (None: no limit) a
+        job not yet complete is a failure and the writer process is ended: a stalled filesystem does not hold the
+        rank past its peers' collective timeout or its launcher's grace period."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self._pending:
-            if self._proc.poll() is not None and not self._readable(0.0):  # it died without a word
-                self._pending = False
-                self._result = ("error", (None, None, None, f"the checkpoint writer process exited "
-                                                             f"(code {self._proc.returncode}) before it was done"))
-                break
-            if self._readable(1.0):
+            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if left > 0 and self._readable(left):
                 self._take_reply()
+            elif self._proc.poll() is not None:  # exited, its connection not closed (held by a process it left)
+                self._gone()
+            elif deadline is not None and time.monotonic() >= deadline:
+                final = self._job.final
+                self._gone(f"the checkpoint writer process was ended: {final.name} was not completed within "
+                           f"{timeout_s:g} s")
+                self._result = WriteFailure(final.name, f"not completed within {timeout_s:g} s: the storage under "
+                                                        f"{final.parent} stalls (the writer process was ended)")
         result, self._result = self._result, None
-        if result is None or result[0] == "done":
-            return None
-        err_no, strerror, filename, text = result[1]
-        if err_no is not None:
-            return OSError(err_no, strerror, filename)
-        return RuntimeError(text)
+        return result
 
-    def close(self) -> None:
-        """Wait for the last job, then stop the writer process (its failure is `wait`'s to tell)."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for the last job (up to `timeout_s`), then stop the writer process (its failure is `wait`'s to
+        tell)."""
         if self._pending:
-            self.wait()
+            self.wait(timeout_s)
         try:
             self._send(("close", None))
         except OSError:
             pass
+        self._selector.close()
         self._sock.close()
         try:
             self._proc.wait(timeout=30)
@@ -198,10 +242,14 @@ class BackgroundWriter:
     def _allocate(self, size: int) -> None:
         """A new staging memory (the model or the optimizer's state grew), shared with the writer."""
         fd = os.memfd_create("trainer-checkpoint", os.MFD_CLOEXEC)
-        os.ftruncate(fd, size)
-        mapping = mmap.mmap(fd, size)
-        self._send(("buffer", size))
-        socket.send_fds(self._sock, [b"\0"], [fd])
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size)
+            self._send(("buffer", size))
+            socket.send_fds(self._sock, [b"\0"], [fd])
+        except BaseException:
+            os.close(fd)
+            raise
         if self._map is not None:
             self._buffer, self._views = None, []
             self._map.close()
@@ -214,13 +262,38 @@ class BackgroundWriter:
         self._sock.sendall(_HEADER.pack(len(payload)) + payload)
 
     def _readable(self, timeout: float) -> bool:
-        return bool(select.select([self._sock], [], [], timeout)[0])
+        return bool(self._selector.select(timeout))
+
+    def _gone(self, why: str | None = None) -> None:
+        """The writer process died, or is ended (`why`): reap it, say how it ended, and give up a job it held."""
+        if self.stopped is not None:
+            return
+        if why is not None:
+            self._proc.kill()
+        try:
+            code = self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # closed its end but lives on, or stuck in the kernel: not waited for
+            self._proc.kill()
+            code = None
+        if why is None:
+            if code is None:
+                why = "the checkpoint writer process stopped answering"
+            elif code < 0:
+                why = f"the checkpoint writer process was killed by {signal.Signals(-code).name}"
+            else:
+                why = f"the checkpoint writer process exited with code {code}"
+            why += "" if self._ready else " before it was ready"
+        self.stopped = why
+        if self._pending:
+            self._result = WriteFailure(self._job.final.name, f"{why} while writing it", lost=True)
+        self._pending, self._job = False, None
 
     def _take_reply(self) -> None:
         try:
             kind, value = _receive(self._sock)
-        except (EOFError, OSError) as err:
-            kind, value = "error", (None, None, None, f"the checkpoint writer process stopped ({err})")
+        except (EOFError, OSError):
+            self._gone()
+            return
         if kind == "ready":
             self._ready = True
             return
@@ -231,7 +304,10 @@ class BackgroundWriter:
             value, cpu_s = value
             self.jobs_cpu_s += cpu_s
             self._resting_until = time.monotonic() + cpu_s * (1 / self.cpu_share - 1)
-        self._pending, self._result = False, (kind, value)
+            self._result = None
+        else:
+            self._result = WriteFailure(self._job.final.name, value)
+        self._pending, self._job = False, None
 
 
 # ---------------------------------------------------------------------- staging
@@ -323,14 +399,33 @@ def write_files(directory: Path, files: list[StagedFile], buffer: torch.Tensor |
             raise ValueError(f"unknown staged file kind {f.kind!r} for {f.name} (known: {', '.join(STAGED_KINDS)})")
 
 
-def _serve(sock: socket.socket) -> None:
+def write_job(job: WriteJob, buffer: torch.Tensor | None) -> tuple[tuple[str, Any], list[str]]:
+    """The writer process's work on one job: write its files into `job.tmp` and complete the checkpoint. Returns
+    the reply for the rank (done: the folder's name and the CPU seconds; error: one line) and the warnings."""
     from trainer.core.checkpoint import store
+    from trainer.core.checkpoint.agreement import describe_write_failure
 
+    started = time.process_time()
+    try:
+        shutil.rmtree(job.tmp, ignore_errors=True)
+        job.tmp.mkdir(parents=True)
+        write_files(job.tmp, job.files, buffer)
+        warnings = store.complete_checkpoint(job.tmp, job.final, job.record, best=job.best, verify=job.verify,
+                                             keep_last=job.keep_last, set_aside_existing=job.set_aside_existing,
+                                             generation=job.generation)
+    except Exception as err:  # noqa: BLE001 - told to the training process, which raises it on every rank
+        reason = describe_write_failure(err, job.tmp)  # while the partial output is there: a full disk shows
+        shutil.rmtree(job.tmp, ignore_errors=True)
+        return ("error", reason), []
+    return ("done", (job.final.name, time.process_time() - started)), warnings
+
+
+def _serve(sock: socket.socket) -> None:
     buffer, mapping = None, None
     while True:
         try:
             kind, value = _receive(sock)
-        except EOFError:
+        except (EOFError, ConnectionError):  # the rank is gone (a reset: it left a reply of ours unread)
             return
         if kind == "close":
             return
@@ -343,22 +438,7 @@ def _serve(sock: socket.socket) -> None:
             os.close(fds[0])
             buffer = torch.frombuffer(mapping, dtype=torch.uint8)
             continue
-        job: WriteJob = value
-        started = time.process_time()
-        try:
-            shutil.rmtree(job.tmp, ignore_errors=True)
-            job.tmp.mkdir(parents=True)
-            write_files(job.tmp, job.files, buffer)
-            warnings = store.complete_checkpoint(job.tmp, job.final, job.record, best=job.best, verify=job.verify,
-                                                 keep_last=job.keep_last, set_aside_existing=job.set_aside_existing)
-        except Exception as err:  # noqa: BLE001 - told to the training process, which raises it on every rank
-            shutil.rmtree(job.tmp, ignore_errors=True)
-            if isinstance(err, OSError) and err.errno is not None:
-                reply = ("error", (err.errno, err.strerror, err.filename, str(err)))
-            else:
-                reply = ("error", (None, None, None, f"{type(err).__name__}: {err}"))
-        else:
-            reply = ("done", (job.final.name, time.process_time() - started))
+        reply, warnings = write_job(value, buffer)
         try:
             if reply[0] == "done" and warnings:
                 _reply(sock, ("warnings", warnings))
@@ -392,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     import safetensors.torch  # noqa: F401 - loaded before the rank hears it is ready
 
-    from trainer.core.checkpoint import store  # noqa: F401
+    from trainer.core.checkpoint import agreement, store  # noqa: F401
 
     with socket.socket(fileno=fd) as sock:
         try:

@@ -22,8 +22,8 @@ condition_name, as GEARS does.
 
 Conditions are canonical gene tuples (`conditions.py`): 'A+ctrl' and 'ctrl+A' are merged. A
 condition string outside GEARS' grammar, a gene missing from `var` (or, given a gene2go mapping,
-from it; GEARS issues #54, #77), a condition without cells or without a DE ranking is dropped and
-counted (`PerturbationData.dropped`, logged once with examples), or with `on_invalid="error"`
+from it; snap-stanford/GEARS#54, snap-stanford/GEARS#77), a condition without cells or without a DE ranking
+is dropped and counted (`PerturbationData.dropped`, logged once with examples), or with `on_invalid="error"`
 raises a DataError naming the condition and reason. Nothing is densified: X stays CSR float32.
 """
 

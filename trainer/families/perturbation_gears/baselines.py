@@ -1,8 +1,7 @@
 """Simple baselines scored next to GEARS on the same split, from training mean profiles only (numpy).
 
 Ahlmann-Eltze, Huber and Anders (Nature Methods 2025) found that no deep model (GEARS, CPA, scGPT-class
-models) beats these; GEARS issue #82 shows the training mean scoring close to GEARS on Norman. Each predicts
-one mean profile [G] per condition:
+models) beats these. Each predicts one mean profile [G] per condition:
 
 * ``no_change``: the control mean (the perturbation does nothing). ``pearson_delta`` is 0 by construction.
 * ``train_mean``: the mean over the training perturbations (every training condition except control) of

@@ -1,8 +1,8 @@
 """Lazy control/perturbed pairs for training, and one-item-per-condition sets for evaluation.
 
 GEARS builds one dense graph object per (control, perturbed) pair up front (8 x genes bytes a
-cell, > 128 GB on Norman-size data: GEARS issue #35). Here the expression matrix stays sparse and a
-pair is drawn when an item is read:
+cell: more than memory holds on a data set of Norman's size, snap-stanford/GEARS#35). Here the expression
+matrix stays sparse and a pair is drawn when an item is read:
 
 - `PerturbationPairs.get_item(index, epoch)`: cell `rows[index]` is the target y; its control x is
   drawn by a generator seeded with `derive_seed(seed, epoch, cell_row)`: the same pair on a resumed

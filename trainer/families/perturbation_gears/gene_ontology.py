@@ -1,7 +1,7 @@
 """Gene -> GO terms mappings: GEARS' `gene2go` pickle, a plain TSV, or a GAF 2.x annotation file.
 
-GEARS downloads `gene2go_all.pkl` from Harvard Dataverse (often 403 now, GEARS issue #101); here
-the user gives the file. Formats (`read_gene2go(path, fmt="auto")`):
+GEARS downloads `gene2go_all.pkl` from Harvard Dataverse, which may refuse it (snap-stanford/GEARS#101);
+here the user gives the file. Formats (`read_gene2go(path, fmt="auto")`):
 
 - `pickle` (`.pkl`, `.pickle`): GEARS' own file, a dict gene -> set/list of GO ids. Pickle can run
   code when loaded: only pass your own, trusted file (GEARS' format is pickle by definition).

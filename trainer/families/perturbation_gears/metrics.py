@@ -5,8 +5,8 @@ the predictions for its cells, ``true`` = the mean of its observed cells, ``ctrl
 cells. Then every metric is averaged over conditions, each condition weighing the same whatever its cell
 count. This follows GEARS' ``compute_metrics`` and ``deeper_analysis`` (``gears/inference.py``).
 
-The names, plainly (GEARS issue #61: ``pearson_de`` ~0.84 and ``pearson_delta`` ~0.5-0.6 are different
-things, and only the second says whether the *change* was predicted):
+The names, plainly (``pearson_de`` and ``pearson_delta`` are different things, read as one in
+snap-stanford/GEARS#61; only the second says whether the *change* was predicted):
 
 * ``mse``: mean over all genes of (pred - true)^2.
 * ``pearson``: Pearson correlation of pred and true over all genes. High even for a model that predicts no

@@ -301,7 +301,7 @@ class GEARSModel(nn.Module):
         return pred if logvar is None else (pred, logvar)
 
     def _decode(self, base: torch.Tensor, shift: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Steps 4-5 on [B, G, h] rows: the dense bulk of a step (~3/4 of its time), what `compile_regions` compiles."""
+        """Steps 4-5 on [B, G, h] rows: the dense bulk of a step, what `compile_regions` compiles."""
         batch_size, num_genes, h = x.size(0), self.num_genes, self.hidden_size
         base = (base + shift.unsqueeze(1)).reshape(batch_size * num_genes, h)
         base = torch.relu(self.bn_pert_base(base))

@@ -33,7 +33,7 @@ from trainer.families.protein_sedd.fasta import (
     FastaStats,
     iter_fasta_tables,
 )
-from trainer.families.protein_sedd.tokenizer import _TABLE, encode_residues
+from trainer.families.protein_sedd.tokenizer import encode_residue_bytes, encode_residues
 
 logger = logging.getLogger(__name__)
 
@@ -230,9 +230,6 @@ def _warn(by_file: dict[str, FastaStats], duplicates: int, examples: list[str]) 
                        "with the same id fall in the same split", where, duplicates, ", ".join(map(repr, examples)))
 
 
-_TOKEN_TABLE = _TABLE.tobytes()
-
-
 def _encode_batch(batch: pa.Table) -> pa.Table:
     """`batch` plus input_ids: one `bytes.translate` over the residue buffer, the sequences' offsets reused."""
     sequence = batch.column("sequence").combine_chunks()
@@ -241,7 +238,7 @@ def _encode_batch(batch: pa.Table) -> pa.Table:
     _, offsets_buf, values_buf = sequence.buffers()
     offsets = np.frombuffer(offsets_buf, dtype=np.int32, count=len(sequence) + 1)
     residues = memoryview(values_buf)[offsets[0]:offsets[-1]] if len(sequence) else b""
-    values = np.frombuffer(bytes(residues).translate(_TOKEN_TABLE), dtype=np.int8)
+    values = encode_residue_bytes(bytes(residues))
     ids = pa.ListArray.from_arrays(pa.array(offsets - offsets[0]), pa.array(values))
     return batch.append_column("input_ids", ids)
 

@@ -52,3 +52,12 @@ def encode_residues(seq: str | bytes) -> np.ndarray:
         # 'replace' keeps one byte per character, so non-ASCII characters become one <unk> each.
         seq = seq.encode("ascii", errors="replace")
     return _TABLE[np.frombuffer(seq, dtype=np.uint8)]
+
+
+_TRANSLATION = _TABLE.tobytes()
+
+
+def encode_residue_bytes(residues: bytes) -> np.ndarray:
+    """`encode_residues` of a byte string, by one `bytes.translate` (a single C pass: cheaper than numpy indexing
+    on the long buffers of bulk ingest)."""
+    return np.frombuffer(residues.translate(_TRANSLATION), dtype=np.int8)

@@ -27,7 +27,8 @@ Two kinds of evaluation share one pool:
   at `guidance_max_iterations` cycles, converged to `guidance_accuracy` (tblite's thresholds x 10: fewer cycles,
   forces close to the strict ones; BENCHMARKS.md, "Guidance's own SCF accuracy"); a warm start from the molecule's
   wavefunction of the previous
-  guided step (tblite's result object itself with one worker; its saved form, ~5 KB, through a pool);
+  guided step (tblite's result object itself with one worker; its saved form, without the orbital matrices,
+  through a pool);
   and a sticky rung (a molecule starts at the rung that last converged for it and tries
   one rung lower every `guidance_probe_every` steps). A molecule that fails every rung gets no force
   (its step is left unguided by the caller and counted); the worst case costs rungs x cap cycles, and
@@ -87,7 +88,7 @@ GuidedResult = tuple[float, np.ndarray, "str | None", int, "Restart | None"]
 Restart = dict[str, "bytes | tuple[bytes, int]"]
 """A molecule's wavefunction as tblite saves it (npz members), the two orbital-sized matrices (density and
 coefficients, which the SCF restart does not read: it restarts from the charges and multipoles) kept as
-(header, size) and written back as zeros: about 5 KB instead of 110 KB for a QM9 molecule."""
+(header, size) and written back as zeros: what a pool passes is a small part of the whole file."""
 _DROPPED_MEMBERS = ("tblite0_density.npy", "tblite0_coeff.npy")
 
 
@@ -116,7 +117,7 @@ def _limit_threads() -> Any:
         if "OMP_NUM_THREADS" not in os.environ and not _warned:
             _warned.append(True)
             logger.warning("threadpoolctl is not installed and OMP_NUM_THREADS is unset: in-process xTB runs with "
-                           "OpenMP's default threads, up to 20x slower on small molecules (pip install threadpoolctl)")
+                           "OpenMP's default threads, many times slower on small molecules (pip install threadpoolctl)")
         return nullcontext()
     return threadpool_limits(limits=1)
 
