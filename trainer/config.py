@@ -163,6 +163,10 @@ class EvalConfig:
     """When > 0, replaces every_steps by this many epochs' worth of optimizer steps."""
     batch_size: int = 0
     """Per-device eval batch size (0: train.per_device_batch_size)."""
+    max_samples: int = 0
+    """Evaluate at most this many validation samples (0: the whole split): a fixed subset chosen by a hash of the
+    sample index, the same at every evaluation, resume and world size, each sample still counted once. The test
+    split is never capped."""
     metric: str = ""
     """Metric that selects the best checkpoint (empty: the task's first metric, e.g. `loss`; resolved at start)."""
     mode: str = "min"
@@ -341,7 +345,7 @@ def _merge(schema: Any, layer: dict, source: str, written: dict[str, str] | None
 
 def _as_written(schema: Any, layer: dict, written: dict[str, str]) -> dict:
     """`layer` with the text as written for each key typed str whose value YAML read as another type: `no` stays
-    'no' (YAML reads false), `1.50` stays '1.50' (not 1.5). A null stays None where the key may be None."""
+    'no' (YAML reads false), `1.50` stays '1.50' (not 1.5). A null stays None."""
     layer = copy.deepcopy(layer)
     for key, text in written.items():
         node, target, *parents, name = [schema, layer, *key.split(".")]
@@ -350,7 +354,7 @@ def _as_written(schema: Any, layer: dict, written: dict[str, str]) -> dict:
         for part in parents:  # a key YAML wrote through an alias or a merge key (`<<`) is not in `layer` as such
             target = target.get(part) if isinstance(target, dict) else None
         if (isinstance(node, StringNode) and isinstance(target, dict) and name in target
-                and not (target[name] is None and node._is_optional())):
+                and target[name] is not None):  # a null stays null: "no value", refused where the key needs one
             target[name] = text
     return layer
 
@@ -476,7 +480,7 @@ def _validate(cfg: Config) -> None:
     non_negative = [("train", "epochs"), ("eval", "every_epochs"), ("ckpt", "every_epochs"), ("eval", "every_steps"),
                     ("ckpt", "every_steps"), ("ckpt", "every_seconds"), ("run", "collective_timeout_s"),
                     ("ckpt", "keep_last"), ("optim", "warmup_steps"), ("data", "num_workers"),
-                    ("data", "max_units_per_batch"), ("data", "bucket_size"), ("eval", "batch_size"),
+                    ("data", "max_units_per_batch"), ("data", "bucket_size"), ("eval", "batch_size"), ("eval", "max_samples"),
                     ("train", "grad_clip_norm"), ("train", "grad_clip_value"), ("train", "global_batch_size")]
     for section, key in non_negative:
         if getattr(getattr(cfg, section), key) < 0:
@@ -547,11 +551,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
 
 def _later_layer_wins(schema: Any, layers: list[tuple[str, dict]]) -> Any:
     """Where a key and the key that replaces it (`REPLACED_BY`) are set in different layers (preset < YAML <
-    command line), the later layer's wins: the replacing key goes back to 0 (off), said in one line."""
+    command line), the later layer's wins: the replacing key goes back to 0 (off), said in one line. A later value
+    of 0 switches nothing: 0 is each key's "not set", so `eval.every_steps=0` leaves a YAML's eval.every_epochs."""
     set_by = {key: (rank, source) for rank, (source, layer) in enumerate(layers) for key in _flatten(layer)}
     for key, replacing in REPLACED_BY.items():
         value = OmegaConf.select(schema, replacing)
-        if value and key in set_by and replacing in set_by and set_by[key][0] > set_by[replacing][0]:
+        later = key in set_by and replacing in set_by and set_by[key][0] > set_by[replacing][0]
+        if value and OmegaConf.select(schema, key) and later:
             OmegaConf.update(schema, replacing, type(value)(0))
             if int(os.environ.get("RANK", "0") or 0) == 0:  # one line per run, not one per rank of a launcher
                 logger.info("%s=%s (from %s) wins over %s=%s (from %s), which would replace it: %s=0 for this run",

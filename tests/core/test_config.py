@@ -290,6 +290,24 @@ def test_a_command_line_key_wins_over_the_yaml_key_that_would_replace_it(tmp_pat
     assert not [r for r in caplog.records if replacing in r.getMessage()]
 
 
+def test_a_command_line_zero_switches_no_replacing_key_off(tmp_path, caplog):
+    """0 is a step key's "not set": `eval.every_steps=0` typed over a YAML's eval.every_epochs leaves the epochs'
+    cadence in force and says nothing (only a value that replaces wins)."""
+    import logging
+
+    path = write(tmp_path, {"task": {"name": "regression"}, "eval": {"every_epochs": 5}, "train": {"epochs": 2}})
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        cfg = load_config(path, ["eval.every_steps=0"])
+    assert cfg.eval.every_epochs == 5 and cfg.train.epochs == 2
+    assert not [r for r in caplog.records if "wins over" in r.getMessage()]
+
+
+def test_a_null_for_a_text_key_stays_null(tmp_path):
+    """`run.init_from=null` is no value, not the text 'null' (a run directory named null): refused as such."""
+    with pytest.raises(ConfigError, match="bad value for config key 'run.init_from'.*None"):
+        load_config(None, ["task.name=regression", "run.init_from=null"])
+
+
 def test_the_yaml_wins_over_a_preset_key_that_would_replace_it(tmp_path, monkeypatch):
     from trainer.registry import get_spec
 

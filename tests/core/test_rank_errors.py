@@ -44,6 +44,13 @@ NCCL_ABORTED_BY_OWN = ("NCCL communicator was aborted on rank 1. Original reason
                        "memory access was encountered")
 NCCL_ABORTED_BY_PEER = ("NCCL communicator was aborted on rank 1. Original reason for failure was: NCCL error: remote "
                         "process exited or there was a network error")
+NCCL_INTERNAL_LOST_PEER = ("NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, internal error - "
+                           "please report this issue to the NCCL developers, NCCL version 2.21.5\nncclInternalError: "
+                           "Internal check failed.\nLast error:\nnet.cc:1071 NCCL WARN Connection closed by remote peer "
+                           "node7<41374>")
+NCCL_INTERNAL = ("NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, internal error - please "
+                 "report this issue to the NCCL developers, NCCL version 2.21.5\nncclInternalError: Internal check failed.")
+GLOO_PAIR_CLOSURE = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Application timeout caused pair closure"
 RESTARTING = {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_MAX_RESTARTS": "3", "RANK": "1", "LOCAL_RANK": "0"}
 
 
@@ -76,17 +83,21 @@ def torch_errors() -> dict[str, BaseException]:
     made["nccl remote"] = dist.DistBackendError(NCCL_REMOTE)
     made["nccl watchdog timeout"] = dist.DistBackendError(NCCL_TIMEOUT)
     made["nccl aborted by lost peer"] = dist.DistBackendError(NCCL_ABORTED_BY_PEER)
+    made["nccl internal, a peer's connection closed"] = dist.DistBackendError(NCCL_INTERNAL_LOST_PEER)
+    made["nccl internal"] = dist.DistBackendError(NCCL_INTERNAL)
+    made["gloo pair closure"] = RuntimeError(GLOO_PAIR_CLOSURE)
     return made
 
 
 @pytest.mark.parametrize("name", ["store unreachable", "store wait timeout", "nccl remote", "nccl watchdog timeout",
-                                  "nccl aborted by lost peer"])
+                                  "nccl aborted by lost peer", "nccl internal, a peer's connection closed",
+                                  "gloo pair closure"])
 def test_connection_and_store_errors_are_a_lost_peer(torch_errors, name):
     assert is_lost_peer(torch_errors[name]), torch_errors[name]
 
 
 @pytest.mark.parametrize("name", ["shape mismatch", "out of memory", "nccl cuda fault", "nccl invalid argument",
-                                  "nccl aborted by own fault", "nccl other"])
+                                  "nccl aborted by own fault", "nccl other", "nccl internal"])
 def test_errors_of_the_run_itself_are_not_a_lost_peer(torch_errors, name):
     """A DistBackendError is not a lost peer by its type or by naming ProcessGroupNCCL: a CUDA fault, a bad argument,
     an out-of-memory would come back after a restart."""

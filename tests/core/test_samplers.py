@@ -207,3 +207,182 @@ def test_a_stream_resumed_at_the_end_of_its_epoch_reads_no_batch_of_it():
     from trainer.core.loaders import EpochEnd
 
     assert stream_rank_batches(Numbers(30), 4, 2, 1, 1, 0, start=24) == [EpochEnd(30)]
+
+
+# --- scale: a stateless shuffled order, vectorised plans, resume without replaying earlier epochs -------------
+import itertools  # noqa: E402
+import tracemalloc  # noqa: E402
+
+from trainer.core import samplers as samplers_module  # noqa: E402
+from trainer.core.samplers import ShuffledOrder  # noqa: E402
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 10**6 + 3])
+def test_shuffled_order_is_a_bijection(n):
+    order = ShuffledOrder(n, seed=11, epoch=2)(np.arange(n))
+    assert order.dtype == np.int64 and np.array_equal(np.sort(order), np.arange(n))
+    if n >= 1000:
+        assert not np.array_equal(order, np.arange(n))
+        assert abs(np.corrcoef(np.arange(n), order)[0, 1]) < 0.05  # no trace of the identity left
+        assert not np.array_equal(order, ShuffledOrder(n, seed=11, epoch=3)(np.arange(n)))
+        assert not np.array_equal(order, ShuffledOrder(n, seed=12, epoch=2)(np.arange(n)))
+    assert np.array_equal(ShuffledOrder(n, 11, 2)(np.arange(n)[::-1].reshape(-1, 1))[:, 0], order[::-1])
+
+
+def test_shuffled_order_puts_a_sample_anywhere_evenly():
+    """Over many epochs the first position holds each of 10 samples about equally often (chi-square)."""
+    firsts = np.array([ShuffledOrder(10, seed=4, epoch=e)(np.array([0]))[0] for e in range(3000)])
+    counts = np.bincount(firsts, minlength=10)
+    assert ((counts - 300) ** 2 / 300).sum() < 30  # 9 degrees of freedom: 30 is far in the tail
+    with pytest.raises(IndexError, match=r"outside \[0, 10\)"):
+        ShuffledOrder(10, 0, 0)(np.array([10]))
+
+
+def rank_order(n, batch, rank, world, epoch, seed=7, skip=0):
+    bs = RankBatchSampler(EpochSampler(n, seed, multiple_of=batch * world), batch, rank, world)
+    bs.set_epoch(epoch, skip)
+    return list(bs)
+
+
+def test_rank_shares_interleave_to_the_single_process_order():
+    """Concatenating the ranks' batches in the sampler's interleaving (global batch k = rank 0's batch k, rank
+    1's, ...) gives the one-process order, at any world size, for a data set no global batch divides."""
+    single = sum(rank_order(1000, 3, 0, 1, epoch=5), [])
+    sampler = EpochSampler(1000, 7, multiple_of=3)
+    sampler.set_epoch(5)
+    assert single == list(sampler) == ShuffledOrder(1000, 7, 5)(np.arange(999)).tolist()
+    for world in (1, 2, 3, 4):
+        per_rank = [rank_order(1000, 3, r, world, epoch=5) for r in range(world)]
+        flat = [i for k in range(len(per_rank[0])) for r in range(world) for i in per_rank[r][k]]
+        assert len(flat) == 1000 // (3 * world) * 3 * world and flat == single[:len(flat)], world
+
+
+def test_a_rank_reads_a_huge_data_set_without_holding_its_order():
+    """Rank 0's first batches of a billion samples: nothing of the size of the data set is allocated."""
+    batches = RankBatchSampler(EpochSampler(10**9, 3, multiple_of=32), 8, 0, 4, with_epoch=True)
+    batches.set_epoch(9, skip=10**7)  # deep into the epoch, as a resumed run starts
+    tracemalloc.start()
+    try:
+        first = list(itertools.islice(batches, 13))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, peak
+    keys = [key for batch in first for key in batch][:100]
+    assert len(keys) == 100 and all(e == 9 and 0 <= i < 10**9 for e, i in keys) and len(set(keys)) == 100
+    positions = np.arange(10**7 * 32, 10**7 * 32 + 8)
+    assert [i for _, i in first[0]] == ShuffledOrder(10**9, 3, 9)(positions).tolist()
+
+
+def endless(batch_sampler, epochs):
+    out = []
+    for epoch in range(epochs):
+        batch_sampler.set_epoch(epoch)
+        out += list(batch_sampler)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fixed", "balanced", "budget"])
+def test_resume_at_any_position_gives_exactly_the_rest(kind):
+    sizes = np.random.default_rng(8).integers(1, 30, size=157)
+
+    def make(rank):
+        if kind == "fixed":
+            return RankBatchSampler(EpochSampler(157, 2, multiple_of=4 * 3), 4, rank, 3)
+        options = {"batch_size": 4} if kind == "balanced" else {"max_units": 60, "bucket_size": 40}
+        return BalancedBatchSampler(sizes, mode=kind, seed=2, rank=rank, world_size=3, **options)
+
+    for rank in range(3):
+        whole = endless(make(rank), 4)
+        for consumed in (0, 1, 5, len(whole) // 3, len(whole) // 2 + 1, len(whole) - 1):
+            resumed = make(rank)
+            epoch, skip = resumed.position(consumed)
+            resumed.set_epoch(epoch, skip)
+            rest = list(resumed)
+            for e in range(epoch + 1, 4):
+                resumed.set_epoch(e)
+                rest += list(resumed)
+            assert rest == whole[consumed:], (rank, consumed)
+
+
+def test_budget_resume_position_builds_each_epoch_once(monkeypatch):
+    sizes = np.random.default_rng(3).integers(1, 50, size=400)
+    sampler = BalancedBatchSampler(sizes, mode="budget", max_units=120, rank=1, world_size=2, seed=0)
+    built = []
+    original = BalancedBatchSampler._budget_batches
+    monkeypatch.setattr(BalancedBatchSampler, "_budget_batches", lambda self, order: built.append(1) or
+                        original(self, order))
+    lengths = [sampler.num_batches(e) for e in range(6)]
+    built.clear()
+    for consumed in (sum(lengths[:5]) + 2, sum(lengths[:3]), 7):
+        epoch, skip = sampler.position(consumed)
+        assert sum(lengths[:epoch]) + skip == consumed and skip < lengths[epoch]
+    assert built == []  # earlier epochs' lengths are kept, not rebuilt at each call
+
+
+def reference_lpt(sizes, parts, capacity=None):
+    """The per-sample Python LPT split the samplers used before vectorising (the first lightest open part)."""
+    loads, counts, out = [0] * parts, [0] * parts, [[] for _ in range(parts)]
+    for pos in np.argsort(-np.asarray(sizes), kind="stable"):
+        open_parts = [p for p in range(parts) if capacity is None or counts[p] < capacity]
+        target = min(open_parts, key=lambda p: loads[p])
+        out[target].append(int(pos))
+        loads[target] += int(sizes[pos])
+        counts[target] += 1
+    return out
+
+
+def reference_budget(sizes, order, world, budget, window):
+    """The budget cut written one sample at a time: each window sorted by size, global batches grown while
+    the LPT split keeps every rank within budget, leftovers pooled and cut again after all windows."""
+    batches, rest = [], list(order)
+    while True:
+        pool = []
+        for start in range(0, len(rest), window):
+            chunk = np.array(rest[start:start + window])
+            chunk = chunk[np.argsort(-sizes[chunk], kind="stable")]
+            at = 0
+            while len(chunk) - at >= world:
+                end = len(chunk)
+                while True:
+                    parts = reference_lpt(sizes[chunk[at:end]], world)
+                    if all(sizes[chunk[at:end][p]].sum() <= budget for p in parts):
+                        break
+                    end -= 1
+                batches.append([chunk[at:end][p].tolist() for p in parts])
+                at = end
+            pool += chunk[at:].tolist()
+        if len(rest) <= window or len(pool) < world:
+            return batches
+        rest = pool
+
+
+@pytest.mark.parametrize("n,world,budget,window,low,high", [(300, 2, 100, 60, 1, 40), (1000, 3, 256, 100, 5, 65),
+                                                            (517, 4, 50, 8, 1, 50), (64, 1, 30, 0, 1, 30)])
+def test_budget_plans_equal_the_one_sample_at_a_time_cut(monkeypatch, n, world, budget, window, low, high):
+    monkeypatch.setattr(samplers_module, "_GROUP", 50)  # several groups of windows too
+    sizes = np.random.default_rng(n).integers(low, high, size=n)
+    sampler = BalancedBatchSampler(sizes, mode="budget", max_units=budget, bucket_size=window, rank=0,
+                                   world_size=world, seed=9)
+    for epoch in (0, 1):
+        order = ShuffledOrder(n, 9, epoch)(np.arange(n))
+        members, bounds = sampler._budget_batches(order)
+        cut = [[members[bounds[b * world + r]:bounds[b * world + r + 1]].tolist() for r in range(world)]
+               for b in range((bounds.size - 1) // world)]
+        assert cut == reference_budget(sizes, order, world, budget, sampler.bucket_size)
+        plan = sampler.plan(epoch)
+        assert sorted(map(str, plan)) == sorted(map(str, cut))  # the same batches, shuffled
+        assert sampler.num_batches(epoch) == len(plan) and len(cut) == len(plan)
+
+
+def test_balanced_plans_equal_the_one_sample_at_a_time_split():
+    sizes = np.random.default_rng(5).integers(1, 200, size=250)
+    sampler = BalancedBatchSampler(sizes, mode="balanced", batch_size=6, seed=1, rank=2, world_size=4)
+    order = ShuffledOrder(250, 1, 3)(np.arange(250))
+    expected = []
+    for k in range(250 // 24):
+        chunk = order[k * 24:(k + 1) * 24]
+        expected.append([chunk[p].tolist() for p in reference_lpt(sizes[chunk], 4, capacity=6)])
+    assert sampler.plan(3) == expected
+    sampler.set_epoch(3)
+    assert list(sampler) == [batch[2] for batch in expected]

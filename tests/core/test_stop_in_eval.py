@@ -58,6 +58,7 @@ def test_sigterm_during_evaluation_checkpoints_the_step_and_drops_the_partial_ev
     assert json.loads((out / "preempted.json").read_text()) == {"step": stop_step, "signal": "SIGTERM"}
     assert latest_checkpoint(out / "checkpoints").name == f"step_{stop_step:08d}"
     assert evals(out) == []  # no metrics of a partial evaluation
+    assert trainer.accelerator.gradient_state.active_dataloader is None  # the abandoned eval loader unregistered
     monkeypatch.undo()
 
     reset_accelerate()

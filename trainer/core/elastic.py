@@ -52,17 +52,21 @@ _PEER_ERROR_TYPES = frozenset({"DistNetworkError", "DistStoreError"})
 _PEER_GONE = ("connection closed by", "connection reset by peer", "broken pipe", "connection refused",
               "connection timed out", "no route to host", "network is unreachable", "socket timeout",
               "failed to recv, got 0 bytes", "timed out waiting", "wait timeout after", "remote process exited",
-              "ncclremoteerror", "watchdog caught collective operation timeout")
+              "ncclremoteerror", "watchdog caught collective operation timeout", "pair closure")
 """What a collective's error says when a peer is gone: gloo's connection errors (plain RuntimeErrors) and its
-receive timeout (a node that vanished closes no connection), the store's, NCCL's remote error and watchdog
-timeout. Lower case."""
+receive timeout (a node that vanished closes no connection) and its closing of a pair on an application timeout,
+the store's, NCCL's remote error and watchdog timeout. Lower case."""
 
 _OWN_ERROR = ("cuda error", "cudaerror", "cuda failure", "out of memory", "illegal memory access",
-              "ncclunhandledcudaerror", "ncclinvalidargument", "ncclinvalidusage", "ncclinternalerror",
-              "invalid argument", "invalid tensor size", "size mismatch", "doesn't match expected size",
+              "ncclunhandledcudaerror", "ncclinvalidargument", "ncclinvalidusage", "invalid argument",
+              "invalid tensor size", "size mismatch", "doesn't match expected size",
               "collective mismatch", "mismatch between")
 """What says the error is this run's own, whatever else the text holds (an aborted communicator names the
 original reason): a restart would hit it again. Lower case."""
+
+_OWN_UNLESS_PEER_GONE = ("ncclinternalerror",)
+"""NCCL's internal error: the run's own, unless its text (NCCL's "Last error") says a connection to a peer was
+lost, as it does when a node dies mid-collective."""
 
 
 def is_lost_peer(err: BaseException) -> bool:
@@ -75,8 +79,11 @@ def is_lost_peer(err: BaseException) -> bool:
         text = f"{type(err).__name__}: {err}".lower()
         if any(marker in text for marker in _OWN_ERROR):
             return False
+        peer_gone = any(m in text for m in _PEER_GONE)
+        if any(marker in text for marker in _OWN_UNLESS_PEER_GONE) and not peer_gone:
+            return False
         names = {cls.__name__ for cls in type(err).__mro__}
-        if names & _PEER_ERROR_TYPES or (isinstance(err, RuntimeError) and any(m in text for m in _PEER_GONE)):
+        if names & _PEER_ERROR_TYPES or (isinstance(err, RuntimeError) and peer_gone):
             return True
         err = err.__cause__
     return False

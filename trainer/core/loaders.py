@@ -28,9 +28,10 @@ import logging
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from accelerate.utils import send_to_device
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, Subset, get_worker_info
 
 from trainer.config import Config, ConfigError
 from trainer.core.batch_plan import BatchPlan
@@ -138,9 +139,51 @@ def loader_options(cfg: Config, task: Task) -> dict[str, Any]:
                 worker_init_fn=WorkerSeeder(), persistent_workers=cfg.data.num_workers > 0)
 
 
-def build_eval_loader(cfg: Config, task: Task, dataset: Any, per_device_batch_size: int) -> DataLoader:
-    """An unshuffled loader over a whole eval/test set (to be `accelerator.prepare`d: it pads ranks evenly), in
-    batches of eval.batch_size, else the training run's `per_device_batch_size`."""
+EVAL_SUBSET_SALT = 0x6576616C5F737562
+"""Mixed into the sample index before hashing. A constant, not run.seed: runs with different seeds evaluate the same
+validation samples, so their eval metrics compare."""
+
+
+def _splitmix64(values: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over a uint64 array (wrapping arithmetic): a bijection of uint64, so distinct indices
+    never tie."""
+    z = values + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def eval_subset(num_samples: int, max_samples: int) -> np.ndarray | None:
+    """The indices (ascending) of the `max_samples` samples of an eval split of `num_samples` that are evaluated:
+    those whose index hashes lowest, or None (the whole split) when `max_samples` is 0 or not below `num_samples`.
+
+    A pure function of the two numbers: the same subset on every rank, at every world size, at every evaluation
+    and after a resume. Each index's hash does not depend on `num_samples`, so a grown split keeps the samples of
+    the smaller one that still hash lowest. Vectorised: no Python loop over the split."""
+    if max_samples < 0:
+        raise ConfigError(f"config key 'eval.max_samples' must be >= 0, got {max_samples}")
+    if max_samples == 0 or num_samples <= max_samples:
+        return None
+    keys = _splitmix64(np.arange(num_samples, dtype=np.uint64) ^ np.uint64(EVAL_SUBSET_SALT))
+    return np.sort(np.argpartition(keys, max_samples - 1)[:max_samples])
+
+
+def build_eval_loader(cfg: Config, task: Task, dataset: Any, per_device_batch_size: int, split: str) -> DataLoader:
+    """An unshuffled loader over an eval/test set (to be `accelerator.prepare`d: it pads ranks evenly), in
+    batches of eval.batch_size, else the training run's `per_device_batch_size`. The eval split is cut to
+    eval.max_samples samples (`eval_subset`); the test split is always whole: a test number covers the test set."""
+    limit = cfg.eval.max_samples if split == "eval" else 0
+    if limit:
+        if not hasattr(dataset, "__len__") or isinstance(dataset, IterableDataset):
+            raise ConfigError(f"eval.max_samples={limit}: task '{cfg.task.name}' gives an eval set without a length "
+                              f"({type(dataset).__name__}); the cap needs a map-style eval set (or eval.max_samples=0)")
+        chosen = eval_subset(len(dataset), limit)
+        if chosen is None:
+            logger.info("eval: the whole validation split, %d samples (eval.max_samples=%d)", len(dataset), limit)
+        else:
+            logger.info("eval: %d of the %d validation samples (eval.max_samples, chosen by a hash of the index: the "
+                        "same at every evaluation and world size)", len(chosen), len(dataset))
+            dataset = Subset(dataset, chosen.tolist())  # items keep their own index: per-sample seeds are unchanged
     # Its own generator: a (re)created iterator would otherwise draw from the global RNG, which a
     # resumed run restores.
     return DataLoader(dataset, batch_size=cfg.eval.batch_size or per_device_batch_size, shuffle=False,

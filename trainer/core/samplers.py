@@ -1,9 +1,14 @@
-"""Samplers whose order is a pure function of (seed, epoch), so resume needs no iterator state."""
+"""Samplers whose order is a pure function of (seed, epoch), so resume needs no iterator state.
+
+No sampler holds a permutation of the whole data set: the shuffled order is a keyed bijection of [0, N)
+(`ShuffledOrder`) evaluated only at the positions a rank reads, so each rank computes its own share of the
+epoch, from any position, in memory that does not grow with N.
+"""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -11,6 +16,64 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from trainer.task import EpochAwareDataset
+
+_CHUNK = 1 << 16  # positions mapped per vectorised call: bounds a sampler's working memory whatever N is
+_GROUP = 1 << 22  # samples of the budget windows cut together: bounds the plan's working memory
+_M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+class ShuffledOrder:
+    """The (seed, epoch) shuffle of [0, n) as a function: `self(positions)` is the sample at each position.
+
+    A Feistel network over the smallest power-of-two domain holding n (at least 4, else under 2n), keyed by the seed and
+    epoch, with cycle walking (a value outside [0, n) is permuted again until it lands inside) makes a
+    bijection of [0, n) that costs O(1) memory and is evaluated for any positions at once; every rank thus
+    reads the same global order at any world size without holding it. Nothing limits n (unlike a full
+    `torch.randperm`, which holds all n and is not uniform for very large n).
+    """
+
+    ROUNDS = 8  # Luby-Rackoff needs 4 with a random round function; more rounds for the cheap hash used
+
+    def __init__(self, n: int, seed: int, epoch: int):
+        if n < 1:
+            raise ValueError(f"a shuffled order needs at least one sample, not {n}")
+        self.n = n
+        bits = max(2, (n - 1).bit_length())
+        self.bits = bits
+        # A SeedSequence spreads (seed, epoch) over independent round keys; seeds may be negative.
+        self.keys = np.random.SeedSequence([seed % 2**64, epoch]).generate_state(self.ROUNDS, np.uint64)
+
+    def _rounds(self, x: np.ndarray) -> np.ndarray:
+        hi_bits, lo_bits = self.bits - self.bits // 2, self.bits // 2
+        for key in self.keys:
+            hi, lo = x >> np.uint64(lo_bits), x & np.uint64((1 << lo_bits) - 1)
+            z = lo * _M1 + key  # splitmix64's finaliser as the round function
+            z = (z ^ (z >> np.uint64(30))) * _M2
+            z = (z ^ (z >> np.uint64(27))) * _M3
+            z ^= z >> np.uint64(31)
+            x = (lo << np.uint64(hi_bits)) | (hi ^ (z & np.uint64((1 << hi_bits) - 1)))
+            hi_bits, lo_bits = lo_bits, hi_bits  # the halves swap sizes each round (unbalanced when bits is odd)
+        return x
+
+    def __call__(self, positions: np.ndarray | int) -> np.ndarray:
+        """The samples at `positions` (ints in [0, n)), as an int64 array of the same shape."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size and (pos.min() < 0 or pos.max() >= self.n):
+            raise IndexError(f"positions outside [0, {self.n}) of a shuffled order")
+        flat = pos.reshape(-1).astype(np.uint64)
+        out = self._rounds(flat)
+        todo = np.flatnonzero(out >= np.uint64(self.n))
+        while todo.size:  # cycle walking; the domain is under 2n, so few values walk more than a step or two
+            out[todo] = self._rounds(out[todo])
+            todo = todo[out[todo] >= np.uint64(self.n)]
+        return out.astype(np.int64).reshape(pos.shape)
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> Callable[[np.ndarray], np.ndarray]:
+    """positions -> samples of the (seed, epoch) order of n samples (the identity when not shuffled)."""
+    if shuffle:
+        return ShuffledOrder(n, seed, epoch)
+    return lambda positions: np.asarray(positions, dtype=np.int64)
 
 
 class EpochSampler(Sampler[int]):
@@ -31,8 +94,11 @@ class EpochSampler(Sampler[int]):
         if len(self) == 0:
             raise ValueError(f"dataset of {num_samples} samples is smaller than one global batch "
                              f"({self.multiple_of} = world size x per-device batch x accumulation)")
+        self._order = epoch_order(num_samples, seed, 0, shuffle)
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
         self.epoch = epoch
 
     @property
@@ -42,13 +108,15 @@ class EpochSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.num_samples // self.multiple_of * self.multiple_of
 
+    @property
+    def order(self) -> Callable[[np.ndarray], np.ndarray]:
+        """This epoch's order: positions (an int array) -> the samples there (int64, same shape)."""
+        return self._order
+
     def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            order = torch.randperm(self.num_samples, generator=g)
-        else:
-            order = torch.arange(self.num_samples)
-        return iter(order[: len(self)].tolist())
+        order = self._order
+        for start in range(0, len(self), _CHUNK):
+            yield from order(np.arange(start, min(start + _CHUNK, len(self)))).tolist()
 
 
 class WorkerSeeder:
@@ -63,9 +131,10 @@ class WorkerSeeder:
 class RankBatchSampler(Sampler[list[int]]):
     """This rank's batches of an EpochSampler: global batch k goes to rank k % world_size.
 
-    Every rank iterates the same (seed, epoch) order, so the global batches are the same whatever
-    the world size. `set_epoch(epoch, skip)` starts an epoch `skip` batches in without loading the
-    skipped samples, which is how a resumed run gets back to its data position.
+    Global batch k is positions [k G, (k+1) G) of the (seed, epoch) order (G = world size x batch size), so
+    the global batches are the same whatever the world size; a rank maps only its own positions to samples.
+    `set_epoch(epoch, skip)` starts an epoch `skip` batches in without computing or loading the skipped ones,
+    which is how a resumed run gets back to its data position.
     """
 
     def __init__(self, sampler: EpochSampler, batch_size: int, rank: int, world_size: int, with_epoch: bool = False):
@@ -88,27 +157,37 @@ class RankBatchSampler(Sampler[list[int]]):
         return divmod(consumed, len(self))
 
     def __iter__(self) -> Iterator[list[int]]:
-        indices = list(self.sampler)
-        step = self.batch_size * self.world_size
-        for start in range(self.skip * step, len(indices), step):
-            offset = start + self.rank * self.batch_size
-            batch = indices[offset: offset + self.batch_size]
-            yield [(self.sampler.epoch, i) for i in batch] if self.with_epoch else batch
+        # This epoch's order taken once: another batch sampler may move a shared EpochSampler on meanwhile.
+        epoch, order = self.sampler.epoch, self.sampler.order
+        size, step = self.batch_size, self.batch_size * self.world_size
+        per_chunk = max(1, _CHUNK // size)
+        for first in range(self.skip, len(self), per_chunk):
+            batches = np.arange(first, min(first + per_chunk, len(self)), dtype=np.int64)
+            positions = batches[:, None] * step + self.rank * size + np.arange(size, dtype=np.int64)
+            for batch in order(positions).tolist():
+                yield [(epoch, i) for i in batch] if self.with_epoch else batch
 
 
-def _balanced_split(sizes: np.ndarray, parts: int, capacity: int | None = None) -> list[list[int]]:
-    """Split positions 0..len(sizes)-1 into `parts` lists with even size sums (largest first into the
-    lightest part, the LPT rule; at most `capacity` items per part when given)."""
-    loads = np.zeros(parts, dtype=np.int64)
-    counts = np.zeros(parts, dtype=np.int64)
-    out: list[list[int]] = [[] for _ in range(parts)]
-    for pos in np.argsort(-sizes, kind="stable"):
-        open_parts = np.flatnonzero(counts < capacity) if capacity else np.arange(parts)
-        target = open_parts[np.argmin(loads[open_parts])]
-        out[target].append(int(pos))
-        loads[target] += sizes[pos]
-        counts[target] += 1
-    return out
+def lpt_parts(sizes: np.ndarray, parts: int, capacity: int | None = None) -> np.ndarray:
+    """The part of each item when every row of `sizes` (items sorted largest first) is split into `parts`
+    with even size sums: each item goes to the lightest part (the first on ties) with fewer than `capacity`
+    items, the LPT rule; one Python step per column, the rows (independent groups) at once."""
+    rows, columns = sizes.shape
+    loads = np.zeros((rows, parts), dtype=np.int64)
+    flat_loads, counts = loads.reshape(-1), np.zeros(rows * parts, dtype=np.int64)
+    base = np.arange(rows, dtype=np.int64) * parts
+    sizes_t = np.ascontiguousarray(sizes.T)  # a column per step, read contiguously
+    out_t = np.empty((columns, rows), dtype=np.int64)
+    closed = np.iinfo(np.int64).max  # the load of a full part: never the lightest again
+    for j in range(columns):
+        target = loads.argmin(axis=1)
+        cell = base + target
+        flat_loads[cell] += sizes_t[j]
+        out_t[j] = target
+        if capacity is not None:
+            counts[cell] += 1
+            flat_loads[cell[counts[cell] >= capacity]] = closed
+    return out_t.T
 
 
 class BalancedBatchSampler(Sampler[list[int]]):
@@ -117,13 +196,19 @@ class BalancedBatchSampler(Sampler[list[int]]):
     Every rank computes the same global plan from (seed, epoch), so a resumed or rescaled run needs no
     iterator state, and every rank gets the same number of micro-batches.
 
-    - `balanced` (fairchem's balanced batch sampler): each global batch holds world_size x batch_size
-      samples in shuffled order, split across ranks so that their unit sums are even.
-    - `budget`: windows of `bucket_size` shuffled samples are sorted by size and cut into global batches
-      of world_size micro-batches of at most `max_units` units each (split evenly, LPT); the batches
-      are then shuffled, so similar lengths share a batch without the epoch being ordered by length.
-      A sample larger than the budget is an error; samples left over at the end of an epoch (fewer
-      than world_size) wait for the next epoch's order and are counted in `dropped_per_epoch`.
+    - `balanced` (fairchem's balanced batch sampler): global batch k holds positions [k G, (k+1) G) of the
+      (seed, epoch) order (G = world_size x batch_size), split across ranks so that their unit sums are
+      even (LPT, batch_size samples each). A batch depends on its own samples alone, so a rank computes
+      only the batches it reads and the resume position is a division.
+    - `budget`: windows of `bucket_size` (at least 2 x world_size) shuffled samples are sorted by size and
+      cut into global batches of world_size micro-batches of at most `max_units` units each (LPT: a global
+      batch grows while its split keeps every rank within budget); the batches are then shuffled, so similar
+      lengths share a batch without the epoch being ordered by length. The fewer than world_size samples a
+      window leaves over are pooled and cut again after all windows; what the last pool leaves (fewer than
+      world_size) waits for the next epoch's order and is counted in `dropped_per_epoch`. A sample larger
+      than the budget is an error. An epoch's plan is built at once (vectorised over windows) and kept; the
+      number of batches of each epoch is kept too, so a resume position is found by building each earlier
+      epoch's plan once.
     """
 
     def __init__(self, sizes, *, mode: str, seed: int, rank: int, world_size: int, shuffle: bool = True,
@@ -140,61 +225,131 @@ class BalancedBatchSampler(Sampler[list[int]]):
                                  f"raise the budget or crop the samples")
             mean = max(1.0, float(self.sizes.mean())) if self.sizes.size else 1.0
             per_global = max(1, int(max_units / mean) * world_size)
-            self.bucket_size = bucket_size or 64 * per_global
+            # At least 2 x world_size: a window then leaves under half its samples to the pool, which shrinks.
+            self.bucket_size = max(bucket_size or 64 * per_global, 2 * world_size)
         elif mode != "balanced":
             raise ValueError(f"unknown batching mode {mode!r}: balanced or budget")
         self.epoch, self.skip = 0, 0
-        self._plans: dict[int, list[list[list[int]]]] = {}
-        if len(self) == 0:
+        self._budget: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None  # one epoch's plan
+        self._lengths: dict[int, int] = {}  # epoch -> global batches (budget), kept for resume positions
+        if self.sizes.size == 0 or len(self) == 0:
             raise ValueError(f"{self.sizes.size} samples make no full global batch of {world_size} ranks")
 
-    def plan(self, epoch: int) -> list[list[list[int]]]:
-        """Global batches of `epoch`: a list of [rank 0 indices, rank 1 indices, ...]."""
-        if epoch not in self._plans:
-            self._plans = {epoch: self._build_plan(epoch)}  # one epoch cached: plans are cheap
-        return self._plans[epoch]
+    # ----------------------------------------------------------------------------------------- balanced
+    def _balanced(self, epoch: int, first: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(samples, part of each) of global batches [first, stop) of `epoch` in balanced mode: rows are
+        batches, samples sorted largest first, parts are ranks."""
+        step = self.batch_size * self.world_size
+        positions = np.arange(first, stop, dtype=np.int64)[:, None] * step + np.arange(step, dtype=np.int64)
+        samples = epoch_order(self.sizes.size, self.seed, epoch, self.shuffle)(positions)
+        by_size = np.argsort(-self.sizes[samples], axis=1, kind="stable")
+        samples = np.take_along_axis(samples, by_size, axis=1)
+        return samples, lpt_parts(self.sizes[samples], self.world_size, capacity=self.batch_size)
 
-    def _build_plan(self, epoch: int) -> list[list[list[int]]]:
-        rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(self.sizes.size) if self.shuffle else np.arange(self.sizes.size)
-        batches: list[list[list[int]]] = []
+    # ------------------------------------------------------------------------------------------- budget
+    def _cut_windows(self, samples: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+        """Cut `samples` (in epoch order), window by window, into global batches: (members, per-(batch, rank)
+        counts, leftover samples); members run batch by batch, rank by rank, each rank's in LPT order."""
+        window, world, budget = self.bucket_size, self.world_size, self.max_units
+        lanes_per_group = max(1, _GROUP // window)
+        members, counts, leftover = [], [], []
+        for g0 in range(0, samples.size, lanes_per_group * window):
+            group = samples[g0:g0 + lanes_per_group * window]
+            lanes = -(-group.size // window)
+            ids = np.full(lanes * window, -1, dtype=samples.dtype)
+            ids[:group.size] = group
+            ids = ids.reshape(lanes, window)
+            units = np.where(ids >= 0, self.sizes[ids], -1)  # padding sorts last and weighs nothing
+            by_size = np.argsort(-units, axis=1, kind="stable")
+            ids, units = np.take_along_axis(ids, by_size, axis=1), np.take_along_axis(units, by_size, axis=1)
+            valid = units >= 0
+            # Column by column over the windows at once; columns are rows here so that each step reads and
+            # writes contiguous memory.
+            units_t = np.ascontiguousarray(np.maximum(units, 0).T)  # padding weighs nothing
+            part_t = np.empty((window, lanes), dtype=np.int64)
+            batch_t = np.empty((window, lanes), dtype=np.int64)
+            loads = np.zeros((lanes, world), dtype=np.int64)
+            flat = loads.reshape(-1)
+            base = np.arange(lanes, dtype=np.int64) * world
+            current, start = np.zeros(lanes, dtype=np.int64), np.zeros(lanes, dtype=np.int64)
+            for j in range(window):
+                size = units_t[j]
+                target = loads.argmin(axis=1)
+                cell = base + target
+                # LPT is online (a sample's part depends on the larger ones only), so the longest prefix whose
+                # split fits the budget ends at the first sample that would overflow its lightest rank.
+                close = flat[cell] + size > budget
+                if close.any():
+                    loads[close] = 0
+                    target[close], cell[close] = 0, base[close]
+                    current[close] += 1
+                    start[close] = j
+                flat[cell] += size
+                part_t[j], batch_t[j] = target, current
+            part, batch = part_t.T, batch_t.T
+            short = valid.sum(axis=1) - start < world  # the last batch of a window is kept if every rank has a sample
+            left = valid & short[:, None] & (batch == current[:, None])
+            leftover.append(ids[left])
+            keep = valid & ~left
+            per_lane = current + 1 - short
+            offset = np.concatenate([[0], np.cumsum(per_lane)[:-1]])
+            gid = (offset[:, None] + batch)[keep]
+            cell = gid * world + part[keep]
+            # Stable: row-major order already runs by batch, and within a rank's cell by LPT order.
+            members.append(ids[keep][np.argsort(cell, kind="stable")])
+            counts.append(np.bincount(cell, minlength=int(per_lane.sum()) * world))
+        return members, counts, np.concatenate(leftover)
+
+    def _budget_batches(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The global batches of `order` (an epoch's samples in order), before the batches are shuffled:
+        (members, bounds), rank r of batch b being members[bounds[b W + r]:bounds[b W + r + 1]]."""
+        members, counts = [], []
+        rest = order
+        while True:
+            cut, cell_counts, rest_next = self._cut_windows(rest)
+            members += cut
+            counts += cell_counts
+            if rest.size <= self.bucket_size or rest_next.size < self.world_size:
+                break  # one window: what it left over (fewer than world_size) waits for the next epoch
+            rest = rest_next
+        bounds = np.concatenate([[0], np.cumsum(np.concatenate(counts))])
+        return np.concatenate(members), bounds
+
+    def _budget_plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(members, bounds, batch order) of `epoch`: batch b of the epoch is batch order[b] of members."""
+        if self._budget is None or self._budget[0] != epoch:
+            self._budget = None  # one epoch's plan held at a time, not two while the next is built
+            shuffled, n = epoch_order(self.sizes.size, self.seed, epoch, self.shuffle), self.sizes.size
+            samples = np.empty(n, dtype=np.int32 if n < 2**31 else np.int64)  # the plan holds N of these
+            for start in range(0, n, _GROUP):  # in pieces: the order's temporaries stay small
+                samples[start:start + _GROUP] = shuffled(np.arange(start, min(start + _GROUP, n)))
+            members, bounds = self._budget_batches(samples)
+            batches = (bounds.size - 1) // self.world_size
+            rng = np.random.default_rng([self.seed % 2**64, epoch])
+            order = rng.permutation(batches) if self.shuffle else np.arange(batches)
+            self._budget = (epoch, members, bounds, order)
+            self._lengths[epoch] = batches
+        return self._budget[1:]
+
+    # ---------------------------------------------------------------------------------------- interface
+    def num_batches(self, epoch: int) -> int:
+        """Global batches (so micro-batches of every rank) in `epoch`."""
         if self.mode == "balanced":
-            step = self.batch_size * self.world_size
-            for start in range(0, order.size - step + 1, step):
-                chunk = order[start:start + step]
-                parts = _balanced_split(self.sizes[chunk], self.world_size, capacity=self.batch_size)
-                batches.append([chunk[part].tolist() for part in parts])
-            return batches
-        pending = np.empty(0, dtype=np.int64)
-        for start in range(0, order.size, self.bucket_size):
-            window = np.concatenate([pending, order[start:start + self.bucket_size]])
-            window = window[np.argsort(-self.sizes[window], kind="stable")]
-            pending = self._cut_window(window, batches)
-        if self.shuffle:
-            batches = [batches[i] for i in rng.permutation(len(batches))]
-        return batches
+            return self.sizes.size // (self.batch_size * self.world_size)
+        if epoch not in self._lengths:
+            self._budget_plan(epoch)
+        return self._lengths[epoch]
 
-    def _cut_window(self, window: np.ndarray, batches: list) -> np.ndarray:
-        """Append global batches cut from `window` (sorted by size, descending); return the rest."""
-        budget_total = self.max_units * self.world_size
-        start = 0
-        while window.size - start >= self.world_size:
-            # Grow the global batch while the LPT split can still keep every rank within budget.
-            end, total = start, 0
-            while end < window.size and total + self.sizes[window[end]] <= budget_total:
-                total += self.sizes[window[end]]
-                end += 1
-            while end - start >= self.world_size:
-                chunk = window[start:end]
-                parts = _balanced_split(self.sizes[chunk], self.world_size)
-                if all(self.sizes[chunk[p]].sum() <= self.max_units for p in parts):
-                    break
-                end -= 1  # cannot fail for world_size samples: one each, each within the budget
-            if end - start < self.world_size:
-                break
-            batches.append([chunk[part].tolist() for part in parts])
-            start = end
-        return window[start:]
+    def plan(self, epoch: int) -> list[list[list[int]]]:
+        """Global batches of `epoch`: a list of [rank 0 indices, rank 1 indices, ...] (whole epoch, all ranks:
+        for tests and inspection; iteration computes this rank's batches only)."""
+        world = self.world_size
+        if self.mode == "balanced":
+            samples, parts = self._balanced(epoch, 0, self.num_batches(epoch))
+            return [[row[part == r].tolist() for r in range(world)] for row, part in zip(samples, parts)]
+        members, bounds, order = self._budget_plan(epoch)
+        return [[members[bounds[b * world + r]:bounds[b * world + r + 1]].tolist() for r in range(world)]
+                for b in order.tolist()]
 
     @property
     def num_samples(self) -> int:
@@ -202,26 +357,41 @@ class BalancedBatchSampler(Sampler[list[int]]):
 
     @property
     def dropped_per_epoch(self) -> int:
-        return int(self.sizes.size - sum(len(r) for batch in self.plan(self.epoch) for r in batch))
+        if self.mode == "balanced":
+            return int(self.sizes.size - self.num_batches(self.epoch) * self.batch_size * self.world_size)
+        return int(self.sizes.size - self._budget_plan(self.epoch)[0].size)
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         self.epoch, self.skip = epoch, skip
 
     def __len__(self) -> int:
-        return len(self.plan(self.epoch))
+        return self.num_batches(self.epoch)
 
     def position(self, consumed: int) -> tuple[int, int]:
-        """(epoch, batches of it done) after `consumed` batches; budget plans differ in length per epoch."""
+        """(epoch, batches of it done) after `consumed` batches; budget plans differ in length per epoch (each
+        earlier epoch's length is computed once and kept)."""
+        if self.mode == "balanced":
+            return divmod(consumed, self.num_batches(0))
         epoch = 0
-        while consumed >= len(self.plan(epoch)):
-            consumed -= len(self.plan(epoch))
+        while consumed >= self.num_batches(epoch):
+            consumed -= self.num_batches(epoch)
             epoch += 1
         return epoch, consumed
 
     def __iter__(self) -> Iterator[list[int]]:
-        for batch in self.plan(self.epoch)[self.skip:]:
-            mine = batch[self.rank]
-            yield [(self.epoch, i) for i in mine] if self.with_epoch else mine
+        epoch, rank, world = self.epoch, self.rank, self.world_size
+        if self.mode == "balanced":
+            total = self.num_batches(epoch)
+            per_chunk = max(1, 4 * _CHUNK // (self.batch_size * world))  # rows enough to amortise each LPT step
+            for first in range(self.skip, total, per_chunk):
+                samples, parts = self._balanced(epoch, first, min(first + per_chunk, total))
+                for batch in samples[parts == rank].reshape(len(samples), self.batch_size).tolist():
+                    yield [(epoch, i) for i in batch] if self.with_epoch else batch
+            return
+        members, bounds, order = self._budget_plan(epoch)
+        for b in order[self.skip:].tolist():
+            mine = members[bounds[b * world + rank]:bounds[b * world + rank + 1]].tolist()
+            yield [(epoch, i) for i in mine] if self.with_epoch else mine
 
 
 class KeyedSamples(Dataset):

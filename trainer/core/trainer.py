@@ -52,6 +52,7 @@ from trainer.core.run_lock import release_run_lock
 from trainer.core.run_logger import RunLogger, StepWindow
 from trainer.core.run_plan import build_run_plan
 from trainer.core.step_guard import NonFiniteLossError
+from trainer.data.build_lock import task_build_once
 from trainer.registry import get_task
 from trainer.rundir import RunDir
 from trainer.task import GenerativeTask, ReferenceModelTask, StatefulTask
@@ -79,7 +80,10 @@ class Trainer:
 
         # Task, data and model: data first, the model is built from its statistics.
         self.task = get_task(cfg.task.name)(cfg.task, seed=cfg.run.seed)
-        with acc.main_process_first():  # the main process fills the data caches, the others read them
+        # The first process to take a file lock in the cache folder builds the caches, the others wait on the lock
+        # (no collective: a build may outlast run.collective_timeout_s) and then load them; one builder per
+        # folder, so per node where the cache folder is node-local (trainer/data/build_lock.py).
+        with task_build_once(cfg.task, cfg.run.seed, fallback=acc.main_process_first):
             data = self.task.build_data()
         self.task.attach_stats(data.stats)
         set_seed(cfg.run.seed)  # identical initial weights on every rank
@@ -104,9 +108,9 @@ class Trainer:
         self.engine = build_engine(acc, self.model, self.optimizer, cfg, plan.grad_accum_steps)
         self.eval_loader = self.test_loader = None
         if data.eval is not None:
-            self.eval_loader = acc.prepare(build_eval_loader(cfg, self.task, data.eval, plan.per_device_batch_size))
+            self.eval_loader = acc.prepare(build_eval_loader(cfg, self.task, data.eval, plan.per_device_batch_size, "eval"))
         if data.test is not None:
-            self.test_loader = acc.prepare(build_eval_loader(cfg, self.task, data.test, plan.per_device_batch_size))
+            self.test_loader = acc.prepare(build_eval_loader(cfg, self.task, data.test, plan.per_device_batch_size, "test"))
         set_seed(cfg.run.seed + acc.process_index)  # dropout's stream per rank (loss noise: MicroBatch.rng, per sample)
 
         self.ema = EMA(unwrap_model(acc, self.model), t.ema_decay, self.engine) if t.ema_decay > 0 else None
@@ -273,7 +277,7 @@ class Trainer:
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
     def evaluate(self, split: str = "eval") -> dict[str, float] | None:
-        """Metrics over the whole eval (or test) set, each sample once whatever world size and batch.
+        """Metrics over the eval set (eval.max_samples of it) or the test set, each sample once at any world size and batch.
 
         The test split (`TaskData.test`) is evaluated once, at the end of a completed run; the main process then
         hands all its per-sample values to `Task.write_report` (e.g. a parity plot). Within `fit` a stop signal ends
@@ -291,6 +295,7 @@ class Trainer:
         with use_ema:
             for batch in loader:
                 if self.watcher is not None and self.watcher.should_stop():  # every rank asks at every batch
+                    getattr(loader, "end", lambda: None)()  # accelerate unregisters a loader only when it runs out
                     break
                 out = acc.gather_for_metrics(self.task.eval_step(self.model, batch))
                 for key, value in out.items():
@@ -365,7 +370,8 @@ class Trainer:
             improved = self._track_best(self.evaluate())
         if saved_at != self.state.step or improved:
             self.save(best=improved)
-        self.checkpointer.wait(close=True)
+        if self.checkpointer.wait(close=True) == self.state.step:  # the writer process died with this step's save
+            self.save(best=self.state.best_step == self.state.step)  # on the step, as every save after its death
         if self.watcher.status == "completed" and self.test_loader is not None:
             self._load_test_weights()
             self.evaluate("test")

@@ -1,8 +1,9 @@
 """Fingerprinted Arrow caches: the one place that touches `datasets` internals.
 
 A family turns its input into Arrow files once per (inputs, settings) and loads them memory-mapped
-afterwards. The fingerprint is a digest of what identifies the inputs (each file's absolute path,
-size and mtime, or the content of in-memory records) and of every setting. Each shard is written
+afterwards. The fingerprint is a digest of what identifies the inputs (each file's size and a digest of
+its content, `file_fingerprint`, never its path or mtime, so a copy staged to a node's scratch folder hits
+the same cache; or the content of in-memory records) and of every setting. Each shard is written
 by a worker function into a temp file, then renamed into place, so a crash or an error never leaves
 a half-written shard under its final name, and a failed build removes its temp files. A sidecar
 JSON (written atomically, after the shards) records what the build read and skipped.
@@ -31,15 +32,82 @@ def digest(obj: Any) -> str:
     return hashlib.blake2b(json.dumps(obj, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
 
 
-def file_entries(path: str | Path) -> list[dict[str, Any]]:
-    """Absolute path, size and mtime of a file, or of every file of a folder: what identifies an input."""
+FULL_HASH_BYTES = 64 << 20
+"""Files up to this size are hashed whole; larger ones by a sample (`file_fingerprint`)."""
+SAMPLE_EDGE_BYTES = 1 << 20
+"""Bytes read at each end of a sampled file (headers and a truncated tail change these)."""
+SAMPLE_BLOCKS = 64
+"""Evenly spaced blocks read between the two ends of a sampled file."""
+SAMPLE_BLOCK_BYTES = 256 << 10
+"""Bytes per sampled block."""
+
+_fingerprints: dict[tuple, str] = {}
+"""(resolved path, device, inode, size, mtime) -> content digest: a file read once per process."""
+
+
+def file_fingerprint(path: str | Path, *, full_hash_bytes: int | None = None) -> str:
+    """A digest of a file's size and content, independent of its name, folder and mtime.
+
+    A file of at most `full_hash_bytes` (default `FULL_HASH_BYTES`) is hashed whole (blake2b). A larger one
+    is hashed by a sample, so that a start does not read a multi-GB input: its first and last
+    `SAMPLE_EDGE_BYTES` and `SAMPLE_BLOCKS` blocks of `SAMPLE_BLOCK_BYTES` evenly spaced between them. Any
+    change of size is seen; an edit in place that keeps the size and falls between the sampled blocks is
+    not (delete the cache folder to rebuild after such an edit). Remembered per process by (path, inode,
+    size, mtime), so a second build in the same process does not read the file again.
+    """
+    limit = FULL_HASH_BYTES if full_hash_bytes is None else full_hash_bytes
     path = Path(path).resolve()
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-    out = []
-    for p in files:
-        st = p.stat()
-        out.append({"path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    st = path.stat()
+    memo = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, limit, SAMPLE_EDGE_BYTES, SAMPLE_BLOCKS,
+            SAMPLE_BLOCK_BYTES)
+    if memo in _fingerprints:
+        return _fingerprints[memo]
+    size = st.st_size
+    h = hashlib.blake2b(f"{size}:".encode(), digest_size=16)
+    chunk = 1 << 20
+    with open(path, "rb") as f:
+        if size <= limit:
+            h.update(b"full:")
+            while block := f.read(chunk):
+                h.update(block)
+        else:
+            h.update(f"sample:{SAMPLE_EDGE_BYTES}:{SAMPLE_BLOCKS}:{SAMPLE_BLOCK_BYTES}:".encode())
+            inner_start, inner_end = SAMPLE_EDGE_BYTES, size - SAMPLE_EDGE_BYTES
+            starts = [0, *np.linspace(inner_start, max(inner_start, inner_end - SAMPLE_BLOCK_BYTES),
+                                      SAMPLE_BLOCKS).astype(np.int64).tolist(), inner_end]
+            lengths = [SAMPLE_EDGE_BYTES, *[SAMPLE_BLOCK_BYTES] * SAMPLE_BLOCKS, SAMPLE_EDGE_BYTES]
+            for start, length in zip(starts, lengths):
+                f.seek(start)
+                h.update(f.read(length))
+    _fingerprints[memo] = out = h.hexdigest()
     return out
+
+
+def file_entries(path: str | Path) -> list[dict[str, Any]]:
+    """What identifies an input: a file, or every file of a folder (in name order).
+
+    Each entry: `path` (absolute: where to read it; not part of the identity, see `input_key`), `name` (within
+    the folder; for a single file only its last two suffixes, which readers pick the format by), `size` and
+    `content` (`file_fingerprint`).
+    """
+    path = Path(path).resolve()
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file())
+        names = [p.name for p in files]
+    else:
+        files, names = [path], ["".join(path.suffixes[-2:]).lower()]
+    return [{"path": str(p), "name": name, "size": p.stat().st_size, "content": file_fingerprint(p)}
+            for p, name in zip(files, names)]
+
+
+def input_key(entry: dict[str, Any]) -> dict[str, Any]:
+    """The part of a `file_entries` entry that identifies its content (everything but where it lies)."""
+    return {k: v for k, v in entry.items() if k != "path"}
+
+
+def file_keys(path: str | Path) -> list[dict[str, Any]]:
+    """`input_key` of each of `file_entries(path)`: what a cache fingerprint digests for an input path."""
+    return [input_key(e) for e in file_entries(path)]
 
 
 def cache_root(cache_dir: str | Path | None, namespace: str) -> Path:
@@ -142,3 +210,103 @@ def list_array(parts: list[np.ndarray], dtype: Any, width: int | None = None) ->
     if width is not None:
         values = pa.FixedSizeListArray.from_arrays(values, width)
     return pa.ListArray.from_arrays(pa.array(offsets), values)
+
+
+def column_array(ds: Any, name: str) -> np.ndarray:
+    """Column `name` of a dataset as numpy, in its row order (selections honoured), read in one go.
+
+    Reading a column through `ds[name]` or iterating it decodes one row at a time in Python; this
+    converts the Arrow column at once. Scalars give [rows]; fixed-size lists give [rows, width, ...];
+    strings give an object array. A variable-length list column has no rectangular form: use
+    `ListColumn`.
+    """
+    import pyarrow as pa
+
+    column = selected_column(ds, name)
+    shape = [len(column)]
+    while pa.types.is_fixed_size_list(column.type):
+        shape.append(column.type.list_size)
+        column = column.flatten()
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        raise TypeError(f"column {name!r} holds lists of varying length ({column.type}): read it with ListColumn")
+    return column.to_numpy(zero_copy_only=False).reshape(shape)
+
+
+class ListColumn:
+    """A variable-length list column of a dataset (e.g. `input_ids`) as numpy views of its Arrow chunks.
+
+    Nothing is copied: each chunk's flat values are a view of the (memory-mapped) Arrow buffer, so a
+    process holds only per-row offsets. Rows are numbered in the dataset's order (a `select`,
+    `shuffle` or `filter` is honoured); `table_row(r)` reads row r of the underlying table.
+    """
+
+    def __init__(self, ds: Any, name: str):
+        import pyarrow as pa
+
+        chunks = ds.with_format(None).data.column(name).chunks
+        self.values: list[np.ndarray] = []
+        self.offsets: list[np.ndarray] = []
+        for chunk in chunks:
+            if not (pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type)):
+                raise TypeError(f"column {name!r} is {chunk.type}, not a list column")
+            if chunk.null_count:
+                raise ValueError(f"column {name!r} has {chunk.null_count} null rows")
+            # `.offsets` of a sliced chunk index its unsliced `.values`: keep the two together
+            self.offsets.append(chunk.offsets.to_numpy().astype(np.int64))
+            self.values.append(chunk.values.to_numpy(zero_copy_only=False))
+        self.chunk_starts = np.cumsum([0] + [len(c) for c in chunks], dtype=np.int64)
+        self.rows = selected_rows(ds)
+        self.table_lengths = (np.concatenate([np.diff(o) for o in self.offsets]) if self.offsets
+                              else np.zeros(0, np.int64))
+
+    def __len__(self) -> int:
+        return len(self.table_lengths) if self.rows is None else len(self.rows)
+
+    def lengths(self) -> np.ndarray:
+        """Items per row, int64, in the dataset's row order."""
+        return self.table_lengths if self.rows is None else self.table_lengths[self.rows]
+
+    def table_rows(self) -> np.ndarray:
+        """The underlying table's row of each of the dataset's rows."""
+        return np.arange(len(self.table_lengths)) if self.rows is None else self.rows
+
+    def table_row(self, row: int) -> np.ndarray:
+        """The values of row `row` of the underlying table (a view, no copy)."""
+        c = int(np.searchsorted(self.chunk_starts, row, side="right")) - 1
+        k = row - int(self.chunk_starts[c])
+        return self.values[c][self.offsets[c][k]:self.offsets[c][k + 1]]
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.table_row(int(index if self.rows is None else self.rows[index]))
+
+    def flat(self) -> np.ndarray:
+        """The values of the dataset's rows concatenated in its row order (a copy; one gather, no row loop)."""
+        dtype = self.values[0].dtype if self.values else np.int64
+        table = (np.concatenate([v[o[0]:o[-1]] for v, o in zip(self.values, self.offsets)]) if self.values
+                 else np.zeros(0, dtype))
+        if self.rows is None:
+            return table
+        table_starts = np.concatenate([[0], np.cumsum(self.table_lengths)])
+        starts, lengths = table_starts[self.rows], self.table_lengths[self.rows]
+        out_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else np.zeros(0, np.int64)
+        return table[np.repeat(starts - out_starts, lengths) + np.arange(int(lengths.sum()))]
+
+    def bincount(self, minlength: int = 0) -> np.ndarray:
+        """How often each (non-negative integer) value occurs over the dataset's rows, a row selected twice
+        counting twice: one `np.bincount` per Arrow chunk, int64."""
+        multiplicity = (None if self.rows is None
+                        else np.bincount(self.rows, minlength=len(self.table_lengths)))
+        counts = np.zeros(minlength, dtype=np.int64)
+        for c, (values, offsets) in enumerate(zip(self.values, self.offsets)):
+            flat = values[offsets[0]:offsets[-1]].astype(np.int64)
+            if multiplicity is None:
+                part = np.bincount(flat, minlength=minlength)
+            else:
+                weights = np.repeat(multiplicity[self.chunk_starts[c]:self.chunk_starts[c + 1]], np.diff(offsets))
+                if not weights.any():
+                    continue
+                part = np.bincount(flat, weights=weights, minlength=minlength).round().astype(np.int64)
+            if len(part) > len(counts):
+                counts = np.pad(counts, (0, len(part) - len(counts)))
+            counts[:len(part)] += part
+        return counts

@@ -28,13 +28,24 @@ RUN = ["train.ema_decay=0", "eval.every_steps=0", "log.progress_bar=false", "log
 
 
 def _returns(call, timeout_s: float = 60) -> Any:
-    """`call()`'s result, run in a thread: a call that never returns fails the test instead of hanging it."""
-    result = []
-    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    """`call()`'s result (or what it raised), run in a thread: a call that never returns fails the test instead of
+    hanging it."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((call(), None))
+        except BaseException as err:  # noqa: BLE001 - raised below, in the test's thread
+            result.append((None, err))
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(timeout_s)
     assert not thread.is_alive(), f"{call} did not return"
-    return result[0]
+    value, error = result[0]
+    if error is not None:
+        raise error
+    return value
 
 
 def _until(condition, what: str, timeout_s: float = 60) -> None:
@@ -210,3 +221,131 @@ def test_the_save_clock_group_takes_the_collective_timeout(monkeypatch):
     cadence.SaveClock(10.0, world_size=2, timeout_s=45.0)
     cadence.SaveClock(10.0, world_size=2)
     assert made == [{"backend": "gloo", "timeout": datetime.timedelta(seconds=45)}, {"backend": "gloo", "timeout": None}]
+
+
+# ---------------------------------------------------------------------- a stalled, lost or failing background save
+def test_a_stalled_writer_is_given_up_well_before_the_other_ranks_time_out(tmp_path):
+    """The other ranks wait for the main process's decision in the save group's broadcast, for
+    run.collective_timeout_s: the main process gives a stalled writer up within half of that, so the stalled
+    checkpoint is the error every rank raises, not a collective's timeout."""
+    trainer = Trainer(load_config(TINY, [*RUN, "train.max_steps=2", "ckpt.every_steps=0", "run.collective_timeout_s=2",
+                                         f"run.output_dir={tmp_path}"]))
+    saver = trainer.checkpointer
+    _until(saver._writer.ready, "the writer process did not start")
+    pid = saver._writer._proc.pid
+    os.kill(pid, signal.SIGSTOP)  # a stalled filesystem
+    trainer.state.step = 1
+    assert saver.save(wait=False) is not None
+    with pytest.raises(CheckpointError, match=r"^could not save checkpoint step_00000001 \(rank 0: not completed "
+                                              r"within ") as raised:
+        _returns(lambda: saver.wait(close=True))
+    deadline = float(str(raised.value).split("within ")[1].split(" s")[0])
+    assert 0 < deadline <= 2 / 2
+    assert saver._writer is None
+
+
+def test_a_stalled_completion_thread_is_given_up_at_the_same_deadline(tmp_path, monkeypatch):
+    """On the layouts that write on the step a thread completes the checkpoint; one stalled by the filesystem is
+    given up at the writer's deadline (a failure), not joined for ever."""
+    trainer = Trainer(load_config(TINY, [*RUN, "train.max_steps=2", "ckpt.every_steps=0", "run.collective_timeout_s=2",
+                                         f"run.output_dir={tmp_path}"]))
+    saver = trainer.checkpointer
+    saver._close_writer()  # saves in the background are written on the step, completed by the thread
+    stalled = threading.Event()
+    complete = store.complete_checkpoint
+    monkeypatch.setattr(store, "complete_checkpoint", lambda *a, **k: (stalled.wait(60), complete(*a, **k))[1])
+    try:
+        trainer.state.step = 1
+        assert saver.save(wait=False) is not None
+        with pytest.raises(CheckpointError, match=r"^could not save checkpoint step_00000001 \(rank 0: not "
+                                                  r"completed within [0-9.]+ s: the storage under .* stalls\)"):
+            _returns(saver.wait)
+    finally:
+        stalled.set()
+
+
+def test_a_checkpoint_lost_with_the_writer_at_a_stop_is_written_on_the_step(tmp_path, caplog, monkeypatch):
+    """The writer process dies (the OOM killer) while it writes the loop's checkpoint of the step where a SIGTERM
+    stops the run: the stop writes that step's checkpoint on the step, so the marker and the line that say it
+    was written are true."""
+    stopped_at = []
+    submit = writer.BackgroundWriter.submit
+
+    def submit_then_die(self, job):
+        os.kill(self._proc.pid, signal.SIGSTOP)  # the job stays pending ...
+        submit(self, job)
+        if not stopped_at:
+            os.kill(self._proc.pid, signal.SIGKILL)  # ... until the writer is killed under it
+            stopped_at.append(trainer.state.step)
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before this returns
+
+    monkeypatch.setattr(writer.BackgroundWriter, "submit", submit_then_die)
+    trainer = Trainer(load_config(TINY, [*RUN, "train.max_steps=10000", "ckpt.every_steps=1", "task.delay_s=0.01",
+                                         f"run.output_dir={tmp_path}"]))
+    assert trainer.fit() == "preempted"
+    step = stopped_at[0]
+    assert trainer.state.step == step
+    path = tmp_path / "checkpoints" / store.step_dir_name(step)
+    store.verify_checkpoint(path)
+    assert store.latest_checkpoint(tmp_path / "checkpoints") == path
+    assert (tmp_path / "preempted.json").is_file()
+    said = [r.getMessage() for r in caplog.records]
+    assert f"checkpoint at step {step} written" in " ".join(said)
+
+
+def test_a_writer_stalled_in_the_loop_is_said_once(tmp_path, caplog):
+    """The saves in the loop skipped behind a writer stalled past the deadline: said once, naming the checkpoint
+    being written and for how long, not at every skipped save."""
+    trainer = Trainer(load_config(TINY, [*RUN, "train.max_steps=2", "ckpt.every_steps=0", "run.collective_timeout_s=2",
+                                         f"run.output_dir={tmp_path}"]))
+    saver = trainer.checkpointer
+    _until(saver._writer.ready, "the writer process did not start")
+    pid = saver._writer._proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        trainer.state.step = 1
+        assert saver.save(wait=False) is not None
+
+        def stalled() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "is still being written" in r.getMessage()]
+
+        def skipped_until_said() -> bool:
+            trainer.state.step += 1
+            assert saver.save(wait=False) is None
+            return bool(stalled())
+
+        _until(skipped_until_said, "the stalled writer was not said", timeout_s=30)
+        for _ in range(3):
+            trainer.state.step += 1
+            assert saver.save(wait=False) is None
+        said = stalled()
+        assert len(said) == 1 and said[0].startswith("checkpoint step_00000001 is still being written after "), said
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        saver.wait(close=True)
+
+
+def test_an_error_in_the_main_process_decision_reaches_the_other_ranks(tmp_path, monkeypatch):
+    """Whatever the main process's decision raises (here: the look at the writer) is the save's failure, told
+    to the other ranks in the decision's broadcast: none is left waiting in it."""
+    trainer = Trainer(load_config(TINY, [*RUN, "train.max_steps=2", "ckpt.every_steps=0",
+                                         f"run.output_dir={tmp_path}"]))
+    trainer.checkpointer._writer._proc.kill()  # not needed: closed at once
+    trainer.checkpointer.wait(close=True)
+    calls, _ = _two_ranks(monkeypatch)
+    saver = Checkpointer(trainer.cfg, _Rank0Of2(trainer.accelerator, calls), trainer.run_dir,
+                         trainer.checkpointer.parts, trainer.checkpointer.target)
+    try:
+        def broken() -> bool:
+            raise ValueError("48 is not a valid Signals")
+
+        saver._writer.busy = broken
+        trainer.state.step = 1
+        with pytest.raises(CheckpointError, match=r"^could not save checkpoint step_00000001 \(rank 0: ValueError: 48 "
+                                                  r"is not a valid Signals\)"):
+            saver.save(wait=False)
+        assert calls == [("broadcast", "group 1"), ("broadcast_object_list", "group 1")], calls
+    finally:
+        del saver._writer.busy
+        saver._writer._proc.kill()  # not needed ready: closed at once
+        saver.wait(close=True)

@@ -359,3 +359,37 @@ def test_the_writer_serves_a_rank_with_more_than_a_thousand_open_files(tmp_path)
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_closing_a_writer_that_a_kill_does_not_end_returns(tmp_path, monkeypatch):
+    """A writer stuck in uninterruptible I/O (here: stopped, its kills lost) past the deadline: `wait` gives the job
+    up and `close` returns, the process left with its SIGKILL pending; no wait on it is unbounded."""
+    monkeypatch.setattr(writer, "_REAP_S", 0.2, raising=False)
+    monkeypatch.setattr(writer, "_EXIT_S", 0.2, raising=False)
+    w = BackgroundWriter()
+    pid = w._proc.pid
+    try:
+        _wait_ready(w)
+        os.kill(pid, signal.SIGSTOP)
+        monkeypatch.setattr(w._proc, "kill", lambda: None)  # the kill does not take effect
+        w.submit(_job(tmp_path, [StagedFile("a.json", "json", {"x": 1})], step=2))
+        failure = _returns(lambda: w.wait(timeout_s=0.2))
+        assert failure.checkpoint == "step_00000002" and "not completed within 0.2 s" in failure.reason, failure
+        _returns(w.close, timeout_s=30)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        w._proc.wait(timeout=30)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGRTMIN"), reason="needs real-time signals")
+def test_a_writer_killed_by_a_signal_python_has_no_name_for_is_said_by_number():
+    """A real-time signal (SIGRTMIN + 6) ends the writer: it is told as 'signal N', not a ValueError on the step."""
+    w = BackgroundWriter()
+    try:
+        _wait_ready(w)
+        number = signal.SIGRTMIN + 6
+        os.kill(w._proc.pid, number)
+        assert _returns(lambda: _until(lambda: not w.ready())) is True
+        assert w.stopped == f"the checkpoint writer process was killed by signal {number}"
+    finally:
+        _returns(w.close)

@@ -420,8 +420,13 @@ def test_cache_hit_and_rebuild(tmp_path):
     assert third._fingerprint != first._fingerprint
     build_crystal_dataset(path, graph=spec, per_atom=True, cache_dir=cache)
     assert G.GRAPH_CALLS == graphs + 10  # a target option rebuilds too
-    os.utime(path, ns=(1, 1))  # a changed input file (mtime) rebuilds
-    assert not build_crystal_dataset(path, graph=spec, cache_dir=cache).crystal_report.cache_hit
+    staged = tmp_path / "scratch" / path.name  # a copy elsewhere with a new mtime (cp without -p): a hit
+    staged.parent.mkdir()
+    shutil.copy(path, staged)
+    os.utime(staged, ns=(1, 1))
+    assert build_crystal_dataset(staged, graph=spec, cache_dir=cache).crystal_report.cache_hit
+    staged.write_text(json.dumps(mlearn_items("Si", "test")[:4]))  # changed content rebuilds
+    assert not build_crystal_dataset(staged, graph=spec, cache_dir=cache).crystal_report.cache_hit
 
 
 def test_num_proc_gives_same_rows(tmp_path, monkeypatch):

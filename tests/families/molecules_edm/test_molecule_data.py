@@ -238,8 +238,14 @@ def test_cache_columns_and_fingerprint_reuse(tmp_path, monkeypatch):
     monkeypatch.undo()
     changed = build_molecule_dataset(src, QM9_ELEMENTS, cache, min_distance=0.4)  # a setting is in the fingerprint
     assert not changed.cache_hit and changed._fingerprint != ds._fingerprint
-    os.utime(src, ns=(1, 1))  # so is the file's mtime
-    touched = build_molecule_dataset(src, QM9_ELEMENTS, cache)
+    staged = tmp_path / "scratch" / src.name  # a copy elsewhere with a new mtime hits: the key is the content
+    staged.parent.mkdir()
+    staged.write_bytes(src.read_bytes())
+    os.utime(staged, ns=(1, 1))
+    hit = build_molecule_dataset(staged, QM9_ELEMENTS, cache)
+    assert hit.cache_hit and hit._fingerprint == ds._fingerprint
+    qm9_like(staged, [frame(WATER, 'Properties=species:S:1:pos:R:3 qm9_id=3 smiles=O pbc="F F F"')])
+    touched = build_molecule_dataset(staged, QM9_ELEMENTS, cache)  # other content rebuilds
     assert not touched.cache_hit and touched._fingerprint not in (ds._fingerprint, changed._fingerprint)
     assert not list(cache.rglob("*.tmp"))
 

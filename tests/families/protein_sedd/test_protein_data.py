@@ -436,12 +436,17 @@ def test_build_cached_second_call_does_not_reparse(tmp_path):
     assert set(train["id"]).isdisjoint(val["id"]) and set(train["id"]) | set(val["id"]) == set(ds["id"])
     assert all(split_of(i, 0.1) == "validation" for i in val["id"])
 
-    # a changed setting, or a touched file, re-parses
+    # a changed setting, or changed content, re-parses; a copy elsewhere with a new mtime does not
     build_fasta_dataset(src, cache_dir=cache, val_fraction=0.1, max_length=2000)
     assert fasta.PARSE_CALLS == calls + 2
-    st = src.stat()
-    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    build_fasta_dataset(src, cache_dir=cache, val_fraction=0.1, max_length=2000)
+    staged = tmp_path / "scratch" / "renamed.fasta.gz"
+    staged.parent.mkdir()
+    staged.write_bytes(src.read_bytes())
+    os.utime(staged, ns=(1, 1))
+    build_fasta_dataset(staged, cache_dir=cache, val_fraction=0.1, max_length=2000)
+    assert fasta.PARSE_CALLS == calls + 2
+    staged.write_bytes(gzip.compress(gzip.decompress(src.read_bytes()) + b">extra\nMKV\n"))
+    build_fasta_dataset(staged, cache_dir=cache, val_fraction=0.1, max_length=2000)
     assert fasta.PARSE_CALLS == calls + 3
 
 

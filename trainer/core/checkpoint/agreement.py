@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from accelerate.utils import gather_object
+from torch.distributed.constants import default_pg_timeout
 
 from trainer.core.checkpoint import store
 from trainer.core.checkpoint.target import ResumeTarget, passed_over
@@ -129,6 +130,8 @@ class SaveChannel:
 
     def __init__(self, acc: Accelerator, timeout_s: float = 0.0, own_group: bool = False):
         self.acc = acc
+        self.timeout_s = timeout_s if timeout_s > 0 else default_pg_timeout.total_seconds()
+        """Seconds a rank waits in the group's collectives for the main process (its decision) before it fails."""
         self.group = None
         if acc.num_processes > 1 and own_group:
             self.group = dist.new_group(backend="gloo", timeout=collective_timeout(timeout_s))

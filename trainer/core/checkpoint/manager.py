@@ -21,12 +21,12 @@ import json
 import logging
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file
-from torch.distributed.constants import default_pg_timeout
 
 from trainer.config import Config
 from trainer.core.checkpoint import store, writer
@@ -63,6 +63,16 @@ SKIP, STAGED, ON_STEP = 0, 1, 2
 """What a save does, as the main process decides for every rank (`Checkpointer._decide`): nothing (the last one is
 still being written), hand its files to the writer process, or write them on the step."""
 
+
+def completion_deadline_s(group_timeout_s: float) -> float:
+    """How long the main process waits for a checkpoint completing in the background (the writer process or the
+    completion thread) before it takes it for a failure: half the save group's timeout less the time ending the writer
+    may take (`writer.ENDING_S`), a quarter of it at least. The other ranks wait for the main process's decision in
+    that group's broadcast: the deadline leaves them well inside their timeout, so the stalled checkpoint is the error
+    every rank raises, not a collective's timeout."""
+    return max(group_timeout_s / 2 - writer.ENDING_S, group_timeout_s / 4)
+
+
 @dataclass
 class Resumed:
     path: Path
@@ -85,12 +95,19 @@ class Checkpointer:
         self.generation = run_generation(run_dir.root)
         """This worker group's generation of the run (run_lock.py): it names the temp folders and fences the saves."""
         self._completion: threading.Thread | None = None
+        self._completing: tuple[Path, Path, float] | None = None
+        """The checkpoint the completion thread completes: its temp folder, its folder, when it started."""
+        self._stall_told: str | None = None
+        """The checkpoint whose writing past the deadline was said (`_tell_stalled`): once per checkpoint."""
+        self._lost: int | None = None
+        """The step of a checkpoint the writer process held when it died, not written since: `wait()` returns it."""
         self._failure: tuple[Path, list[str]] | None = None
         """A save completed in the background that failed (its temp folder, each failing rank's line): raised, on
         every rank, by the next save or `wait()`."""
         self.channel = SaveChannel(acc, cfg.run.collective_timeout_s, own_group=cfg.ckpt.async_save)
         """The saves' collectives: with ckpt.async_save on a gloo group of their own (agreement.py)."""
-        self._writer_timeout_s = cfg.run.collective_timeout_s or default_pg_timeout.total_seconds()
+        self._writer_timeout_s = completion_deadline_s(self.channel.timeout_s)
+        """How long a save or `wait()` waits for the checkpoint being completed in the background (its failure then)."""
         self._writer: writer.BackgroundWriter | None = None
         self._scratch = run_dir.checkpoints / STAGED_ARTIFACTS
         if cfg.ckpt.async_save:
@@ -116,8 +133,10 @@ class Checkpointer:
         every rank, by the next save or `wait()`, naming its own checkpoint. A save asked for while the previous one
         is still being written, or while the writer process rests after it (ckpt.async_cpu_share), is skipped
         (None; a best checkpoint waits instead): checkpoints then come as often as the disk completes them, and no
-        step waits for the disk. What a save does is the main process's decision, told to every rank in one
-        collective (`SaveChannel.decide`): a skipped save costs the step that one."""
+        step waits for the disk; one written for longer than a save waits for it (`completion_deadline_s`: a stalled
+        filesystem) is said once, and the saves stay skipped until it completes or the next waiting save fails it.
+        What a save does is the main process's decision, told to every rank in one collective
+        (`SaveChannel.decide`): a skipped save costs the step that one."""
         background = self.cfg.ckpt.async_save and not wait
         how, problem = SKIP, None
         if self._main:
@@ -142,18 +161,22 @@ class Checkpointer:
 
     def _decide(self, best: bool, background: bool) -> tuple[int, str | None]:
         """Main process: what this save does (SKIP, STAGED or ON_STEP, the temp folder of a save on the step made
-        ready), or the failure to raise instead: the last background save's, or this save's temp folder's."""
-        busy = self._completion is not None and self._completion.is_alive()
-        if self._writer is not None:
-            busy = self._writer.busy() or busy
-            self._log_writer_warnings()
-        if background and busy and not best:  # the common case in the loop: decided without a look at the disk
-            return SKIP, None
+        ready), or the failure to raise instead: the last background save's, or this save's temp folder's. Whatever
+        it raises is that failure: the other ranks wait for the decision."""
         tmp, final = self._folders()
         try:
+            busy = self._completion is not None and self._completion.is_alive()
+            if self._writer is not None:
+                busy = self._writer.busy() or busy
+                self._log_writer_warnings()
+            if background and busy and not best:  # the common case in the loop: decided without a look at the disk
+                self._tell_stalled()
+                return SKIP, None
             problem = self._join_completion()
             if problem is not None:
                 return SKIP, problem
+            if self._lost == self.state.step:  # written again now
+                self._lost = None
             if background and self._writer is not None and self._writer.ready():
                 return STAGED, None
             shutil.rmtree(tmp, ignore_errors=True)
@@ -164,6 +187,21 @@ class Checkpointer:
             return SKIP, SaveErrors(self.acc, self.run_dir.checkpoints, tmp, self.channel,
                                     checkpoint=final.name).failure_message([problem])
         return ON_STEP, None
+
+    def _tell_stalled(self) -> None:
+        """Main process, a save skipped: say once per checkpoint that the one being written has taken longer than a
+        save waits for it. The run goes on (a slow disk may catch up); a best, synchronous or final save then waits
+        for it no longer than that and fails it."""
+        writing = self._writer.writing() if self._writer is not None else None
+        if writing is None and self._completion is not None and self._completion.is_alive():
+            writing = (self._completing[1].name, time.monotonic() - self._completing[2])
+        if writing is None or writing[1] <= self._writer_timeout_s or writing[0] == self._stall_told:
+            return
+        self._stall_told = writing[0]
+        logger.warning("checkpoint %s is still being written after %.0f s, past the %.1f s a save waits for it (the "
+                       "storage under %s stalls?): the saves in the loop are skipped until it completes, and a "
+                       "save that waits for it fails it", writing[0], writing[1], self._writer_timeout_s,
+                       self.run_dir.checkpoints)
 
     def _records(self) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
         """Every rank: the parts' states for trainer_state.json, those with files of their own, and the names of
@@ -265,8 +303,10 @@ class Checkpointer:
 
     def _complete_later(self, tmp: Path, final: Path, record: dict[str, Any], best: bool) -> None:
         """Main process: `_complete` in a background thread; its failure is the next save's or `wait()`'s."""
+        # A daemon: one stalled past the deadline (`_join_completion`) is given up and must not hold the exit
         self._completion = threading.Thread(target=self._complete_in_background, args=(tmp, final, record, best),
-                                            name="trainer-checkpoint")
+                                            name="trainer-checkpoint", daemon=True)
+        self._completing = (tmp, final, time.monotonic())
         self._completion.start()
 
     def _complete_in_background(self, tmp: Path, final: Path, record: dict[str, Any], best: bool) -> None:
@@ -277,15 +317,24 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _join_completion(self) -> str | None:
-        """Main process: wait for the checkpoint being completed in the background (the writer process no longer
-        than a collective waits: run.collective_timeout_s, or torch's default); the line of its failure, if it
-        failed. A writer process found gone is said once, and the saves after it are written on the step."""
+        """Main process: wait for the checkpoint being completed in the background, by the writer process or the
+        completion thread, no longer than `completion_deadline_s` (then it is a failure); the line of its failure,
+        if it failed. A writer process found gone is said once, a checkpoint it held is given up (its step is
+        `wait()`'s to return), and the saves after it are written on the step."""
+        deadline = time.monotonic() + self._writer_timeout_s
         if self._completion is not None:
-            self._completion.join()
-            self._completion = None
+            self._completion.join(self._writer_timeout_s)
+            if self._completion.is_alive():  # a stalled filesystem: the thread is left to it, its temp folder too
+                tmp, final, _ = self._completing
+                return SaveErrors(self.acc, self.run_dir.checkpoints, tmp, self.channel).failure_message(
+                    [f"rank 0: not completed within {round(self._writer_timeout_s, 1):g} s: the storage under {final.parent} "
+                     f"stalls"])
+            self._completion = self._completing = None
         if self._writer is not None:
-            failure = self._writer.wait(self._writer_timeout_s)
+            failure = self._writer.wait(max(0.0, deadline - time.monotonic()))
             self._log_writer_warnings()
+            if failure is not None and failure.lost:
+                self._lost = _step_of(failure.checkpoint)
             if failure is not None and not failure.lost and self._failure is None:
                 final = self.run_dir.checkpoints / failure.checkpoint
                 self._failure = (store.temp_dir(final, self.generation), [f"rank 0: {failure.reason}"])
@@ -316,10 +365,12 @@ class Checkpointer:
             logger.warning("%s", warning)
         self._writer.warnings.clear()
 
-    def wait(self, close: bool = False) -> None:
+    def wait(self, close: bool = False) -> int | None:
         """Every rank: return once the last checkpoint is complete on disk (raises its failure everywhere, naming
-        its checkpoint); `close`: then stop the writer process."""
-        problem = None
+        its checkpoint); `close`: then stop the writer process. Returns, on every rank, the step of a checkpoint
+        lost with the writer process (it died while writing it: not on disk, nor written since), else None; where
+        the state is still at that step, the caller saves it again (on the step: the writer is gone)."""
+        problem, lost = None, -1
         if self.acc.is_main_process:
             try:
                 problem = self._join_completion()
@@ -328,9 +379,12 @@ class Checkpointer:
             finally:
                 if close:
                     self._close_writer()
-        _, problem = self.channel.decide(SKIP, problem)
+            lost = -1 if self._lost is None else self._lost
+            self._lost = None
+        lost, problem = self.channel.decide(lost, problem)  # the decision's slot carries the lost step
         if problem is not None:
             raise everywhere(CheckpointError(problem))
+        return None if lost < 0 else lost
 
     def _close_writer(self) -> None:
         if self._writer is not None:
@@ -426,6 +480,11 @@ def _part_file(file: str, state: Any) -> StagedFile:
     """A part's file of its own (`Placement.file`): safetensors by its suffix, else JSON; written on the step or by
     the writer process, by the same `writer.write_files`."""
     return StagedFile(file, "safetensors" if file.endswith(".safetensors") else "json", state)
+
+
+def _step_of(checkpoint: str) -> int:
+    """The step of a checkpoint folder's name (store.step_dir_name)."""
+    return int(checkpoint.removeprefix("step_"))
 
 
 def _read_part_file(file: Path) -> Any:

@@ -19,8 +19,9 @@ SIGTERM, which a batch system sends to the whole process group: the rank decides
 A writer process that dies (it could not start, the kernel's OOM killer, a kill) is noticed at the next look
 (`busy`, `ready`, `submit`), never waited on: `stopped` says how it ended, and a job it held comes back from `wait`
 as lost. `wait` takes a deadline: a job not completed by then (a stalled filesystem) is a failure, and the writer
-process is ended. A job that fails in the writer comes back as one line, the storage's fault (a full disk, a quota,
-an I/O error) judged by the writer before it removed the partial output.
+process is ended. Every wait on the process is bounded (`ENDING_S` in all): a writer stuck in uninterruptible I/O
+is left with its SIGKILL pending, never waited for. A job that fails in the writer comes back as one line, the
+storage's fault (a full disk, a quota, an I/O error) judged by the writer before it removed the partial output.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ if TYPE_CHECKING:
 STAGED_KINDS = ("safetensors", "torch", "json", "copy")
 _ALIGN = 64
 _HEADER = struct.Struct("!Q")
+_EXIT_S = 5.0
+"""How long `close` waits for the writer process to exit after it was told to, before it is killed."""
+_REAP_S = 5.0
+"""How long a killed writer process is waited for: one in uninterruptible I/O keeps its SIGKILL pending (and its
+PR_SET_PDEATHSIG), and is left to the kernel."""
+ENDING_S = _EXIT_S + _REAP_S
+"""The longest that ending the writer process takes the rank, once its job is done or given up (`close`)."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,7 @@ class BackgroundWriter:
         self._selector.register(self._sock, selectors.EVENT_READ)
         self._pending = False
         self._job: WriteJob | None = None
+        self._submitted_at = 0.0
         self._ready = False
         self._result: WriteFailure | None = None
         self.stopped: str | None = None
@@ -168,6 +177,14 @@ class BackgroundWriter:
             self._gone()
             raise WriterStopped(self.stopped) from err
         self._pending, self._job, self._result = True, job, None
+        self._submitted_at = time.monotonic()
+
+    def writing(self) -> tuple[str, float] | None:
+        """The checkpoint being written (its folder's name) and for how many seconds; None when no job is pending."""
+        self._drain()
+        if not self._pending:
+            return None
+        return self._job.final.name, time.monotonic() - self._submitted_at
 
     def busy(self) -> bool:
         """Whether the last job is still being written, or the writer rests after it (`cpu_share`); never waits."""
@@ -193,22 +210,22 @@ class BackgroundWriter:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self._pending:
             left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-            if left > 0 and self._readable(left):
+            if self._readable(max(left, 0.0)):  # a reply already there counts, even at the deadline
                 self._take_reply()
             elif self._proc.poll() is not None:  # exited, its connection not closed (held by a process it left)
                 self._gone()
             elif deadline is not None and time.monotonic() >= deadline:
-                final = self._job.final
-                self._gone(f"the checkpoint writer process was ended: {final.name} was not completed within "
-                           f"{timeout_s:g} s")
-                self._result = WriteFailure(final.name, f"not completed within {timeout_s:g} s: the storage under "
+                final, waited = self._job.final, f"{round(timeout_s, 1):g} s"
+                self._gone(f"the checkpoint writer process was ended: {final.name} was not completed within {waited}")
+                self._result = WriteFailure(final.name, f"not completed within {waited}: the storage under "
                                                         f"{final.parent} stalls (the writer process was ended)")
         result, self._result = self._result, None
         return result
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for the last job (up to `timeout_s`), then stop the writer process (its failure is `wait`'s to
-        tell)."""
+        tell). Ending it takes at most `ENDING_S`: one that does not exit is killed, and one that a kill does not end
+        at once (uninterruptible I/O) is left to the kernel, its SIGKILL pending."""
         if self._pending:
             self.wait(timeout_s)
         try:
@@ -217,11 +234,17 @@ class BackgroundWriter:
             pass
         self._selector.close()
         self._sock.close()
-        try:
-            self._proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        if self.stopped is None:  # an idle writer told to close exits at once
+            try:
+                self._proc.wait(timeout=_EXIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._proc.poll() is None:
             self._proc.kill()
-            self._proc.wait()
+            try:
+                self._proc.wait(timeout=_REAP_S)
+            except subprocess.TimeoutExpired:
+                pass
         if self._map is not None:
             self._buffer, self._views = None, []
             self._map.close()
@@ -271,7 +294,7 @@ class BackgroundWriter:
         if why is not None:
             self._proc.kill()
         try:
-            code = self._proc.wait(timeout=5)
+            code = self._proc.wait(timeout=_REAP_S)
         except subprocess.TimeoutExpired:  # closed its end but lives on, or stuck in the kernel: not waited for
             self._proc.kill()
             code = None
@@ -279,7 +302,7 @@ class BackgroundWriter:
             if code is None:
                 why = "the checkpoint writer process stopped answering"
             elif code < 0:
-                why = f"the checkpoint writer process was killed by {signal.Signals(-code).name}"
+                why = f"the checkpoint writer process was killed by {_signal_name(-code)}"
             else:
                 why = f"the checkpoint writer process exited with code {code}"
             why += "" if self._ready else " before it was ready"
@@ -308,6 +331,14 @@ class BackgroundWriter:
         else:
             self._result = WriteFailure(self._job.final.name, value)
         self._pending, self._job = False, None
+
+
+def _signal_name(number: int) -> str:
+    """SIGKILL's name, or 'signal 40' for one Python has no name for (the real-time signals)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 # ---------------------------------------------------------------------- staging

@@ -28,7 +28,7 @@ from trainer.data.arrow_cache import (
     build_shards,
     cache_root,
     digest,
-    file_entries,
+    file_keys,
     list_array,
     load_arrow,
     read_meta,
@@ -235,7 +235,7 @@ def build_crystal_dataset(source: Any, *, graph: GraphSpec | None = None, target
         for p in paths:
             if not p.exists():
                 raise CrystalDataError(str(p), None, None, "file", "missing_file", "no such file or folder")
-        inputs = [file_entries(p) for p in paths]
+        inputs = [file_keys(p) for p in paths]
     fingerprint = digest({"inputs": inputs, "settings": settings})
     root = cache_root(cache_dir, "crystal_graphs")
     sidecar = root / f"{fingerprint}.json"

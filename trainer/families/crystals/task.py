@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from trainer.atomic_io import atomic_write_json, atomic_write_text
-from trainer.data.arrow_cache import selected_column
+from trainer.data.arrow_cache import ListColumn, column_array, selected_column
 from trainer.data.splits import split_indices
 from trainer.families.crystals.comformer import build_comformer, comformer_config
 from trainer.families.crystals.dataset import (
@@ -74,11 +74,20 @@ class StandardizedModel(nn.Module):
         return self.to_physical(self.model(batch))
 
 
-def element_fractions(numbers: list[np.ndarray]) -> np.ndarray:
-    """Element fractions of each structure, [n, 119] (the features of the per-element baseline)."""
-    out = np.zeros((len(numbers), NUM_ELEMENTS))
-    for row, z in enumerate(numbers):
-        np.add.at(out[row], np.asarray(z, dtype=np.int64), 1.0 / max(1, len(z)))
+def element_fractions(numbers: list[np.ndarray] | ListColumn) -> np.ndarray:
+    """Element fractions of each structure, [n, 119] (the features of the per-element baseline): from
+    per-structure arrays, or from an `atomic_numbers` ListColumn in one vectorised pass."""
+    if not isinstance(numbers, ListColumn):
+        numbers = [np.asarray(z, dtype=np.int64) for z in numbers]
+        counts = np.array([len(z) for z in numbers], dtype=np.int64)
+        flat = np.concatenate(numbers) if numbers else np.zeros(0, np.int64)
+    else:
+        counts = numbers.lengths()
+        flat = numbers.flat().astype(np.int64)
+    out = np.zeros((len(counts), NUM_ELEMENTS))
+    row = np.repeat(np.arange(len(counts)), counts)
+    # np.add.at adds in element order, as one add.at per structure did: the same floating-point sums
+    np.add.at(out, (row, flat), np.repeat(1.0 / np.maximum(1, counts), counts))
     return out
 
 
@@ -94,11 +103,6 @@ def fit_element_baseline(numbers: list[np.ndarray], targets: np.ndarray) -> np.n
     if used.any():
         coef[used] = np.linalg.lstsq(x[:, used], targets, rcond=None)[0]
     return coef
-
-
-def _column(ds, name: str) -> list[np.ndarray]:
-    rows = CrystalRows(ds, columns=[name])
-    return [rows[i][name] for i in range(len(rows))]
 
 
 @register_task(SPEC)  # options, presets, unit and metrics: spec.py
@@ -162,8 +166,8 @@ class CrystalPropertyTask(Task):
 
     def _statistics(self, train) -> dict[str, Any]:
         """Target mean/std (standardisation) and the per-element baseline, fit on the training split."""
-        targets = np.asarray(selected_column(train, "target").to_pylist(), dtype=np.float64).reshape(len(train), -1)
-        numbers = _column(train, "atomic_numbers")
+        targets = column_array(train, "target").astype(np.float64).reshape(len(train), -1)
+        numbers = ListColumn(train, "atomic_numbers")
         std = targets.std(axis=0)
         standardize = self.cfg.standardize
         return {"num_targets": int(targets.shape[1]),

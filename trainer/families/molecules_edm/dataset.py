@@ -32,7 +32,7 @@ from trainer.data.arrow_cache import (
     build_shards,
     cache_root,
     digest,
-    file_entries,
+    file_keys,
     list_array,
     load_arrow,
     read_meta,
@@ -158,7 +158,7 @@ def build_molecule_dataset(source: str | Path | Sequence[Any], elements: Sequenc
         path = Path(source)
         if not path.is_file():
             raise MoleculeDataError(str(path), None, None, "missing_file", "no such file")
-        inputs: Any = file_entries(path)
+        inputs: Any = file_keys(path)
         name = str(path)
     else:
         molecules = list(iter_molecules(list(source), skipped=skipped, **read_kwargs))  # type: ignore[arg-type]

@@ -133,8 +133,9 @@ def build_fasta_dataset(paths: str | Path | Iterable[str | Path], *, cache_dir: 
     """Parse FASTA files (a folder: every file in it) into a cached Arrow dataset with the
     `FASTA_COLUMNS` schema plus `input_ids`.
 
-    The cache key covers every file's absolute path, size and mtime and all settings, so a changed
-    file or setting re-parses and anything else is a cache hit. `split` selects "train" or
+    The cache key covers every file's size and content (`arrow_cache.file_entries`: not its path or
+    mtime) and all settings, so a changed file or setting re-parses and anything else, a copy of the
+    file elsewhere included, is a cache hit. `split` selects "train" or
     "validation" (`select_split`); None returns all records with their `split` column. The stats
     always describe the whole parse (all splits, `duplicate_ids` over all files) and are the same
     for cached loads; duplicate ids and nucleotide-only records are logged as warnings.
@@ -156,7 +157,7 @@ def build_fasta_dataset(paths: str | Path | Iterable[str | Path], *, cache_dir: 
                 "max_length": int(max_length), "nonstandard": nonstandard, "salt": salt}
     files = [entry for path in files_in for entry in arrow_cache.file_entries(path)]
     for entry in files:
-        entry["key"] = arrow_cache.digest({**entry, **settings})
+        entry["key"] = arrow_cache.digest({**arrow_cache.input_key(entry), **settings})
     n_shards = max(1, num_proc or 1)
     shards = [{**f, "shard": [i, n_shards], "stats_key": f"{f['key']}-{i}of{n_shards}"}
               for f in files for i in range(n_shards)]

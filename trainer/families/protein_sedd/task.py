@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainer.data.arrow_cache import selected_column
+from trainer.data.arrow_cache import ListColumn, column_array, selected_column
 from trainer.errors import DataError
 from trainer.families.protein_sedd.dataset import (
     build_fasta_dataset,
@@ -122,28 +122,51 @@ class ProteinCrops(Dataset):
 
 class PackedBlocks(Dataset):
     """Training sequences in a seeded order, each followed by SEP_STATE, concatenated and cut into blocks
-    of `max_length` states (the tail shorter than a block is dropped and logged)."""
+    of `max_length` states (the tail shorter than a block is dropped and logged).
+
+    Only the packed order and offsets are held (a few integers per sequence); a block is assembled on
+    access from the dataset's memory-mapped Arrow values, so no process copies the residues.
+    """
 
     def __init__(self, tokenized, max_length: int, seed: int):
-        column = selected_column(tokenized, "input_ids")
-        offsets = column.offsets.to_numpy()
-        values = residue_states(column.values.to_numpy())
-        lengths = np.diff(offsets)
+        self.dataset, self.max_length = tokenized, max_length
+        column = self._column = ListColumn(tokenized, "input_ids")
+        lengths = column.lengths()
         order = derive_rng("protein_sedd/packing", seed).permutation(len(lengths))
-        stream = np.full(int(lengths.sum()) + len(lengths), SEP_STATE, dtype=np.int8)
-        starts = np.concatenate([[0], np.cumsum(lengths[order] + 1)[:-1]])
-        for start, k in zip(starts, order):  # one slice copy per sequence
-            stream[start:start + lengths[k]] = values[offsets[k]:offsets[k + 1]]
-        self.num_blocks = len(stream) // max_length
-        self.blocks = stream[: self.num_blocks * max_length].reshape(self.num_blocks, max_length)
-        self.max_length = max_length
-        self.dropped_tokens = len(stream) - self.blocks.size
+        self.rows = column.table_rows()[order]  # the table row of each packed sequence, in packed order
+        self.ends = np.cumsum(lengths[order] + 1)  # where each sequence's separator ends in the stream
+        total = int(self.ends[-1]) if len(self.ends) else 0
+        self.num_blocks = total // max_length
+        self.dropped_tokens = total - self.num_blocks * max_length
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the column's arrays view the Arrow buffers: a worker re-opens them from the dataset instead
+        return {k: v for k, v in self.__dict__.items() if k != "_column"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._column = ListColumn(self.dataset, "input_ids")
 
     def __len__(self) -> int:
         return self.num_blocks
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return {"states": self.blocks[index].astype(np.int64), "index": index}
+        if not -self.num_blocks <= index < self.num_blocks:
+            raise IndexError(f"block {index} out of range for {self.num_blocks} blocks")
+        index %= self.num_blocks
+        lo, hi = index * self.max_length, (index + 1) * self.max_length
+        states = np.full(self.max_length, SEP_STATE, dtype=np.int64)
+        k = int(np.searchsorted(self.ends, lo, side="right"))  # the first sequence whose span reaches past lo
+        while k < len(self.ends):
+            start = int(self.ends[k - 1]) if k else 0
+            if start >= hi:
+                break
+            seq = self._column.table_row(int(self.rows[k]))
+            a, b = max(start, lo), min(start + len(seq), hi)  # the residues inside the block (none: just its separator)
+            if a < b:
+                states[a - lo:b - lo] = residue_states(seq[a - start:b - start])
+            k += 1
+        return {"states": states, "index": index}
 
 
 def collate_crops(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -210,7 +233,7 @@ class ProteinSEDDTask(Task):
                 logger.info("packing: %d training blocks of %d states; the last %d states (shorter than a block) "
                             "are left out", len(train_set), c.max_length, train_set.dropped_tokens)
         counts = residue_counts(reference)
-        lengths, length_counts = np.unique(np.minimum(np.asarray(reference["length"]), c.max_length),
+        lengths, length_counts = np.unique(np.minimum(column_array(reference, "length"), c.max_length),
                                            return_counts=True)
         # What eval and the sampler need, saved as the run artifact task_stats.json: sampling never
         # re-reads the training data.
@@ -357,11 +380,8 @@ def common_stream(common: dict[str, Any]) -> dict[str, Any]:
 
 
 def residue_counts(tokenized) -> np.ndarray:
-    """How often each of the 25 residues occurs in a tokenized dataset."""
-    counts = np.zeros(VOCAB_SIZE, dtype=np.int64)
-    for batch in tokenized.with_format("numpy", columns=["input_ids"]).iter(batch_size=1000):
-        for ids in batch["input_ids"]:
-            counts += np.bincount(ids.astype(np.int64), minlength=VOCAB_SIZE)
+    """How often each of the 25 residues occurs in a tokenized dataset (one bincount per Arrow chunk)."""
+    counts = ListColumn(tokenized, "input_ids").bincount(VOCAB_SIZE)
     return counts[FIRST_RESIDUE_ID:FIRST_RESIDUE_ID + NUM_RESIDUES].astype(np.float64)
 
 

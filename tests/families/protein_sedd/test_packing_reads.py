@@ -1,0 +1,94 @@
+"""`PackedBlocks` and the reference statistics read the Arrow columns in one go: the same blocks and
+counts as the per-sequence implementation they replace, and no per-process copy of the residues."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainer.data.arrow_cache import selected_column
+from trainer.families.protein_sedd.dataset import build_fasta_dataset, select_split, tokenize_dataset
+from trainer.families.protein_sedd.task import (
+    FIRST_RESIDUE_ID,
+    NUM_RESIDUES,
+    SEP_STATE,
+    VOCAB_SIZE,
+    PackedBlocks,
+    residue_counts,
+    residue_states,
+)
+from trainer.seeding import derive_rng
+
+SAMPLE = Path(__file__).resolve().parents[3] / "trainer/families/protein_sedd/samples/uniprot_sample_3k.fasta.gz"
+
+
+def _old_blocks(tokenized, max_length: int, seed: int) -> tuple[np.ndarray, int]:
+    """The implementation replaced: a per-process int8 copy of every residue, one slice per sequence."""
+    column = selected_column(tokenized, "input_ids")
+    offsets = column.offsets.to_numpy()
+    values = residue_states(column.values.to_numpy())
+    lengths = np.diff(offsets)
+    order = derive_rng("protein_sedd/packing", seed).permutation(len(lengths))
+    stream = np.full(int(lengths.sum()) + len(lengths), SEP_STATE, dtype=np.int8)
+    starts = np.concatenate([[0], np.cumsum(lengths[order] + 1)[:-1]])
+    for start, k in zip(starts, order):
+        stream[start:start + lengths[k]] = values[offsets[k]:offsets[k + 1]]
+    num_blocks = len(stream) // max_length
+    blocks = stream[: num_blocks * max_length].reshape(num_blocks, max_length)
+    return blocks, len(stream) - blocks.size
+
+
+def _old_counts(tokenized) -> np.ndarray:
+    counts = np.zeros(VOCAB_SIZE, dtype=np.int64)
+    for batch in tokenized.with_format("numpy", columns=["input_ids"]).iter(batch_size=1000):
+        for ids in batch["input_ids"]:
+            counts += np.bincount(ids.astype(np.int64), minlength=VOCAB_SIZE)
+    return counts[FIRST_RESIDUE_ID:FIRST_RESIDUE_ID + NUM_RESIDUES].astype(np.float64)
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    records, _ = build_fasta_dataset(str(SAMPLE), cache_dir=str(tmp_path_factory.mktemp("cache")), val_fraction=0.05)
+    return records
+
+
+@pytest.mark.parametrize("split", ["train", "validation", "shuffled", "contiguous"])
+@pytest.mark.parametrize("max_length", [7, 128])
+def test_packed_blocks_are_the_per_sequence_implementations(sample, split, max_length):
+    if split == "shuffled":
+        ds = tokenize_dataset(select_split(sample, "train")).shuffle(seed=5).select(range(400))
+    elif split == "contiguous":
+        ds = tokenize_dataset(sample.select(range(100, 700)))
+    else:
+        ds = tokenize_dataset(select_split(sample, split))
+    blocks, dropped = _old_blocks(ds, max_length, seed=11)
+    packed = PackedBlocks(ds, max_length, seed=11)
+    assert len(packed) == len(blocks) and packed.dropped_tokens == dropped
+    got = np.stack([packed[i]["states"] for i in range(len(packed))])
+    assert got.dtype == np.int64 and np.array_equal(got, blocks.astype(np.int64))
+    assert [packed[i]["index"] for i in (0, len(packed) - 1)] == [0, len(packed) - 1]
+    assert np.array_equal(packed[-1]["states"], got[-1])
+    with pytest.raises(IndexError):
+        packed[len(packed)]
+    assert np.array_equal(residue_counts(ds), _old_counts(ds))
+
+
+def test_packed_blocks_hold_no_copy_of_the_residues(sample):
+    train = tokenize_dataset(select_split(sample, "train"))  # memory-mapped from the Arrow cache
+    packed = PackedBlocks(train, 64, seed=0)
+    residues = int(selected_column(train, "input_ids").flatten().nbytes)
+    payload = pickle.dumps(packed)  # what a DataLoader worker receives
+    assert len(payload) < residues / 2  # the packed order and offsets, not the residues
+    again = pickle.loads(payload)
+    assert all(np.array_equal(again[i]["states"], packed[i]["states"]) for i in range(0, len(packed), 97))
+
+
+def test_reference_lengths_and_counts_of_a_selection(sample):
+    from trainer.data.arrow_cache import column_array
+
+    ds = tokenize_dataset(sample.select([3, 3, 9, 0, 41]))
+    assert column_array(ds, "length").tolist() == [len(x) for x in ds["input_ids"]]
+    assert np.array_equal(residue_counts(ds), _old_counts(ds))
