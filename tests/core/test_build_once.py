@@ -101,6 +101,35 @@ def test_no_lock_support_uses_the_fallback(tmp_path, monkeypatch):
     assert held is False
 
 
+def test_a_task_without_cache_dir_locks_in_the_folder_its_caches_go_to(tmp_path, monkeypatch):
+    """The families' default caches go to the `datasets` cache (arrow_cache.cache_root): the lock must span the same
+    nodes, not a folder of its own under the home directory."""
+    import datasets.config
+
+    from trainer.data.arrow_cache import cache_root
+
+    monkeypatch.delenv("TRAINER_CACHE_DIR", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    task = type("TaskCfg", (), {"name": "protein_sedd", "cache_dir": ""})()
+    assert build_lock.task_lock_path(task).parent == cache_root(None, "protein_sedd").parent
+    monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "own"))
+    assert build_lock.task_lock_path(task).parent == tmp_path / "own"
+
+
+def test_without_lock_support_every_process_builds_without_a_collective(tmp_path, monkeypatch):
+    """The trainer passes no fallback: a barrier entered by the ranks whose lock failed, and not by the others,
+    would pair with an unrelated collective."""
+    import inspect
+
+    import trainer.core.trainer
+
+    monkeypatch.setattr(build_lock.fcntl, "flock", lambda fd, mode: (_ for _ in ()).throw(OSError(errno.ENOLCK, "no")))
+    with build_lock.build_once(tmp_path / ".build.lock", key="k") as held:
+        assert held is False
+    source = inspect.getsource(trainer.core.trainer)
+    assert "task_build_once(" in source and "main_process_first" not in source
+
+
 SLOW_BUILD = """
 import sys, time
 from pathlib import Path

@@ -386,3 +386,21 @@ def test_balanced_plans_equal_the_one_sample_at_a_time_split():
     assert sampler.plan(3) == expected
     sampler.set_epoch(3)
     assert list(sampler) == [batch[2] for batch in expected]
+
+
+def test_a_checkpoint_of_another_sample_order_is_said_on_resume(caplog):
+    """A map-style checkpoint records the samplers' order; one written before it (no record) or with another is
+    resumed with a warning, since the rest of a stopped epoch would come from a different permutation."""
+    import logging
+    from types import SimpleNamespace
+
+    from trainer.core.checkpoint.parts import DataPosition
+    from trainer.core.samplers import SAMPLE_ORDER
+
+    part = DataPosition(SimpleNamespace(streaming=False), acc=None)
+    assert part.state_dict() == {"sample_order": SAMPLE_ORDER}
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        part.load_state_dict(part.state_dict())
+        assert not caplog.records
+        part.load_state_dict({"step": 7})
+    assert len(caplog.records) == 1 and "torch.randperm" in caplog.records[0].getMessage()

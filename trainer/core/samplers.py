@@ -17,6 +17,10 @@ from torch.utils.data import Dataset, Sampler
 
 from trainer.task import EpochAwareDataset
 
+SAMPLE_ORDER = "keyed-permutation-1"
+"""The name of the map-style samplers' order (saved with each checkpoint): a checkpoint of another order resumed
+mid-epoch would finish that epoch from a different permutation."""
+
 _CHUNK = 1 << 16  # positions mapped per vectorised call: bounds a sampler's working memory whatever N is
 _GROUP = 1 << 22  # samples of the budget windows cut together: bounds the plan's working memory
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

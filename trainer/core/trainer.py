@@ -83,7 +83,7 @@ class Trainer:
         # The first process to take a file lock in the cache folder builds the caches, the others wait on the lock
         # (no collective: a build may outlast run.collective_timeout_s) and then load them; one builder per
         # folder, so per node where the cache folder is node-local (trainer/data/build_lock.py).
-        with task_build_once(cfg.task, cfg.run.seed, fallback=acc.main_process_first):
+        with task_build_once(cfg.task, cfg.run.seed):  # a file lock, no collective: a build may take hours
             data = self.task.build_data()
         self.task.attach_stats(data.stats)
         set_seed(cfg.run.seed)  # identical initial weights on every rank

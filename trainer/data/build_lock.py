@@ -9,9 +9,10 @@ process of the job builds; where it is node-local, the lock is too, so each node
 
 The kernel drops a dead process's lock, so a builder that crashes leaves no one waiting forever: its stamp
 is missing, and the next waiter to take the lock builds. Where the folder cannot hold a lock (not
-writable, or a filesystem mounted without flock support), `fallback` is used instead (the trainer passes
-`Accelerator.main_process_first`). Cache writes are atomic (temp file + rename), so two builders of the
-same cache (a lock that spans less than the cache folder) cost time, never correctness.
+writable, or a filesystem mounted without flock support), `fallback` guards the build instead; the trainer
+passes none, so every process builds: a barrier there would be a collective that some ranks enter and others
+(whose lock works) do not. Cache writes are atomic (temp file + rename), so two builders of the same cache
+(a lock that spans less than the cache folder) cost time, never correctness.
 """
 
 from __future__ import annotations
@@ -45,12 +46,15 @@ _UNSUPPORTED = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errn
 
 
 def default_cache_folder() -> Path:
-    """$TRAINER_CACHE_DIR, else $XDG_CACHE_HOME/trainer (~/.cache/trainer): the lock folder of a task without
-    `cache_dir` (the families' default caches lie on the same filesystem, under the user's cache folder)."""
+    """$TRAINER_CACHE_DIR, else the `datasets` cache (HF_DATASETS_CACHE): the lock folder of a task without
+    `cache_dir`. The families' default caches are written there (arrow_cache.cache_root), so the lock spans the
+    same nodes as the caches it guards: shared by the job where that folder is shared, one per node where not."""
     root = os.environ.get("TRAINER_CACHE_DIR")
     if root:
         return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trainer"
+    import datasets.config
+
+    return Path(datasets.config.HF_DATASETS_CACHE)
 
 
 def task_lock_path(task_cfg: Any) -> Path:

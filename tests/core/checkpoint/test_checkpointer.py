@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from trainer.config import load_config
 from trainer.core.checkpoint import convert
 from trainer.core.checkpoint.parts import Part, Stateful, TrainState, placement
+from trainer.core.samplers import SAMPLE_ORDER
 from trainer.errors import CheckpointError
 
 
@@ -172,4 +173,4 @@ def test_stream_position_is_saved_once_and_an_older_per_rank_one_restarts_its_ep
     part.load_state_dict({"data_positions": [[2, 4], [3, 1]]})
     assert data.position == (2, 0) and "older format" in caplog.text
     map_style = SimpleNamespace(streaming=False, position=(0, 0))
-    assert DataPosition(map_style, None).state_dict() == {}
+    assert DataPosition(map_style, None).state_dict() == {"sample_order": SAMPLE_ORDER}  # the step gives the position

@@ -33,6 +33,7 @@ from trainer.core.checkpoint.agreement import agree, conversion_failure, failure
 from trainer.core.checkpoint.rng import restore_rng, saved_rng_states
 from trainer.core.checkpoint.writer import StagedFile
 from trainer.core.distributed import unwrap_model
+from trainer.core.samplers import SAMPLE_ORDER
 from trainer.errors import CheckpointError, first_line
 
 logger = logging.getLogger("trainer")
@@ -299,10 +300,15 @@ class DataPosition(Part):
         self.data, self.acc = data, acc
 
     def state_dict(self) -> dict[str, Any]:
-        return {"data_position": list(self.data.position)} if self.data.streaming else {}
+        return {"data_position": list(self.data.position)} if self.data.streaming else {"sample_order": SAMPLE_ORDER}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.data.streaming:
+            saved = state.get("sample_order", "an earlier order (torch.randperm)")
+            if saved != SAMPLE_ORDER:
+                logger.warning("the checkpoint was written with the sample order %s, this version draws %s: if it "
+                               "stopped mid-epoch, the rest of that epoch comes from the new order (some of its "
+                               "samples seen twice, others not at all); later epochs are whole", saved, SAMPLE_ORDER)
             return
         position, per_rank = state.get("data_position"), state.get("data_positions")
         if position is not None:
