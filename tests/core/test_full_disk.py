@@ -189,21 +189,27 @@ def test_deepspeed_conversion_stream_error_on_a_full_disk_is_not_blamed_on_the_c
     assert not scratch.exists()
 
 
-def test_checkpoint_save_with_a_stream_error_on_a_full_disk_names_the_space(monkeypatch, tmp_path):
+def trained_with_failing_saves(monkeypatch, tmp_path, failure, free: int) -> tuple[Trainer, Path]:
+    """A run trained 2 steps (its checkpoint step_2 written), at step 4, whose next checkpoint's torch.save writes
+    300 bytes and raises `failure()`, on a disk with `free` bytes: (the trainer, its checkpoints folder)."""
     trainer = Trainer(load_config(None, [*RUN, "train.max_steps=2", f"run.output_dir={tmp_path / 'run'}"]))
     trainer.fit()
-    root = trainer.run_dir.checkpoints
     real_save = torch.save
 
     def save(obj, f, *args, **kwargs):
         if ".tmp-" in str(f):
             Path(f).write_bytes(b"x" * 300)
-            raise RuntimeError(STREAM_ERROR)
+            raise failure()
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", save)
-    disk_with(monkeypatch, 4096)
+    disk_with(monkeypatch, free)
     trainer.state.step = 4
+    return trainer, trainer.run_dir.checkpoints
+
+
+def test_checkpoint_save_with_a_stream_error_on_a_full_disk_names_the_space(monkeypatch, tmp_path):
+    trainer, root = trained_with_failing_saves(monkeypatch, tmp_path, lambda: RuntimeError(STREAM_ERROR), 4096)
     with pytest.raises(CheckpointError, match=rf"^could not save checkpoint step_00000004 \(rank 0: no space left on "
                                               rf"device writing .*\); 4.0 KiB free in {re.escape(str(root))} now, about "
                                               rf"{SIZE} needed \(estimate: the previous checkpoint's size\); the "
@@ -221,20 +227,7 @@ def test_checkpoint_save_with_a_stream_error_on_a_full_disk_names_the_space(monk
 def test_checkpoint_save_beside_free_space_is_not_called_a_full_disk(monkeypatch, tmp_path, failure, said):
     """A quota is named with its folder (the free space is not what ran out), an I/O error and a short write with
     room on the disk as what they are."""
-    trainer = Trainer(load_config(None, [*RUN, "train.max_steps=2", f"run.output_dir={tmp_path / 'run'}"]))
-    trainer.fit()
-    root = trainer.run_dir.checkpoints
-    real_save = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        if ".tmp-" in str(f):
-            Path(f).write_bytes(b"x" * 300)
-            raise failure()
-        return real_save(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", save)
-    disk_with(monkeypatch, ROOMY)
-    trainer.state.step = 4
+    trainer, root = trained_with_failing_saves(monkeypatch, tmp_path, failure, ROOMY)
     with pytest.raises(CheckpointError) as raised:
         trainer.checkpointer.save()
     message = str(raised.value)
