@@ -291,7 +291,10 @@ def test_a_node_lost_the_survivor_finishes_at_world_size_one(agents, reference, 
     _wait("the first agent to host the rendezvous store", lambda: _listening(group.port), procs=tuple(group.procs))
     group.start()
     _kill_at_random_step(group, victim=1)
-    _check_membership(group.out, group.finish(0), "2 -> 1 nodes (world 2 -> 1)", reference)
+    # ckpt.async_save skips a save asked for while the previous one is being written, so on a busy machine the
+    # newest complete checkpoint may be a few steps behind the last step; exactness is what assert_run_matches checks
+    _check_membership(group.out, group.finish(0), "2 -> 1 nodes (world 2 -> 1)", reference,
+                      max_redone=5 if extra else 1)
 
 
 @pytest.mark.slow
