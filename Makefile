@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 # Every family's extra, so the main job and the whole test suite run from one environment.
 EXTRAS     ?= test,search,protein_sedd,crystals,molecules_edm,molecules_mlff,perturbation_gears
 
-.PHONY: setup train test test-all lint bench docs docs-config clean
+.PHONY: setup train test test-all lint bench bench-engines docs docs-config clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	@echo "set-up 1/4: a virtual environment in $(VENV) and pip itself..."
@@ -85,6 +85,22 @@ bench: setup
 	$(PY) benchmarks/overhead.py --out BENCHMARKS.md
 	$(PY) benchmarks/ingest.py --out BENCHMARKS.md
 	$(PY) benchmarks/throughput.py --device cpu --out BENCHMARKS.md
+
+# Streaming engines on a UniRef50-shaped FASTA (benchmarks/stream_engines.py): HF datasets and ours run in .venv;
+# MosaicML streaming and LitData, whose pins conflict with .venv's (numpy < 2.2), in their own .venv-engines.
+ENGINES_VENV ?= .venv-engines
+ENGINES_RECORDS ?= 1000000
+ENGINES_WORKDIR ?= /tmp/stream-engines
+$(ENGINES_VENV)/.installed: benchmarks/requirements-engines.txt
+	$(PYTHON) -m venv $(ENGINES_VENV)
+	$(ENGINES_VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(ENGINES_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(ENGINES_VENV)/bin/python -m pip install -q -r benchmarks/requirements-engines.txt
+	touch $@
+
+bench-engines: setup $(ENGINES_VENV)/.installed
+	$(PY) benchmarks/stream_engines.py --records $(ENGINES_RECORDS) --workdir $(ENGINES_WORKDIR) \
+		--engines-python $(ENGINES_VENV)/bin/python
 
 # The documentation site: the docs extra (mkdocs-material, mkdocstrings) into the venv, then a strict build.
 docs: setup

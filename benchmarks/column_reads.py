@@ -1,7 +1,7 @@
 """Protein data start-up: whole-column reads and lazy packing against the per-row code they replaced.
 
-Writes a UniRef50-shaped FASTA (UniRef headers, 60-column lines, log-normal lengths with a mean of
-about 290, natural residue frequencies) of `--records` records, builds its Arrow cache once, then
+Writes a UniRef50-shaped FASTA (`uniref_fasta.py`: UniRef headers, 60-column lines, log-normal lengths with a
+mean of about 286, natural residue frequencies) of `--records` records, builds its Arrow cache once, then
 times, in one process, each start-up step of `protein_sedd` with `task.packing=true` on the training
 split, old (the code before, copied here) against new (the package's):
 
@@ -25,29 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-RESIDUES = "ACDEFGHIKLMNPQRSTVWY"
-FREQ = np.array([8.25, 1.37, 5.45, 6.75, 3.86, 7.07, 2.27, 5.96, 5.84, 9.66, 2.42, 4.06, 4.70, 3.93, 5.53, 6.56,
-                 5.34, 6.87, 1.08, 2.92])
-
-
-def write_fasta(path: Path, records: int, seed: int = 0) -> None:
-    """UniRef50-shaped records: log-normal lengths (mean ~290, at least 11), 60 residues a line."""
-    rng = np.random.default_rng(seed)
-    lengths = np.maximum(11, rng.lognormal(np.log(290) - 0.28, 0.75, records).astype(np.int64))
-    letters = np.frombuffer(RESIDUES.encode(), dtype=np.uint8)
-    with open(path, "w") as f:
-        for start in range(0, records, 10_000):
-            chunk = lengths[start:start + 10_000]
-            residues = letters[rng.choice(20, int(chunk.sum()), p=FREQ / FREQ.sum())].tobytes().decode()
-            pos, out = 0, []
-            for k, n in enumerate(chunk.tolist()):
-                acc = f"A0A{start + k:07d}"
-                seq = residues[pos:pos + n]
-                pos += n
-                out.append(f">UniRef50_{acc} Uncharacterized protein n={1 + (start + k) % 7} Tax=Homo sapiens "
-                           f"TaxID=9606 RepID={acc}_HUMAN\n")
-                out.extend(seq[i:i + 60] + "\n" for i in range(0, n, 60))
-            f.write("".join(out))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from uniref_fasta import uniref_fasta_in  # noqa: E402  (the shared UniRef50-shaped generator)
 
 
 def old_packing(tokenized, max_length: int, seed: int) -> np.ndarray:
@@ -119,13 +98,7 @@ def measure(a: argparse.Namespace) -> None:
     from trainer.families.protein_sedd.task import PackedBlocks, residue_counts
 
     work = Path(a.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    fasta = work / f"uniref50_like_{a.records}.fasta"
-    if not fasta.exists():
-        t0 = time.perf_counter()
-        write_fasta(fasta, a.records)
-        print(f"wrote {fasta} ({fasta.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr)
+    fasta = uniref_fasta_in(work, a.records, say=lambda line: print(line, file=sys.stderr))
     r: dict[str, float] = {}
     records, _ = timed("arrow build (or cache load)", lambda: build_fasta_dataset(str(fasta), cache_dir=str(work / "cache"),
                                                                                    val_fraction=0.05), r)

@@ -84,6 +84,16 @@ class DataConfig:
     """Unit budget per rank and micro-batch for batching=budget (e.g. tokens or atoms)."""
     bucket_size: int = 0
     """batching=budget: samples sorted by size together (default 64 global batches' worth, estimated)."""
+    shuffle_block: int = 0
+    """Rows per block of the block-window shuffle; 0 = a full permutation of the samples. Set it (e.g. 1024-8192 rows,
+    a few MB of the file) when the training set is memory-mapped from a shared filesystem (Lustre/GPFS) or a cold
+    disk: every epoch then reads runs of consecutive rows instead of one random small read per sample. Samples are
+    shuffled among `shuffle_window` blocks only, so a batch draws from fewer distinct regions of the file."""
+    shuffle_window: int = 64
+    """data.shuffle_block > 0: blocks (each taken whole, in a keyed random order) whose rows are shuffled together.
+    More blocks mix better (a global batch draws from up to this many places of the file) but keep more of the file
+    warm at once (window x block rows, read while the window is trained on); 64 lets a global batch of hundreds of
+    samples come from tens of places while a window of 64 x a few MB stays small next to the page cache."""
 
 
 @dataclass
@@ -473,14 +483,16 @@ def _validate(cfg: Config) -> None:
         if value not in choices:
             raise ConfigError(f"config key '{section}.{key}' must be one of {list(choices)}, got {value!r}")
     positive = [("train", "max_steps"), ("train", "per_device_batch_size"), ("train", "grad_accum_steps"),
-                ("train", "max_nonfinite_in_row"), ("optim", "base_world_size"), ("log", "every_steps")]
+                ("train", "max_nonfinite_in_row"), ("optim", "base_world_size"), ("log", "every_steps"),
+                ("data", "shuffle_window")]
     for section, key in positive:
         if getattr(getattr(cfg, section), key) < 1:
             raise ConfigError(f"config key '{section}.{key}' must be >= 1")
     non_negative = [("train", "epochs"), ("eval", "every_epochs"), ("ckpt", "every_epochs"), ("eval", "every_steps"),
                     ("ckpt", "every_steps"), ("ckpt", "every_seconds"), ("run", "collective_timeout_s"),
                     ("ckpt", "keep_last"), ("optim", "warmup_steps"), ("data", "num_workers"),
-                    ("data", "max_units_per_batch"), ("data", "bucket_size"), ("eval", "batch_size"), ("eval", "max_samples"),
+                    ("data", "max_units_per_batch"), ("data", "bucket_size"), ("data", "shuffle_block"), ("eval", "batch_size"),
+                    ("eval", "max_samples"),
                     ("train", "grad_clip_norm"), ("train", "grad_clip_value"), ("train", "global_batch_size")]
     for section, key in non_negative:
         if getattr(getattr(cfg, section), key) < 0:

@@ -212,6 +212,20 @@ class Task:
         """Datasets and the statistics of the training data."""
         raise NotImplementedError
 
+    def prepare_data(self) -> dict[str, Any]:
+        """Build every cache `build_data` would build, ahead of a job (`trainer data prepare CONFIG`), and
+        return a JSON-able summary of what was built.
+
+        Called in one process, under the same build lock as a run's `build_data`, so a later run with the
+        same config finds everything built. The default runs `build_data()` and counts each split's
+        records; a family may override it to skip what only a run needs (a training order, per-rank
+        arrays). Summary keys the command prints: `records` ({split: count}), and where known
+        `cache_files` (paths: their total size is printed) and `cache_dir` (the folder they are in)."""
+        data = self.build_data()
+        records = {name: len(ds) for name, ds in (("train", data.train), ("eval", data.eval), ("test", data.test))
+                   if ds is not None and hasattr(ds, "__len__")}
+        return {"records": records}
+
     def attach_stats(self, stats: Mapping[str, Any]) -> None:
         """Called by the core with the statistics of `build_data` (or of the run artifact) before any
         other hook that may need them (eval, sampling)."""

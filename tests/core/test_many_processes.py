@@ -1,12 +1,13 @@
 """Beyond 2 processes: resume anywhere and exactly-once evaluation at 3 and 4 CPU processes (gloo).
 
-The regression task with a global batch of 24 (so 1, 3 and 4 processes all divide it) over 100 training samples
-(4 steps an epoch, 4 samples left over, different ones each epoch: the shuffled order is the same at any world
-size, so the same ones) and 1001 eval samples in eval batches of 16 (neither 3 nor 4 divides it: every rank's share
-is padded and the padding dropped). A DDP x4 run (torchrun) is cut back to its step-4 checkpoint and `trainer train
---nproc 3` continues it to step 8; an FSDP x4 run (hidden width 30: uneven shards of each layer over 4 ranks) is
-resumed by one process. Each ends at the weights of one process trained on the same global batch, within a few
-float32 ulps (`ULPS`); the eval loss is one process's within 1e-6 relative.
+The regression task with a global batch of 24 (so 1, 3 and 4 processes all divide it) over 100 training samples (4
+steps an epoch, 4 samples left over, different ones each epoch: the shuffled order is the same at any world size, so
+the same ones; the DDP runs use the block-window order, data.shuffle_block) and 1001 eval samples in eval batches of
+16 (neither 3 nor 4 divides it: every rank's share is padded and the padding dropped). A DDP x4 run (torchrun) is
+cut back to its step-4 checkpoint and `trainer train --nproc 3` continues it to step 8; an FSDP x4 run (hidden width
+30: uneven shards of each layer over 4 ranks) is resumed by one process. Each ends at the weights of one process
+trained on the same global batch, within a few float32 ulps (`ULPS`); the eval loss is one process's within 1e-6
+relative.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from safetensors.torch import load_file
 
 from trainer.core.checkpoint import latest_checkpoint
 from trainer.core.checkpoint.export import load_model_weights
+from trainer.core.samplers import sample_order_name
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -82,16 +84,21 @@ def assert_same_run(reference: Path, run: Path) -> None:
                                        msg=f"{run.name} {key}")
 
 
+BLOCK_WINDOW = ("data.shuffle_block=7", "data.shuffle_window=3")
+"""The block-window order for the DDP runs (14 blocks of 7 and a partial one of 2, in windows of 3 blocks): the same
+global batches at 1, 4 and 3 processes; the FSDP run keeps the full permutation."""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """One process (in this process); DDP x4 to step 8; that run cut back to step 4 and continued at x3."""
     root = tmp_path_factory.mktemp("many_processes")
     found = {"single": root / "single", "x4": root / "x4"}
-    cli_in_process("train", *args(1, found["single"], "run.resume=none"))
-    run_cmd(torchrun_cmd(4, found["x4"], "run.resume=none"), timeout=400)
+    cli_in_process("train", *args(1, found["single"], "run.resume=none", *BLOCK_WINDOW))
+    run_cmd(torchrun_cmd(4, found["x4"], "run.resume=none", *BLOCK_WINDOW), timeout=400)
     found["x4_to_x3"] = cut_run_back(found["x4"], root / "x4_to_x3", step=4)
-    run_cmd([str(BIN / "trainer"), "train", "--nproc", "3", *args(3, found["x4_to_x3"], "run.resume=auto")],
-            timeout=400)
+    run_cmd([str(BIN / "trainer"), "train", "--nproc", "3", *args(3, found["x4_to_x3"], "run.resume=auto",
+                                                                  *BLOCK_WINDOW)], timeout=400)
     return found
 
 
@@ -101,6 +108,8 @@ def test_ddp_4_processes_resumed_at_3_trains_what_one_process_trains(runs):
     assert start_world_sizes(runs["x4_to_x3"]) == [4, 3]  # steps 1-4 by 4 processes, 5-8 by 3
     assert_same_run(runs["single"], runs["x4"])
     assert_same_run(runs["single"], runs["x4_to_x3"])
+    state = json.loads((latest_checkpoint(runs["x4_to_x3"] / "checkpoints") / "trainer_state.json").read_text())
+    assert state["sample_order"] == sample_order_name(7, 3)  # the runs read the block-window order
 
 
 def test_eval_counts_each_sample_once_where_3_and_4_do_not_divide_the_split(runs):

@@ -282,15 +282,17 @@ def endless(batch_sampler, epochs):
     return out
 
 
+@pytest.mark.parametrize("block", [0, 5])  # the full permutation; the block-window order
 @pytest.mark.parametrize("kind", ["fixed", "balanced", "budget"])
-def test_resume_at_any_position_gives_exactly_the_rest(kind):
+def test_resume_at_any_position_gives_exactly_the_rest(kind, block):
     sizes = np.random.default_rng(8).integers(1, 30, size=157)
 
     def make(rank):
         if kind == "fixed":
-            return RankBatchSampler(EpochSampler(157, 2, multiple_of=4 * 3), 4, rank, 3)
+            return RankBatchSampler(EpochSampler(157, 2, multiple_of=4 * 3, block=block, window=3), 4, rank, 3)
         options = {"batch_size": 4} if kind == "balanced" else {"max_units": 60, "bucket_size": 40}
-        return BalancedBatchSampler(sizes, mode=kind, seed=2, rank=rank, world_size=3, **options)
+        return BalancedBatchSampler(sizes, mode=kind, seed=2, rank=rank, world_size=3, block=block, window=3,
+                                    **options)
 
     for rank in range(3):
         whole = endless(make(rank), 4)
@@ -404,3 +406,200 @@ def test_a_checkpoint_of_another_sample_order_is_said_on_resume(caplog):
         assert not caplog.records
         part.load_state_dict({"step": 7})
     assert len(caplog.records) == 1 and "torch.randperm" in caplog.records[0].getMessage()
+
+
+# --- the block-window order (data.shuffle_block, data.shuffle_window) and budget resume from an epoch start ---------
+from trainer.core.samplers import BlockWindowOrder, sample_order_name  # noqa: E402
+
+BLOCK_CASES = [(1, 4, 3), (3, 4, 3), (4, 4, 1), (10, 3, 100), (17, 4, 2), (100, 7, 3), (101, 1, 5), (256, 16, 4),
+               (1000, 7, 8), (1001, 10, 1), (12345, 64, 8)]  # N < b, N mod b != 0, one window, b = 1, m = 1
+
+
+@pytest.mark.parametrize("epoch", [0, 3])
+def test_block_window_order_is_a_bijection(epoch):
+    for n, block, window in BLOCK_CASES:
+        order = BlockWindowOrder(n, 5, epoch, block, window)
+        out = order(np.arange(n))
+        assert out.dtype == np.int64 and np.array_equal(np.sort(out), np.arange(n)), (n, block, window)
+        assert np.array_equal(order(np.arange(n)[::-1].reshape(-1, 1))[:, 0], out[::-1])  # any positions, any shape
+        assert order(np.zeros((0, 2), dtype=np.int64)).shape == (0, 2)
+    with pytest.raises(IndexError, match=r"outside \[0, 10\)"):
+        BlockWindowOrder(10, 0, 0, 3, 2)(np.array([10]))
+
+
+def test_block_window_order_reads_few_blocks_per_window():
+    """The positions of each window read at most `window` blocks plus the partial one, each as one run of rows;
+    any window x block consecutive positions, at most two windows' worth."""
+    for n, block, window in BLOCK_CASES:
+        order = BlockWindowOrder(n, 2, 1, block, window)
+        out, positions = order(np.arange(n)), np.arange(n)
+        w, start = order.window_of(positions)
+        assert np.all(np.diff(w) >= 0) and w[-1] == order.windows - 1 and np.all(start <= positions)
+        for k in range(order.windows):
+            blocks = np.unique(out[w == k] // block)
+            assert blocks.size <= window + 1, (n, block, window, k)
+            partial = blocks[blocks >= n // block]
+            assert partial.size <= 1
+        span = window * block
+        for first in range(0, max(1, n - span), max(1, span // 3)):
+            assert np.unique(out[first:first + span] // block).size <= 2 * window + 1
+
+
+def test_block_window_order_is_shuffled_at_both_levels():
+    """Blocks are shuffled over the whole data set (positions and samples uncorrelated, unlike the identity or
+    blocks kept in order), rows are mixed within a window (neighbouring positions rarely share a block, unlike
+    blocks read whole one after another), and the order changes with the epoch and the seed."""
+    n, block, window = 100_003, 50, 8
+    out = BlockWindowOrder(n, 7, 4, block, window)(np.arange(n))
+    assert abs(np.corrcoef(np.arange(n), out)[0, 1]) < 0.05
+    same_block = np.mean(out[1:] // block == out[:-1] // block)
+    assert same_block < 2.0 / window  # about 1/window when a window's rows are mixed; near 1 when not
+    # The first window's blocks come from all over the data set, not from its start.
+    assert np.ptp(out[:block * window]) > n // 2
+    assert not np.array_equal(out, BlockWindowOrder(n, 7, 5, block, window)(np.arange(n)))
+    assert not np.array_equal(out, BlockWindowOrder(n, 8, 4, block, window)(np.arange(n)))
+    # The partial block's rows land in different windows over epochs (not always last, where a truncated epoch
+    # would drop them).
+    homes = {int(BlockWindowOrder(1003, 1, e, 10, 4).partial_window) for e in range(40)}
+    assert len(homes) > 5
+
+
+def test_block_window_global_batches_at_any_world_size_and_resume_at_another():
+    """Global batches of 12 (12 / world per rank) are positions [12 k, 12 (k + 1)) of the one order at any world
+    size; a run stopped after any step continues at another world size with exactly the samples that follow."""
+    n, block, window, glob = 1000, 9, 4, 12
+    single = BlockWindowOrder(n, 7, 5, block, window)(np.arange(n)).tolist()
+
+    def read(world, skip=0):
+        per_rank = []
+        for rank in range(world):
+            sampler = EpochSampler(n, 7, multiple_of=glob, block=block, window=window)
+            batches = RankBatchSampler(sampler, glob // world, rank, world)
+            batches.set_epoch(5, skip)
+            per_rank.append(list(batches))
+        return [i for k in range(len(per_rank[0])) for r in range(world) for i in per_rank[r][k]]
+
+    for world in (1, 2, 3, 4):
+        assert read(world) == single[:n // glob * glob], world
+    for world in (1, 2, 3, 4):  # resumed by `world` after `step` steps of any other
+        for step in (1, 7, 40, n // glob - 1):
+            assert read(world, skip=step) == single[step * glob:n // glob * glob], (world, step)
+
+
+def test_block_window_order_has_its_own_recorded_name(caplog):
+    """The recorded order names the block and window sizes: a resume with other settings (or the full permutation)
+    is said, one with the same is not."""
+    import logging
+    from types import SimpleNamespace
+
+    from trainer.core.checkpoint.parts import DataPosition
+
+    names = {sample_order_name(0, 64), sample_order_name(0, 8), sample_order_name(16, 64), sample_order_name(16, 8),
+             sample_order_name(32, 8)}
+    assert len(names) == 4 and sample_order_name(0, 8) == samplers_module.SAMPLE_ORDER
+    assert EpochSampler(100, 0, block=16, window=8).order_name == sample_order_name(16, 8)
+    part = DataPosition(SimpleNamespace(streaming=False, sample_order=sample_order_name(16, 8)), acc=None)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        part.load_state_dict({"sample_order": sample_order_name(16, 8)})
+        assert not caplog.records
+        part.load_state_dict({"sample_order": sample_order_name(16, 64)})
+        part.load_state_dict({"sample_order": samplers_module.SAMPLE_ORDER})
+    assert len(caplog.records) == 2 and all("block=16,window=8" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("block", [0, 6])
+def test_budget_resume_from_a_recorded_epoch_start_builds_no_earlier_plan(monkeypatch, block):
+    """A budget sampler told where an epoch starts (what a checkpoint records) finds the position of any later
+    count of batches, building the plans of that epoch and the ones after it only, and resumes exactly."""
+    sizes = np.random.default_rng(4).integers(1, 40, size=230)
+
+    def make():
+        return BalancedBatchSampler(sizes, mode="budget", max_units=80, bucket_size=30, rank=1, world_size=2, seed=3,
+                                    block=block, window=3)
+
+    reference = make()
+    lengths = [reference.num_batches(e) for e in range(7)]
+    whole = endless(make(), 7)
+    assert len(whole) == sum(lengths)
+    built = []  # the epochs whose plan is built
+    original = BalancedBatchSampler._budget_plan
+
+    def counted(self, epoch):
+        if self._budget is None or self._budget[0] != epoch:
+            built.append(epoch)
+        return original(self, epoch)
+
+    monkeypatch.setattr(BalancedBatchSampler, "_budget_plan", counted)
+    for anchor in (4, 5):
+        start = sum(lengths[:anchor])
+        for consumed in (start, start + 1, start + lengths[anchor] - 1, start + lengths[anchor] + 2,
+                         sum(lengths[:6]) + 1):
+            resumed = make()  # its constructor checks epoch 0 has a batch, as at any start
+            built.clear()
+            resumed.add_epoch_start(anchor, start)
+            epoch, skip = resumed.position(consumed)
+            assert min(built) >= anchor, (anchor, consumed, built)  # nothing before the recorded epoch
+            assert sum(lengths[:epoch]) + skip == consumed
+            resumed.set_epoch(epoch, skip)
+            rest = list(resumed)
+            for e in range(epoch + 1, 7):
+                resumed.set_epoch(e)
+                rest += list(resumed)
+            assert rest == whole[consumed:], (anchor, consumed)
+    walked = make()
+    built.clear()
+    assert walked.position(sum(lengths[:5]) + 1)[0] == 5 and set(built) == {1, 2, 3, 4, 5}  # no record: from 0
+
+
+def test_a_budget_checkpoint_records_its_epoch_start_and_a_resume_uses_it():
+    """TrainBatches (map-style, budget) records (epoch, batches before it) of the epoch it reads, which DataPosition
+    saves; a resumed TrainBatches given that record continues exactly without building the earlier plans, and a
+    record of another plan (another world size) is not used."""
+    from types import SimpleNamespace
+
+    from trainer.config import Config
+    from trainer.core.batch_plan import BatchPlan
+    from trainer.core.checkpoint.parts import DataPosition
+    from trainer.core.loaders import TrainBatches
+
+    sizes = np.random.default_rng(6).integers(1, 40, size=230)
+    cfg = Config()
+    cfg.data.batching, cfg.data.max_units_per_batch, cfg.data.bucket_size = "budget", 80, 30
+    cfg.data.shuffle_block, cfg.data.shuffle_window, cfg.data.pin_memory = 6, 3, False
+    task = SimpleNamespace(collate=list, unit_sizes=lambda dataset: sizes)
+
+    def make(world=2):
+        plan = BatchPlan(per_device_batch_size=1, grad_accum_steps=1, world_size=world, global_batch=world,
+                         lr_world_size=world)
+        return TrainBatches(cfg, plan, task, list(range(230)), 1, world, torch.device("cpu"))
+
+    first = make()
+    lengths = [first.batch_sampler.num_batches(e) for e in range(5)]
+    run = first.micro_batches(0)
+    consumed = sum(lengths[:3]) + 2
+    whole = [next(run).batch for _ in range(consumed)]
+    state = DataPosition(first, None).state_dict()
+    assert state["sample_order"] == sample_order_name(6, 3) and state["epoch_start"] == [3, sum(lengths[:3])]
+    whole += [next(run).batch for _ in range(lengths[3] + 3)]
+
+    resumed = make()
+    DataPosition(resumed, None).load_state_dict(state)
+    built = []
+    original = resumed.batch_sampler._budget_batches
+    resumed.batch_sampler._budget_batches = lambda order: built.append(1) or original(order)
+    rest = resumed.micro_batches(consumed)
+    assert [next(rest).batch for _ in range(lengths[3] + 3)] == whole[consumed:]
+    assert len(built) == 2  # epochs 3 and 4 only
+    other = make(world=3)
+    DataPosition(other, None).load_state_dict(state)
+    assert other.batch_sampler._starts == {0: 0}  # another world size's plans: the record does not hold
+
+
+@pytest.mark.parametrize("override,message", [("data.shuffle_block=-1", "'data.shuffle_block' must be >= 0"),
+                                              ("data.shuffle_window=0", "'data.shuffle_window' must be >= 1")])
+def test_block_window_settings_are_checked(override, message):
+    from trainer.config import ConfigError, load_config
+
+    assert load_config(overrides=["data.shuffle_block=64"]).data.shuffle_block == 64
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])

@@ -35,7 +35,14 @@ from torch.utils.data import DataLoader, IterableDataset, Subset, get_worker_inf
 
 from trainer.config import Config, ConfigError
 from trainer.core.batch_plan import BatchPlan
-from trainer.core.samplers import BalancedBatchSampler, EpochSampler, KeyedSamples, RankBatchSampler, WorkerSeeder
+from trainer.core.samplers import (
+    SAMPLE_ORDER,
+    BalancedBatchSampler,
+    EpochSampler,
+    KeyedSamples,
+    RankBatchSampler,
+    WorkerSeeder,
+)
 from trainer.errors import DataError, TrainerError
 from trainer.sample_random import SampleRandom
 from trainer.seeding import derive_seed
@@ -205,7 +212,8 @@ def build_batch_sampler(cfg: Config, batch: BatchPlan, task: Task, dataset: Any,
         # An epoch is whole global batches: optimizer step s reads global samples [s x G, (s+1) x G) of the
         # (seed, epoch) order however G is split over ranks and micro-batches, so a run resumed on another
         # world size continues with exactly the samples the uninterrupted run would have read.
-        sampler = EpochSampler(len(dataset), cfg.run.seed, cfg.data.shuffle, multiple_of=global_batch)
+        sampler = EpochSampler(len(dataset), cfg.run.seed, cfg.data.shuffle, multiple_of=global_batch,
+                               block=cfg.data.shuffle_block, window=cfg.data.shuffle_window)
         return sampler, RankBatchSampler(sampler, t.per_device_batch_size, rank, world_size,
                                          with_epoch=with_epoch)
     sizes = task.unit_sizes(dataset)
@@ -216,7 +224,8 @@ def build_batch_sampler(cfg: Config, batch: BatchPlan, task: Task, dataset: Any,
         sampler = BalancedBatchSampler(
             sizes, mode=cfg.data.batching, seed=cfg.run.seed, rank=rank, world_size=world_size,
             shuffle=cfg.data.shuffle, batch_size=t.per_device_batch_size,
-            max_units=cfg.data.max_units_per_batch, bucket_size=cfg.data.bucket_size, with_epoch=with_epoch)
+            max_units=cfg.data.max_units_per_batch, bucket_size=cfg.data.bucket_size, with_epoch=with_epoch,
+            block=cfg.data.shuffle_block, window=cfg.data.shuffle_window)
     except ValueError as err:
         raise ConfigError(f"data.batching={cfg.data.batching}: {err}") from err
     return sampler, sampler
@@ -239,6 +248,9 @@ class TrainBatches:
         # a resumed run restores) and worker seeds must be a function of (seed, rank, epoch).
         self.generator = torch.Generator()
         self.position = (0, 0)  # a stream's (epoch, global samples of it read), the same on every rank
+        # Map-style: (epoch, this rank's micro-batches before it) of the epoch being read, which a checkpoint keeps
+        # so that a resume finds its budget position without building the earlier epochs' plans.
+        self.epoch_start = (0, 0)
         self.task_name, self.batch_size, self.accum = cfg.task.name, batch.per_device_batch_size, \
             batch.grad_accum_steps  # for the error of an epoch without a batch
         self.epoch_samples: dict[int, int] = {}  # a stream's epoch -> its samples, once read to its end
@@ -262,6 +274,26 @@ class TrainBatches:
     @property
     def global_batch(self) -> int:
         return self.batch_size * self.world_size * self.accum
+
+    @property
+    def sample_order(self) -> str:
+        """The recorded name of the map-style order (`samplers.sample_order_name`)."""
+        return SAMPLE_ORDER if self.sampler is None else self.sampler.order_name
+
+    def order_state(self) -> dict[str, Any]:
+        """What a map-style checkpoint records of the data: the order's name and, for budget batching, the start
+        of the epoch being read (valid for the same `plan_key` only)."""
+        state: dict[str, Any] = {"sample_order": self.sample_order}
+        if isinstance(self.batch_sampler, BalancedBatchSampler) and self.batch_sampler.mode == "budget":
+            state.update(epoch_start=list(self.epoch_start), budget_plan=self.batch_sampler.plan_key)
+        return state
+
+    def restore_order_state(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's epoch start (`order_state`) where it was recorded for the same budget plan."""
+        start = state.get("epoch_start")
+        if (start is not None and isinstance(self.batch_sampler, BalancedBatchSampler)
+                and state.get("budget_plan") == self.batch_sampler.plan_key):
+            self.batch_sampler.add_epoch_start(int(start[0]), int(start[1]))
 
     @property
     def batches_per_epoch(self) -> int | None:
@@ -288,7 +320,10 @@ class TrainBatches:
 
     def _map_batches(self, consumed: int) -> Iterator[MicroBatch]:
         epoch, skip = self.batch_sampler.position(consumed)
+        start = consumed - skip
         while True:
+            # Set when the epoch's first batch is asked for: never after the step a checkpoint saves.
+            self.epoch_start = (epoch, start)
             self.generator.manual_seed(derive_seed(self.seed, "train-loader", self.rank, epoch))
             self.batch_sampler.set_epoch(epoch, skip)
             empty = skip == 0
@@ -298,6 +333,7 @@ class TrainBatches:
             if empty:  # a whole epoch without a batch: looping on would spin (and peers wait) forever
                 raise DataError(f"rank {self.rank}: the training set gave no batch in epoch {epoch} "
                                 f"(task '{self.task_name}', split train)")
+            start += len(self.batch_sampler)  # this epoch's batches (its plan is built: it was read)
             epoch, skip = epoch + 1, 0
 
     def _stream_batches(self) -> Iterator[MicroBatch]:

@@ -2,7 +2,9 @@
 
 No sampler holds a permutation of the whole data set: the shuffled order is a keyed bijection of [0, N)
 (`ShuffledOrder`) evaluated only at the positions a rank reads, so each rank computes its own share of the
-epoch, from any position, in memory that does not grow with N.
+epoch, from any position, in memory that does not grow with N. `BlockWindowOrder` is the same kind of bijection
+that keeps runs of consecutive rows together (blocks shuffled, rows shuffled within windows of blocks), for data
+read from a slow disk or shared filesystem.
 """
 
 from __future__ import annotations
@@ -20,6 +22,15 @@ from trainer.task import EpochAwareDataset
 SAMPLE_ORDER = "keyed-permutation-1"
 """The name of the map-style samplers' order (saved with each checkpoint): a checkpoint of another order resumed
 mid-epoch would finish that epoch from a different permutation."""
+BLOCK_WINDOW_ORDER = "keyed-block-window-1"
+"""The name of the block-window order (`BlockWindowOrder`), saved with its block and window sizes."""
+
+
+def sample_order_name(block: int = 0, window: int = 64) -> str:
+    """The recorded name of the order that data.shuffle_block=`block` and data.shuffle_window=`window` select:
+    another block or window size is another order, so a resume with other settings is said."""
+    return SAMPLE_ORDER if block <= 0 else f"{BLOCK_WINDOW_ORDER}(block={block},window={window})"
+
 
 _CHUNK = 1 << 16  # positions mapped per vectorised call: bounds a sampler's working memory whatever N is
 _GROUP = 1 << 22  # samples of the budget windows cut together: bounds the plan's working memory
@@ -38,45 +49,141 @@ class ShuffledOrder:
 
     ROUNDS = 8  # Luby-Rackoff needs 4 with a random round function; more rounds for the cheap hash used
 
-    def __init__(self, n: int, seed: int, epoch: int):
+    def __init__(self, n: int, seed: int, epoch: int, salt: tuple[int, ...] = ()):
         if n < 1:
             raise ValueError(f"a shuffled order needs at least one sample, not {n}")
         self.n = n
-        bits = max(2, (n - 1).bit_length())
-        self.bits = bits
-        # A SeedSequence spreads (seed, epoch) over independent round keys; seeds may be negative.
-        self.keys = np.random.SeedSequence([seed % 2**64, epoch]).generate_state(self.ROUNDS, np.uint64)
-
-    def _rounds(self, x: np.ndarray) -> np.ndarray:
-        hi_bits, lo_bits = self.bits - self.bits // 2, self.bits // 2
-        for key in self.keys:
-            hi, lo = x >> np.uint64(lo_bits), x & np.uint64((1 << lo_bits) - 1)
-            z = lo * _M1 + key  # splitmix64's finaliser as the round function
-            z = (z ^ (z >> np.uint64(30))) * _M2
-            z = (z ^ (z >> np.uint64(27))) * _M3
-            z ^= z >> np.uint64(31)
-            x = (lo << np.uint64(hi_bits)) | (hi ^ (z & np.uint64((1 << hi_bits) - 1)))
-            hi_bits, lo_bits = lo_bits, hi_bits  # the halves swap sizes each round (unbalanced when bits is odd)
-        return x
+        self.bits = _domain_bits(n)
+        # A SeedSequence spreads (seed, epoch) over independent round keys; seeds may be negative. `salt` keys
+        # other orders drawn from the same (seed, epoch) apart from this one (none: the full permutation's keys).
+        self.keys = np.random.SeedSequence([seed % 2**64, epoch, *salt]).generate_state(self.ROUNDS, np.uint64)
 
     def __call__(self, positions: np.ndarray | int) -> np.ndarray:
         """The samples at `positions` (ints in [0, n)), as an int64 array of the same shape."""
         pos = np.asarray(positions, dtype=np.int64)
         if pos.size and (pos.min() < 0 or pos.max() >= self.n):
             raise IndexError(f"positions outside [0, {self.n}) of a shuffled order")
-        flat = pos.reshape(-1).astype(np.uint64)
-        out = self._rounds(flat)
-        todo = np.flatnonzero(out >= np.uint64(self.n))
-        while todo.size:  # cycle walking; the domain is under 2n, so few values walk more than a step or two
-            out[todo] = self._rounds(out[todo])
-            todo = todo[out[todo] >= np.uint64(self.n)]
+        out = _permute(pos.reshape(-1).astype(np.uint64), self.keys, self.bits, self.n)
         return out.astype(np.int64).reshape(pos.shape)
 
 
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> Callable[[np.ndarray], np.ndarray]:
-    """positions -> samples of the (seed, epoch) order of n samples (the identity when not shuffled)."""
+def _domain_bits(n: int) -> int:
+    """Bits of the Feistel domain for n values: the smallest power of two holding n, at least 4 values."""
+    return max(2, (n - 1).bit_length())
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (uint64 in, uint64 out)."""
+    z = (z ^ (z >> np.uint64(30))) * _M2
+    z = (z ^ (z >> np.uint64(27))) * _M3
+    return z ^ (z >> np.uint64(31))
+
+
+def _rounds(x: np.ndarray, keys: np.ndarray, bits: int, which: np.ndarray | None = None) -> np.ndarray:
+    """The Feistel rounds over `bits`-bit values; keys[j] is round j's key, or with `which`, keys[j][which] (a table
+    of keys per permutation, `which` naming each value's)."""
+    hi_bits, lo_bits = bits - bits // 2, bits // 2
+    for key in keys:
+        key = key if which is None else key[which]
+        hi, lo = x >> np.uint64(lo_bits), x & np.uint64((1 << lo_bits) - 1)
+        z = _mix64(lo * _M1 + key)  # splitmix64's finaliser as the round function
+        x = (lo << np.uint64(hi_bits)) | (hi ^ (z & np.uint64((1 << hi_bits) - 1)))
+        hi_bits, lo_bits = lo_bits, hi_bits  # the halves swap sizes each round (unbalanced when bits is odd)
+    return x
+
+
+def _permute(x: np.ndarray, keys: np.ndarray, bits: int, n: int, which: np.ndarray | None = None) -> np.ndarray:
+    """The keyed bijection of [0, n) at the uint64 values `x`: Feistel rounds, then cycle walking (a value outside
+    [0, n) is permuted again until it lands inside). keys: (rounds,), or (rounds, permutations) with `which` naming
+    each value's permutation."""
+    out = _rounds(x, keys, bits, which)
+    todo = np.flatnonzero(out >= np.uint64(n))
+    while todo.size:  # the domain is under 2n, so few values walk more than a step or two
+        out[todo] = _rounds(out[todo], keys, bits, None if which is None else which[todo])
+        todo = todo[out[todo] >= np.uint64(n)]
+    return out
+
+
+class BlockWindowOrder:
+    """The (seed, epoch) block-window shuffle of [0, n) as a function, like `ShuffledOrder`, that keeps runs of
+    `block` consecutive rows together (the shuffle of streaming engines: shard order, then a shuffle buffer).
+
+    Rows are cut into n // block full blocks (the last n % block rows are a partial block); the epoch's block order
+    is a keyed permutation of the full blocks; consecutive groups of `window` permuted blocks (the last group may be
+    shorter) are windows, and the rows of each window are permuted among themselves by a keyed permutation of
+    (seed, epoch, window). The partial block joins one window drawn from (seed, epoch), so its rows are not always
+    last (where a truncated epoch would drop them). The windows lie one after another in the epoch: a stretch of
+    window x block positions reads window blocks (plus the partial one), each as a run of consecutive rows. A
+    position -> sample map in O(1) per position, vectorised; the same order at any world size.
+    """
+
+    def __init__(self, n: int, seed: int, epoch: int, block: int, window: int):
+        if n < 1:
+            raise ValueError(f"a shuffled order needs at least one sample, not {n}")
+        if block < 1 or window < 1:
+            raise ValueError(f"a block-window order needs block >= 1 and window >= 1, not {block} and {window}")
+        self.n, self.block, self.window = n, block, window
+        self.full, self.rest = divmod(n, block)  # full blocks; rows of the partial block
+        # Salted apart from the full permutation of the same (seed, epoch), and the blocks from the windows.
+        self.blocks = ShuffledOrder(self.full, seed, epoch, salt=(1,)) if self.full else None
+        self.windows = max(1, -(-self.full // window))
+        keys = np.random.SeedSequence([seed % 2**64, epoch, 2]).generate_state(ShuffledOrder.ROUNDS + 1, np.uint64)
+        self.window_keys = keys[:-1]
+        self.partial_window = int(keys[-1] % np.uint64(self.windows)) if self.rest and self.full else 0
+        self.last_blocks = self.full - (self.windows - 1) * window  # full blocks of the last window (0: none at all)
+
+    def window_of(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(window, first position of that window) of each position (int64 arrays in [0, n))."""
+        span, rest, kp = self.window * self.block, self.rest, self.partial_window
+        w = np.minimum(positions // span, self.windows - 1)
+        if rest:  # windows after the partial block's start `rest` positions later than a multiple of span
+            w -= (w > kp) & (positions < w * span + rest)
+        return w, w * span + np.where(w > kp, rest, 0)
+
+    def __call__(self, positions: np.ndarray | int) -> np.ndarray:
+        """The samples at `positions` (ints in [0, n)), as an int64 array of the same shape."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size and (pos.min() < 0 or pos.max() >= self.n):
+            raise IndexError(f"positions outside [0, {self.n}) of a shuffled order")
+        flat = pos.reshape(-1)
+        if not flat.size:
+            return np.empty(pos.shape, dtype=np.int64)
+        w, start = self.window_of(flat)
+        # A window's permutation is keyed by (seed, epoch, window): each round key mixed with the window's index,
+        # in a table over the windows these positions touch (few: positions come in runs).
+        if int(w.max() - w.min()) < flat.size:
+            first = int(w.min())
+            touched, which = np.arange(first, int(w.max()) + 1, dtype=np.int64), w - first
+        else:
+            touched, which = np.unique(w, return_inverse=True)
+        wkeys = _mix64(self.window_keys[:, None] ^ ((touched.astype(np.uint64) + np.uint64(1)) * _M1)[None, :])
+        whole = np.where(touched == self.windows - 1, self.last_blocks, self.window) * self.block  # full blocks' rows
+        size = whole + np.where(touched == self.partial_window, self.rest, 0)
+        offset = (flat - start).astype(np.uint64)
+        for n in np.unique(size).tolist():  # at most four window sizes: one Feistel domain each
+            if touched.size == 1:  # one window (the usual chunk): its keys for all, no per-value look-up
+                offset = _permute(offset, wkeys[:, 0], _domain_bits(n), n)
+                continue
+            at = np.flatnonzero((size == n)[which])
+            offset[at] = _permute(offset[at], wkeys, _domain_bits(n), n, which[at])
+        offset = offset.astype(np.int64)
+        j = w * self.window + offset // self.block  # the permuted block of a full block's row
+        if not self.rest or self.partial_window < touched[0] or self.partial_window > touched[-1]:
+            return (self.blocks(j) * self.block + offset % self.block).reshape(pos.shape)
+        inside = offset < whole[which]
+        out = self.full * self.block + offset - whole[which]  # the partial block's rows (last in the data set)
+        if self.blocks is not None:
+            at = np.flatnonzero(inside)
+            out[at] = self.blocks(j[at]) * self.block + offset[at] % self.block
+        return out.reshape(pos.shape)
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True, block: int = 0,
+                window: int = 64) -> Callable[[np.ndarray], np.ndarray]:
+    """positions -> samples of the (seed, epoch) order of n samples (the identity when not shuffled): a full
+    permutation, or the block-window order when `block` > 0 (data.shuffle_block, data.shuffle_window)."""
     if shuffle:
-        return ShuffledOrder(n, seed, epoch)
+        return BlockWindowOrder(n, seed, epoch, block, window) if block > 0 else ShuffledOrder(n, seed, epoch)
     return lambda positions: np.asarray(positions, dtype=np.int64)
 
 
@@ -89,20 +196,27 @@ class EpochSampler(Sampler[int]):
     their count is reported at start.
     """
 
-    def __init__(self, num_samples: int, seed: int, shuffle: bool = True, multiple_of: int = 1):
+    def __init__(self, num_samples: int, seed: int, shuffle: bool = True, multiple_of: int = 1, block: int = 0,
+                 window: int = 64):
         self.num_samples = num_samples
         self.seed = seed
         self.shuffle = shuffle
         self.multiple_of = max(1, multiple_of)
+        self.block, self.window = block, window  # data.shuffle_block, data.shuffle_window (0: full permutation)
         self.epoch = 0
         if len(self) == 0:
             raise ValueError(f"dataset of {num_samples} samples is smaller than one global batch "
                              f"({self.multiple_of} = world size x per-device batch x accumulation)")
-        self._order = epoch_order(num_samples, seed, 0, shuffle)
+        self._order = epoch_order(num_samples, seed, 0, shuffle, block, window)
+
+    @property
+    def order_name(self) -> str:
+        """The order's recorded name (`sample_order_name`)."""
+        return sample_order_name(self.block, self.window)
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self._order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
+            self._order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle, self.block, self.window)
         self.epoch = epoch
 
     @property
@@ -211,16 +325,22 @@ class BalancedBatchSampler(Sampler[list[int]]):
       window leaves over are pooled and cut again after all windows; what the last pool leaves (fewer than
       world_size) waits for the next epoch's order and is counted in `dropped_per_epoch`. A sample larger
       than the budget is an error. An epoch's plan is built at once (vectorised over windows) and kept; the
-      number of batches of each epoch is kept too, so a resume position is found by building each earlier
-      epoch's plan once.
+      number of batches of each epoch is kept too. Epochs differ in length, so the resume position of a
+      count of batches is found from the start of an epoch known at or before it (`add_epoch_start`: a
+      checkpoint records the start of the epoch it stopped in), building only the plans after it.
+
+    `block` and `window` select the block-window order (data.shuffle_block, data.shuffle_window).
     """
 
     def __init__(self, sizes, *, mode: str, seed: int, rank: int, world_size: int, shuffle: bool = True,
-                 batch_size: int = 1, max_units: int = 0, bucket_size: int = 0, with_epoch: bool = False):
+                 batch_size: int = 1, max_units: int = 0, bucket_size: int = 0, with_epoch: bool = False,
+                 block: int = 0, window: int = 64):
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.mode, self.seed, self.rank, self.world_size = mode, seed, rank, world_size
         self.shuffle, self.batch_size, self.max_units = shuffle, batch_size, max_units
+        self.block, self.window = block, window
         self.with_epoch = with_epoch
+        self._units = int(self.sizes.sum())  # for plan_key
         if mode == "budget":
             too_big = np.flatnonzero(self.sizes > max_units)
             if too_big.size:
@@ -236,6 +356,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.epoch, self.skip = 0, 0
         self._budget: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None  # one epoch's plan
         self._lengths: dict[int, int] = {}  # epoch -> global batches (budget), kept for resume positions
+        self._starts: dict[int, int] = {0: 0}  # epoch -> batches before it (budget): where position() walks from
         if self.sizes.size == 0 or len(self) == 0:
             raise ValueError(f"{self.sizes.size} samples make no full global batch of {world_size} ranks")
 
@@ -245,7 +366,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         batches, samples sorted largest first, parts are ranks."""
         step = self.batch_size * self.world_size
         positions = np.arange(first, stop, dtype=np.int64)[:, None] * step + np.arange(step, dtype=np.int64)
-        samples = epoch_order(self.sizes.size, self.seed, epoch, self.shuffle)(positions)
+        samples = self._order(epoch)(positions)
         by_size = np.argsort(-self.sizes[samples], axis=1, kind="stable")
         samples = np.take_along_axis(samples, by_size, axis=1)
         return samples, lpt_parts(self.sizes[samples], self.world_size, capacity=self.batch_size)
@@ -323,7 +444,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         """(members, bounds, batch order) of `epoch`: batch b of the epoch is batch order[b] of members."""
         if self._budget is None or self._budget[0] != epoch:
             self._budget = None  # one epoch's plan held at a time, not two while the next is built
-            shuffled, n = epoch_order(self.sizes.size, self.seed, epoch, self.shuffle), self.sizes.size
+            shuffled, n = self._order(epoch), self.sizes.size
             samples = np.empty(n, dtype=np.int32 if n < 2**31 else np.int64)  # the plan holds N of these
             for start in range(0, n, _GROUP):  # in pieces: the order's temporaries stay small
                 samples[start:start + _GROUP] = shuffled(np.arange(start, min(start + _GROUP, n)))
@@ -336,6 +457,28 @@ class BalancedBatchSampler(Sampler[list[int]]):
         return self._budget[1:]
 
     # ---------------------------------------------------------------------------------------- interface
+    def _order(self, epoch: int) -> Callable[[np.ndarray], np.ndarray]:
+        return epoch_order(self.sizes.size, self.seed, epoch, self.shuffle, self.block, self.window)
+
+    @property
+    def order_name(self) -> str:
+        """The order's recorded name (`sample_order_name`)."""
+        return sample_order_name(self.block, self.window)
+
+    @property
+    def plan_key(self) -> str:
+        """What a budget plan's lengths depend on: an epoch start recorded under another key does not hold here."""
+        return (f"budget(n={self.sizes.size},units={self._units},world={self.world_size},"
+                f"max_units={self.max_units},bucket={self.bucket_size},seed={self.seed},shuffle={self.shuffle},"
+                f"order={self.order_name})") if self.mode == "budget" else self.mode
+
+    def add_epoch_start(self, epoch: int, start: int) -> None:
+        """Record that `epoch` starts after `start` batches (a checkpoint's record for this `plan_key`), so
+        `position` need not build the plans of the epochs before it."""
+        if epoch < 0 or start < 0:
+            raise ValueError(f"an epoch start needs epoch >= 0 and start >= 0, not ({epoch}, {start})")
+        self._starts[epoch] = start
+
     def num_batches(self, epoch: int) -> int:
         """Global batches (so micro-batches of every rank) in `epoch`."""
         if self.mode == "balanced":
@@ -372,15 +515,17 @@ class BalancedBatchSampler(Sampler[list[int]]):
         return self.num_batches(self.epoch)
 
     def position(self, consumed: int) -> tuple[int, int]:
-        """(epoch, batches of it done) after `consumed` batches; budget plans differ in length per epoch (each
-        earlier epoch's length is computed once and kept)."""
+        """(epoch, batches of it done) after `consumed` batches; budget plans differ in length per epoch, so the
+        walk starts at the latest epoch start known at or before `consumed` (`add_epoch_start`, or ones walked
+        before) and builds the plans from there only."""
         if self.mode == "balanced":
             return divmod(consumed, self.num_batches(0))
-        epoch = 0
-        while consumed >= self.num_batches(epoch):
-            consumed -= self.num_batches(epoch)
+        start, epoch = max((s, e) for e, s in self._starts.items() if s <= consumed)
+        while consumed >= start + self.num_batches(epoch):
+            start += self.num_batches(epoch)
             epoch += 1
-        return epoch, consumed
+            self._starts[epoch] = start
+        return epoch, consumed - start
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, rank, world = self.epoch, self.rank, self.world_size

@@ -5,7 +5,8 @@ afterwards. The fingerprint is a digest of what identifies the inputs (each file
 its content, `file_fingerprint`, never its path or mtime, so a copy staged to a node's scratch folder hits
 the same cache; or the content of in-memory records) and of every setting. Each shard is written
 by a worker function into a temp file, then renamed into place, so a crash or an error never leaves
-a half-written shard under its final name, and a failed build removes its temp files. A sidecar
+a half-written shard under its final name, and a failed build removes its own temp files (named per build:
+another process writing the same shard keeps its own). A sidecar
 JSON (written atomically, after the shards) records what the build read and skipped.
 
 Internals of `datasets` used here and nowhere else: `ArrowWriter`, `Dataset._fingerprint` (so
@@ -18,13 +19,15 @@ import hashlib
 import json
 import multiprocessing
 import os
-from collections.abc import Callable, Iterable, Sequence
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from trainer.atomic_io import atomic_write_json, temp_path, temp_paths_of
+from trainer.atomic_io import atomic_write_json
 
 
 def digest(obj: Any) -> str:
@@ -128,10 +131,17 @@ def arrow_writer(features: Any, path: str) -> Any:
     return ArrowWriter(features=features, path=path)
 
 
-def _run_shard(job: tuple[Callable[..., Any], tuple, str]) -> Any:
+def _own_temp(final: str | Path, token: str) -> Path:
+    """The temp name of `final` in the build `token`: unique per build (and still one of `temp_paths_of(final)`),
+    so that a failed build removes its own temp files and never those of another builder writing the same shard."""
+    final = Path(final)
+    return final.with_name(f".{final.name}.{token}.tmp")
+
+
+def _run_shard(job: tuple[Callable[..., Any], tuple, str, str]) -> Any:
     """Run `fn(*args, tmp_path)`, then rename the temp file to its final name; remove it on failure."""
-    fn, args, final = job
-    tmp = str(temp_path(final))
+    fn, args, final, token = job
+    tmp = str(_own_temp(final, token))
     try:
         result = fn(*args, tmp)
         os.replace(tmp, final)
@@ -141,23 +151,61 @@ def _run_shard(job: tuple[Callable[..., Any], tuple, str]) -> Any:
         raise
 
 
-def build_shards(jobs: Sequence[tuple[Callable[..., Any], tuple, str | Path]], num_proc: int = 1) -> list[Any]:
+def build_shards(jobs: Iterable[tuple[Callable[..., Any], tuple, str | Path]], num_proc: int = 1, *,
+                 on_done: Callable[[int, Any], None] | None = None, max_in_flight: int | None = None) -> list[Any]:
     """Write Arrow shards: each job is (fn, args, final path) and calls `fn(*args, tmp_path)`.
 
-    With `num_proc` > 1 and several jobs, they run in a spawn pool (`fn` must be importable at module
-    level). Spawn, not fork: forking a process that runs threads (TensorBoard's writer, tqdm's monitor,
-    a gzip reader) can leave a child waiting forever on a lock held at the fork. Returns each job's result.
+    With `num_proc` > 1 (and, for a sequence, several jobs) they run in a spawn pool (`fn` must be importable
+    at module level). Spawn, not fork: forking a process that runs threads (TensorBoard's writer, tqdm's
+    monitor, a gzip reader) can leave a child waiting forever on a lock held at the fork. `jobs` may be a
+    generator: at most `max_in_flight` jobs (default 2 x `num_proc`) are submitted and not yet done, so jobs
+    that carry their data keep memory bounded. Returns each job's result, in order; `on_done(index, result)`
+    is called as each finishes, in order. The first error in job order is raised (a job's, or the
+    generator's after the jobs before it); the temp files of this call are removed, no one else's.
     """
-    todo = [(fn, tuple(args), str(final)) for fn, args, final in jobs]
+    token = uuid.uuid4().hex
+    started: list[str] = []
+    results: list[Any] = []
+
+    def done(result: Any) -> None:
+        if on_done is not None:
+            on_done(len(results), result)
+        results.append(result)
+
+    def submitted(it: Iterable[tuple[Callable[..., Any], tuple, str | Path]]) -> Iterator[tuple]:
+        for fn, args, final in it:
+            started.append(str(final))
+            yield fn, tuple(args), str(final), token
+
     try:
-        if num_proc > 1 and len(todo) > 1:
-            with multiprocessing.get_context("spawn").Pool(min(num_proc, len(todo))) as pool:
-                return pool.map(_run_shard, todo)
-        return [_run_shard(job) for job in todo]
+        parallel = num_proc > 1 and (len(jobs) > 1 if isinstance(jobs, Sequence) else True)
+        if not parallel:
+            for job in submitted(jobs):
+                done(_run_shard(job))
+            return results
+        size = min(num_proc, len(jobs)) if isinstance(jobs, Sequence) else num_proc
+        limit = max(1, max_in_flight or 2 * size)
+        with multiprocessing.get_context("spawn").Pool(size) as pool:
+            pending: deque[Any] = deque()
+            queue = submitted(jobs)
+            while True:
+                try:
+                    job = next(queue)
+                except StopIteration:
+                    break
+                except Exception:  # the generator's: an error of a job before it comes first
+                    for result in pending:
+                        result.get()
+                    raise
+                pending.append(pool.apply_async(_run_shard, (job,)))
+                if len(pending) >= limit:
+                    done(pending.popleft().get())
+            while pending:
+                done(pending.popleft().get())
+        return results
     except BaseException:
-        for _, _, final in todo:  # a pool worker killed mid-write leaves its temp file behind
-            for stale in temp_paths_of(final):
-                stale.unlink(missing_ok=True)
+        for final in started:  # a pool worker killed mid-write leaves its temp file behind
+            _own_temp(final, token).unlink(missing_ok=True)
         raise
 
 

@@ -277,7 +277,8 @@ def resolve_fetch(name: str) -> str:
 # `trainer data`
 
 
-def _human(size: int) -> str:
+def human_size(size: float) -> str:
+    """Bytes in B, KB, MB or GB (powers of 1000), one decimal from KB up."""
     for unit in ("B", "KB", "MB", "GB"):
         if size < 1000 or unit == "GB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
@@ -294,23 +295,32 @@ def list_text(cache: Path | None = None, registry: dict[str, RemoteData | Packag
     for name in sorted(registry):
         entry = registry[name]
         cached = "yes" if is_cached(entry, cache) else "no"
-        rows.append(f"{name:<22} {_human(entry.size):>9}  {cached:<6}  {entry.license}")
+        rows.append(f"{name:<22} {human_size(entry.size):>9}  {cached:<6}  {entry.license}")
         rows.append(f"{'':<42}{entry.description}")
         rows.append(f"{'':<42}{entry.url}")
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`trainer data list` | `trainer data fetch NAME [NAME ...]` (prints each local path)."""
+    """`trainer data list` | `trainer data fetch NAME [NAME ...]` (prints each local path) |
+    `trainer data prepare CONFIG [key=value ...]` (builds a config's data caches ahead of a job: prepare.py)."""
+    from trainer.data import prepare
+
     parser = argparse.ArgumentParser(prog="trainer data", description="Public data sets too big to bundle: list "
-                                     "them, or download them with checksums into the cache.")
+                                     "them, or download them with checksums into the cache; or build a config's "
+                                     "data caches ahead of a job (prepare).")
     parser.add_argument("--cache", default=None, help=f"cache folder (default ${CACHE_ENV}, else {APP_NAME}'s user "
                         "cache folder)")
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser("list", help="the known data sets, their size, license and whether they are cached")
     get = sub.add_parser("fetch", help="download (once) and print the local path of each NAME")
     get.add_argument("names", nargs="+", metavar="NAME")
+    prepare.add_arguments(sub.add_parser(
+        "prepare", help="build the data caches of CONFIG (+ overrides, as `trainer train` takes them) in this "
+                        "process, under the lock a run takes, so that the job finds them built"))
     args = parser.parse_args(argv)
+    if args.action == "prepare":
+        return prepare.run(args.config, args.overrides)
     cache = Path(args.cache).expanduser() if args.cache else None
     if args.action == "list":
         print(list_text(cache))

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer.data.splits import in_holdout
-from trainer.families.protein_sedd import fasta
+from trainer.families.protein_sedd import dataset, fasta
 from trainer.families.protein_sedd.dataset import (
     build_fasta_dataset,
     default_protein_fasta,
@@ -298,14 +298,15 @@ def test_num_proc_in_a_script_without_main_guard(tmp_path):
     src = write(tmp_path, "".join(f">r{k}\nMKV{'A' * k}\n" for k in range(20)))
     script = tmp_path / "ingest.py"
     script.write_text(textwrap.dedent(f"""
-        from trainer.families.protein_sedd.dataset import build_fasta_dataset
-        ds, stats = build_fasta_dataset({str(src)!r}, cache_dir={str(tmp_path / 'c')!r}, num_proc=2)
+        from trainer.families.protein_sedd import dataset
+        dataset.CHUNK_BYTES = 50  # several chunks: a pool would be started
+        ds, stats = dataset.build_fasta_dataset({str(src)!r}, cache_dir={str(tmp_path / 'c')!r}, num_proc=2)
         print("rows", len(ds), stats.kept)
     """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "rows 20 20" in proc.stdout
-    assert f"{script}:3 outside an `if __name__ == '__main__':` block" in proc.stderr
+    assert f"{script}:4 outside an `if __name__ == '__main__':` block" in proc.stderr
 
 
 def test_plain_and_gz_agree(tmp_path):
@@ -479,8 +480,149 @@ def test_build_single_file_num_proc_matches_serial(tmp_path):
     parallel, st2 = build_fasta_dataset(SAMPLE, cache_dir=tmp_path / "c", nonstandard="map", max_length=2000,
                                         num_proc=2)
     assert st1 == st2 and st1.files == 1 and st1.nonstandard_mapped > 0 and st1.dropped_long > 0
-    assert sorted(serial["id"]) == sorted(parallel["id"]) and len(parallel) == st1.kept
-    assert dict(zip(serial["id"], serial["sequence"])) == dict(zip(parallel["id"], parallel["sequence"]))
+    assert serial["id"] == parallel["id"] and len(parallel) == st1.kept
+    assert serial["sequence"] == parallel["sequence"]
+
+
+# --- conversion in fixed-size chunks ------------------------------------------------------------------
+
+def chunk_text(seed: int = 3, records: int = 300) -> str:
+    """Records of every policy path, and one longer than several small chunks (it straddles their boundaries)."""
+    rng = random.Random(seed)
+    text = "\n"  # a blank line before the first header
+    for k in range(records):
+        seq = "".join(rng.choice(AMINO_ACIDS) for _ in range(rng.randint(1, 300) if k != 150 else 9000))
+        if k % 7 == 0:
+            seq = seq.lower()
+        if k % 11 == 0:
+            seq = seq[:1] + "B" + seq[1:]
+        if k % 13 == 0:
+            seq += "*"
+        text += f"{UNIREF.replace('A0A5A9P0L4', f'Q{k}', 1)}\n" + "\n".join(seq[i:i + 60] for i in range(0, len(seq), 60))
+        text += "\n"
+    return text
+
+
+SETTINGS = dict(val_fraction=0.3, nonstandard="map", min_length=5)
+
+
+def expected_rows(path: Path) -> tuple[list[tuple], FastaStats]:
+    recs, stats = read_all(path, **SETTINGS)
+    return [(r["id"], r["sequence"], r["split"], encode_residues(r["sequence"]).tolist()) for r in recs], stats
+
+
+def built_rows(ds) -> list[tuple]:
+    return list(zip(ds["id"], ds["sequence"], ds["split"], ds["input_ids"]))
+
+
+def test_chunk_plan_matches_the_sequential_chunks(tmp_path):
+    """An uncompressed file's chunks, found by seeking, start where the sequential reader cuts the same text;
+    byte-order mark, blank lines before the first header and every line ending included."""
+    text = "\ufeff\n\n" + chunk_text()
+    for ending in ("\n", "\r\n", "\r"):
+        path = write(tmp_path, text.replace("\n", ending), name="p.fa")
+        for size in (1, 997, 5000, 40_000, 1 << 30):
+            spans = fasta.plan_chunks(path, size)
+            chunks = list(fasta.iter_record_chunks(path, size))
+            assert [s.start for s in spans] == [c.offset for c in chunks], (ending, size)
+            assert [s.end for s in spans] == [c.offset for c in chunks[1:]] + [path.stat().st_size]
+            assert spans[0].first_line == chunks[0].first_line == 4 and spans[0].cr_only == (ending == "\r")
+            assert all(c.data.startswith(b">") and c.data.endswith(b"\n") for c in chunks)
+            raw, sep = path.read_bytes(), b"\r>" if ending == "\r" else b"\n>"
+            for before, span in zip(spans, spans[1:]):  # the first header at or after the next multiple
+                nominal = (before.start // size + 1) * size
+                assert span.start >= nominal and raw[span.start - 1:span.start + 1] == sep
+                assert sep not in raw[nominal - 1:span.start - 1]
+            if size == 5000:  # the 9000-residue record straddles a multiple: one chunk holds it whole
+                assert any(s.end - s.start > 9000 for s in spans)
+
+
+@pytest.mark.parametrize("gz", [False, True], ids=["plain", "gzip"])
+def test_chunked_build_rows_do_not_depend_on_workers(tmp_path, monkeypatch, gz):
+    """Many small chunks: the rows (file order), stats, shard files and cache key are those of one process
+    reading the file, for any number of workers."""
+    path = write(tmp_path, chunk_text(), name="c.fa.gz" if gz else "c.fa", gz=gz)
+    expected, reader_stats = expected_rows(path)
+    assert reader_stats.dropped_short and reader_stats.nonstandard_mapped and reader_stats.validation
+    monkeypatch.setattr(dataset, "CHUNK_BYTES", 3000)
+    shards = {}
+    for num_proc in (1, 3) if not gz else (1, 2):  # a pool each: 1, 2 and 3 workers between the two
+        ds, stats = build_fasta_dataset(path, cache_dir=tmp_path / f"c{num_proc}", num_proc=num_proc, **SETTINGS)
+        assert built_rows(ds) == expected, num_proc
+        assert stats == reader_stats
+        files = [Path(f["filename"]) for f in ds.cache_files]
+        assert len(files) > 10  # many chunks
+        shards[num_proc] = [(f.name, f.read_bytes()) for f in files]
+    assert all(s == shards[1] for s in shards.values())  # same names (cache key) and bytes
+    # one chunk (the default size) gives the same rows
+    monkeypatch.setattr(dataset, "CHUNK_BYTES", 1 << 30)
+    ds, stats = build_fasta_dataset(path, cache_dir=tmp_path / "one", **SETTINGS)
+    assert built_rows(ds) == expected and stats == reader_stats and len(ds.cache_files) == 1
+
+
+def test_chunked_build_crlf_and_cr_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(dataset, "CHUNK_BYTES", 2000)
+    text = chunk_text(records=80)
+    expected, _ = expected_rows(write(tmp_path, text, name="lf.fa"))
+    for ending in ("\r\n", "\r"):
+        path = write(tmp_path, text.replace("\n", ending), name="x.fa")
+        ds, _ = build_fasta_dataset(path, cache_dir=tmp_path / repr(ending), num_proc=1, **SETTINGS)
+        assert built_rows(ds) == expected and len(ds.cache_files) > 5
+
+
+@pytest.mark.parametrize("gz,num_proc", [(False, 1), (False, 2), (True, 1)], ids=["plain", "plain-2", "gzip"])
+def test_chunked_build_error_names_file_line_and_record(tmp_path, monkeypatch, gz, num_proc):
+    """A malformed record deep in a later chunk: the error names the file, its line and the record (a chunk
+    of an uncompressed file does not know its first line: it is counted on the error path), and the build
+    leaves neither temp files nor shards behind."""
+    lines = chunk_text().split("\n")
+    bad = next(i for i, line in enumerate(lines) if line.startswith(">UniRef50_Q250 ")) + 2
+    lines[bad - 1] = lines[bad - 1][:5] + "1" + lines[bad - 1][6:]
+    path = write(tmp_path, "\n".join(lines), name="bad.fa.gz" if gz else "bad.fa", gz=gz)
+    monkeypatch.setattr(dataset, "CHUNK_BYTES", 3000)
+    with pytest.raises(FastaFormatError, match=rf"bad\.fa(\.gz)?:{bad}: record 'UniRef50_Q250': illegal character '1'"):
+        build_fasta_dataset(path, cache_dir=tmp_path / "c", num_proc=num_proc)
+    assert not list((tmp_path / "c").rglob("*.tmp")) and not list((tmp_path / "c").rglob("*.arrow"))
+    with pytest.raises(FastaFormatError, match=rf"bad\.fa(\.gz)?:{bad}: record 'UniRef50_Q250'"):
+        read_all(path)  # the reader says the same
+
+
+def test_chunked_build_truncated_gzip(tmp_path, monkeypatch):
+    """A damaged gzip stream fails the build with the reader's error (what was read before the damage)."""
+    text = chunk_text()
+    cut = text.index(">UniRef50_Q200 ") + 30
+    z = zlib.compressobj(wbits=31)
+    path = tmp_path / "cut.fa.gz"
+    path.write_bytes(z.compress(text[:cut].encode()) + z.flush(zlib.Z_SYNC_FLUSH))
+    monkeypatch.setattr(dataset, "CHUNK_BYTES", 3000)
+    with pytest.raises(FastaFormatError) as read:
+        read_all(path)
+    assert "the 200 whole records before the damage were read" in str(read.value)
+    with pytest.raises(FastaFormatError) as built:
+        build_fasta_dataset(path, cache_dir=tmp_path / "c", num_proc=1)
+    assert str(built.value) == str(read.value)
+    assert not list((tmp_path / "c").rglob("*.tmp")) and not list((tmp_path / "c").rglob("*.arrow"))
+
+
+def test_chunked_build_cache_hit_for_other_num_proc_and_a_copy(tmp_path, monkeypatch):
+    monkeypatch.setattr(dataset, "CHUNK_BYTES", 3000)
+    src = write(tmp_path, chunk_text(records=60), name="a.fa")
+    cache = tmp_path / "cache"
+    ds, stats = build_fasta_dataset(src, cache_dir=cache, num_proc=1, **SETTINGS)
+    calls = fasta.PARSE_CALLS
+    for num_proc in (None, 2, 7):
+        again, stats2 = build_fasta_dataset(src, cache_dir=cache, num_proc=num_proc, **SETTINGS)
+        assert fasta.PARSE_CALLS == calls, f"num_proc={num_proc} rebuilt the cache"
+        assert again.cache_files == ds.cache_files and stats2 == stats
+    copy = tmp_path / "scratch" / "b.fa"
+    copy.parent.mkdir()
+    copy.write_bytes(src.read_bytes())
+    again, _ = build_fasta_dataset(copy, cache_dir=cache, num_proc=2, **SETTINGS)
+    assert fasta.PARSE_CALLS == calls and again.cache_files == ds.cache_files
+    # a lost shard rebuilds the file (all its chunks) rather than loading a hole
+    Path(ds.cache_files[3]["filename"]).unlink()
+    again, stats2 = build_fasta_dataset(src, cache_dir=cache, num_proc=1, **SETTINGS)
+    assert fasta.PARSE_CALLS == calls + 1 and built_rows(again) == built_rows(ds) and stats2 == stats
 
 
 def test_tokenize_dataset(tmp_path):

@@ -300,15 +300,22 @@ class DataPosition(Part):
         self.data, self.acc = data, acc
 
     def state_dict(self) -> dict[str, Any]:
-        return {"data_position": list(self.data.position)} if self.data.streaming else {"sample_order": SAMPLE_ORDER}
+        if self.data.streaming:
+            return {"data_position": list(self.data.position)}
+        # The data's order state (its order's name; a budget plan's epoch start); a bare SAMPLE_ORDER without one.
+        order_state = getattr(self.data, "order_state", None)
+        return order_state() if order_state is not None else {"sample_order": SAMPLE_ORDER}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not self.data.streaming:
             saved = state.get("sample_order", "an earlier order (torch.randperm)")
-            if saved != SAMPLE_ORDER:
-                logger.warning("the checkpoint was written with the sample order %s, this version draws %s: if it "
+            current = getattr(self.data, "sample_order", SAMPLE_ORDER)
+            if saved != current:
+                logger.warning("the checkpoint was written with the sample order %s, this run draws %s: if it "
                                "stopped mid-epoch, the rest of that epoch comes from the new order (some of its "
-                               "samples seen twice, others not at all); later epochs are whole", saved, SAMPLE_ORDER)
+                               "samples seen twice, others not at all); later epochs are whole", saved, current)
+            if hasattr(self.data, "restore_order_state"):
+                self.data.restore_order_state(state)
             return
         position, per_rank = state.get("data_position"), state.get("data_positions")
         if position is not None:

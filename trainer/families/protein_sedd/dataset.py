@@ -1,52 +1,63 @@
 """Protein datasets from FASTA files: cached Arrow builds, a sharded stream, tokenization.
 
-`build_fasta_dataset` parses and tokenizes once per (file content, settings) into a fingerprinted
-Arrow cache (`trainer.data.arrow_cache`: shards written under temp names and renamed, loaded
-memory-mapped); the reader's `FastaStats` are stored as a JSON sidecar per (file, shard) so that a
-cached load reports the same counts, and the build warns about duplicate ids and nucleotide-only
-records. `stream_fasta` reads with bounded memory, in one order the same in every process (the trainer
-shards it by the record's index in that order); iterated on its own it gives each record to exactly one
-(rank, dataloader worker). Ranks are passed in: nothing here touches `torch.distributed`.
+`build_fasta_dataset` parses and tokenizes once per (file content, settings) into a fingerprinted Arrow
+cache (`trainer.data.arrow_cache`: one shard per fixed-size chunk of a file, in parallel, written under temp
+names and renamed, loaded memory-mapped); the reader's `FastaStats` are stored per chunk in a JSON sidecar
+per file (which also lists its shards) so that a cached load reports the same counts, and the build warns
+about duplicate ids and nucleotide-only records. `stream_fasta` reads with bounded memory, in one order the
+same in every process (the trainer shards it by the record's index in that order); iterated on its own it
+gives each record to exactly one (rank, dataloader worker). Ranks are passed in: nothing here touches
+`torch.distributed`.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 import logging
+import os
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import datasets
-import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
 from torch.utils.data import IterableDataset, get_worker_info
+from tqdm.auto import tqdm
 
 from trainer.data import arrow_cache
 from trainer.families.protein_sedd.fasta import (
     FASTA_COLUMNS,
-    FASTA_SCHEMA,
+    ChunkSpan,
     FastaFormatError,
     FastaStats,
+    is_compressed,
     iter_fasta_tables,
+    iter_record_chunks,
+    plan_chunks,
 )
-from trainer.families.protein_sedd.tokenizer import encode_residue_bytes, encode_residues
+from trainer.families.protein_sedd.fasta_arrow import (  # noqa: F401  (CACHE_FEATURES, FASTA_FEATURES: re-exported)
+    CACHE_FEATURES,
+    FASTA_FEATURES,
+    convert_chunk,
+    encode_batch,
+)
+from trainer.families.protein_sedd.tokenizer import encode_residues
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = "fasta-v4"
+FORMAT_VERSION = "fasta-v5"
 """Bump when the reader's output changes, so that old caches are not reused."""
 
-FASTA_FEATURES = datasets.Features.from_arrow_schema(FASTA_SCHEMA)
-assert list(FASTA_FEATURES) == list(FASTA_COLUMNS)
-CACHE_FEATURES = datasets.Features({**FASTA_FEATURES, "input_ids": datasets.List(datasets.Value("int8"))})
-"""The cached dataset: the reader's columns plus `input_ids`, tokenized in the same pass."""
+CHUNK_BYTES = 64 << 20
+"""Bytes of FASTA text per chunk of a conversion (one Arrow shard each; a chunk starts at the first header at
+or after each multiple, so records are never split). Where the chunks fall depends on the file alone: not on
+the number of workers. Not part of the cache key (the rows do not depend on it either)."""
 
 SAMPLE_FASTA = "uniprot_sample_3k.fasta.gz"
-_READER_SETTINGS = ("min_length", "max_length", "nonstandard", "val_fraction", "salt")
 _DUPLICATE_EXAMPLES = 3
 
 
@@ -61,19 +72,11 @@ def _as_paths(paths: str | Path | Iterable[str | Path]) -> list[Path]:
     return [Path(p) for p in paths]
 
 
-def _reader_kwargs(settings: dict[str, Any]) -> dict[str, Any]:
-    return {k: settings[k] for k in _READER_SETTINGS}
-
-
-def _write_shard(entry: dict[str, Any], settings: dict[str, Any], tmp_path: str) -> dict[str, int]:
-    """Parse one (file, shard) into the Arrow file `tmp_path` (renamed by `build_shards`); its stats."""
-    stats = FastaStats()
-    with arrow_cache.arrow_writer(CACHE_FEATURES, tmp_path) as writer:
-        for table in iter_fasta_tables(entry["path"], stats=stats, shard=tuple(entry["shard"]),
-                                       **_reader_kwargs(settings)):
-            writer.write_table(_encode_batch(table))
-        writer.finalize()
-    return stats.to_dict()
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a SLURM allocation), not the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def _in_split(splits: list[str], name: str) -> list[bool]:
@@ -139,11 +142,14 @@ def build_fasta_dataset(paths: str | Path | Iterable[str | Path], *, cache_dir: 
     "validation" (`select_split`); None returns all records with their `split` column. The stats
     always describe the whole parse (all splits, `duplicate_ids` over all files) and are the same
     for cached loads; duplicate ids and nucleotide-only records are logged as warnings.
-    `num_proc` > 1 parses in that many spawned processes; each scans every file but decodes only
-    records k with k mod num_proc = its index, so one big file (UniRef50) parallelises too. Row
-    order then depends on num_proc, which is therefore part of the cache key. Called from the top
-    level of a script without an `if __name__ == "__main__":` guard, the same shards are parsed in
-    this process instead (spawned workers would run the script again), with a warning.
+
+    Each file is converted in chunks of `CHUNK_BYTES` of text (whole records), one Arrow shard each, rows
+    in file order: the shards, the rows and the cache key do not depend on `num_proc`. `num_proc` worker
+    processes (None: every core this process may use; at most one per chunk) parse the chunks; an
+    uncompressed file's chunks are read by the workers themselves (byte ranges), a gzip file is
+    decompressed here and its chunks handed to the workers, a few at a time. Called from the top level of
+    a script without an `if __name__ == "__main__":` guard, the chunks are parsed in this process instead
+    (spawned workers would run the script again), with a warning.
     """
     if split not in (None, "train", "validation"):
         raise ValueError(f"split must be None, 'train' or 'validation', got {split!r}")
@@ -158,44 +164,37 @@ def build_fasta_dataset(paths: str | Path | Iterable[str | Path], *, cache_dir: 
     files = [entry for path in files_in for entry in arrow_cache.file_entries(path)]
     for entry in files:
         entry["key"] = arrow_cache.digest({**arrow_cache.input_key(entry), **settings})
-    n_shards = max(1, num_proc or 1)
-    shards = [{**f, "shard": [i, n_shards], "stats_key": f"{f['key']}-{i}of{n_shards}"}
-              for f in files for i in range(n_shards)]
     arrow_dir = arrow_cache.cache_root(cache_dir, "fasta_arrow")
     stats_dir = arrow_cache.cache_root(cache_dir, "fasta_stats")
-    fingerprint = arrow_cache.digest([f["key"] for f in files] + [n_shards])
-    outputs = [arrow_dir / f"{fingerprint}-{i:05d}.arrow" for i in range(len(shards))]
-    todo = [(entry, out) for entry, out in zip(shards, outputs) if not out.exists()]
-    workers = n_shards
-    if workers > 1 and len(todo) > 1:
-        caller = _unguarded_main_call()
-        if caller is not None:
-            workers = 1
-            logger.warning("build_fasta_dataset(num_proc=%d) is called at %s:%d outside an `if __name__ == "
-                           "'__main__':` block: spawned workers would run the script again, so its %d shards are "
-                           "parsed in this process; put the call under that guard to parse in parallel",
-                           n_shards, *caller, len(todo))
-    results = arrow_cache.build_shards([(_write_shard, (entry, settings), out) for entry, out in todo], workers)
-    for (entry, _), result in zip(todo, results):
-        arrow_cache.write_meta(stats_dir / f"{entry['stats_key']}.json", {"file": entry, "stats": result})
+    fingerprint = arrow_cache.digest([f["key"] for f in files])
+
+    def shard(key: str, k: int) -> Path:
+        return arrow_dir / f"{key}-{k:05d}.arrow"
+
+    chunk_stats: dict[str, list[dict[str, int]]] = {}
+    todo: list[dict[str, Any]] = []
+    for entry in files:
+        meta = arrow_cache.read_meta(stats_dir / f"{entry['key']}-chunks.json")
+        if meta is not None and meta.get("chunks") and all(shard(entry["key"], k).exists()
+                                                            for k in range(len(meta["chunks"]))):
+            chunk_stats[entry["key"]] = meta["chunks"]
+        elif entry["key"] not in {e["key"] for e in todo}:
+            todo.append(entry)
+    if todo:
+        chunk_stats.update(_convert(todo, settings, shard, num_proc))
+        for entry in todo:
+            arrow_cache.write_meta(stats_dir / f"{entry['key']}-chunks.json",
+                                   {"file": entry, "chunks": chunk_stats[entry["key"]]})
+    outputs = [shard(entry["key"], k) for entry in files for k in range(len(chunk_stats[entry["key"]]))]
     ds = arrow_cache.load_arrow(outputs, fingerprint)
 
     by_file: dict[str, FastaStats] = defaultdict(FastaStats)
-    for entry in shards:
-        sidecar = stats_dir / f"{entry['stats_key']}.json"
-        meta = arrow_cache.read_meta(sidecar)
-        if meta is not None and "stats" in meta:
-            shard_stats = FastaStats.from_dict(meta["stats"])
-        else:  # the Arrow cache outlived its sidecar: recount rather than report wrong numbers
-            shard_stats = FastaStats()
-            for _ in iter_fasta_tables(entry["path"], stats=shard_stats, shard=tuple(entry["shard"]),
-                                       **_reader_kwargs(settings)):
-                pass
-            arrow_cache.write_meta(sidecar, {"file": entry, "stats": shard_stats.to_dict()})
-        by_file[entry["path"]] += shard_stats
+    for entry in files:
+        for counts in chunk_stats[entry["key"]]:
+            by_file[entry["path"]] += FastaStats.from_dict(counts)
     stats = FastaStats()
     for file_stats in by_file.values():
-        file_stats.files = 1  # each shard counted its file once
+        file_stats.files = 1  # chunks do not count their file
         stats += file_stats
     duplicates, examples = _duplicate_ids(ds, stats_dir / f"{fingerprint}.json")
     stats.duplicate_ids = duplicates
@@ -203,6 +202,71 @@ def build_fasta_dataset(paths: str | Path | Iterable[str | Path], *, cache_dir: 
     if split is not None:
         ds = select_split(ds, split)
     return ds, stats
+
+
+def _convert(entries: list[dict[str, Any]], settings: dict[str, Any], shard: Callable[[str, int], Path],
+             num_proc: int | None) -> dict[str, list[dict[str, int]]]:
+    """Convert files to Arrow shards (`shard(key, chunk)`), chunk by chunk; each file's chunks' stats."""
+    started = time.perf_counter()
+    chunk_bytes = CHUNK_BYTES  # read once: the chunks are cut here, never in the workers
+    # Uncompressed files first: their chunks are planned at once (a seek each), and the workers start on
+    # them while a compressed file is decompressed here.
+    order = sorted(entries, key=lambda e: is_compressed(e["path"]))
+    plans = {e["key"]: plan_chunks(e["path"], chunk_bytes) for e in order if not is_compressed(e["path"])}
+    done_where: list[tuple[str, int]] = []  # (file key, bytes of text) of each job, in order
+
+    def jobs() -> Iterator[tuple[Callable[..., Any], tuple, Path]]:
+        for entry in order:
+            chunks = plans[entry["key"]] if entry["key"] in plans else iter_record_chunks(entry["path"], chunk_bytes)
+            for k, chunk in enumerate(chunks):
+                size = chunk.end - chunk.start if isinstance(chunk, ChunkSpan) else len(chunk.data)
+                done_where.append((entry["key"], size))
+                yield convert_chunk, (entry, settings, chunk), shard(entry["key"], k)
+
+    wanted = available_cores() if num_proc is None else max(1, int(num_proc))
+    queue = jobs()
+    head = list(itertools.islice(queue, wanted))  # at most `wanted` chunks held: to size the pool
+    workers = min(wanted, len(head))
+    if workers > 1:
+        caller = _unguarded_main_call()
+        if caller is not None:
+            logger.warning("build_fasta_dataset(num_proc=%s) is called at %s:%d outside an `if __name__ == "
+                           "'__main__':` block: spawned workers would run the script again, so its chunks are "
+                           "parsed in this process; put the call under that guard to parse in parallel",
+                           num_proc, *caller)
+            workers = 1
+    names = ", ".join(Path(e["path"]).name for e in order)
+    # bytes of text: known in advance for uncompressed files only
+    total = None if len(plans) < len(order) else sum(c.end - c.start for spans in plans.values() for c in spans)
+    bar = tqdm(total=total, desc=f"FASTA -> Arrow ({names})", unit="B", unit_scale=True, unit_divisor=1024,
+               dynamic_ncols=True, delay=2, disable=None)  # disable=None: on a terminal only, not in a log file
+    results: list[dict[str, int]] = []
+    try:
+        results = arrow_cache.build_shards(itertools.chain(head, queue), workers, max_in_flight=workers + 2,
+                                           on_done=lambda i, _: bar.update(done_where[i][1]))
+    except BaseException:
+        for key, k in _job_chunks(done_where):  # this build's finished shards: the file fails as a whole
+            shard(key, k).unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    seconds = max(time.perf_counter() - started, 1e-9)
+    out: dict[str, list[dict[str, int]]] = {e["key"]: [] for e in entries}
+    for (key, _), counts in zip(done_where, results):
+        out[key].append(counts)
+    converted = sum(size for _, size in done_where)
+    logger.info("FASTA -> Arrow: %d records, %.1f MB of text (%s) in %.1f s (%.0f MB/s), %d chunks, %d worker%s",
+                sum(c["records"] for c in results), converted / 1e6, names, seconds, converted / 1e6 / seconds,
+                len(results), workers, "" if workers == 1 else "s")
+    return out
+
+
+def _job_chunks(where: list[tuple[str, int]]) -> Iterator[tuple[str, int]]:
+    """(file key, chunk index) of each job, from the jobs' (file key, size) list."""
+    seen: dict[str, int] = defaultdict(int)
+    for key, _ in where:
+        yield key, seen[key]
+        seen[key] += 1
 
 
 def _duplicate_ids(ds: datasets.Dataset, sidecar: Path) -> tuple[int, list[str]]:
@@ -231,19 +295,6 @@ def _warn(by_file: dict[str, FastaStats], duplicates: int, examples: list[str]) 
                        "with the same id fall in the same split", where, duplicates, ", ".join(map(repr, examples)))
 
 
-def _encode_batch(batch: pa.Table) -> pa.Table:
-    """`batch` plus input_ids: one `bytes.translate` over the residue buffer, the sequences' offsets reused."""
-    sequence = batch.column("sequence").combine_chunks()
-    if sequence.offset or sequence.null_count:  # a sliced or null-holding array: take the general path
-        sequence = pa.array(sequence.to_pylist(), pa.string())
-    _, offsets_buf, values_buf = sequence.buffers()
-    offsets = np.frombuffer(offsets_buf, dtype=np.int32, count=len(sequence) + 1)
-    residues = memoryview(values_buf)[offsets[0]:offsets[-1]] if len(sequence) else b""
-    values = encode_residue_bytes(bytes(residues))
-    ids = pa.ListArray.from_arrays(pa.array(offsets - offsets[0]), pa.array(values))
-    return batch.append_column("input_ids", ids)
-
-
 def tokenize_dataset(ds: datasets.Dataset, num_proc: int | None = None, batch_size: int = 8192) -> datasets.Dataset:
     """`ds` with an int8 `input_ids` column (ids of `encode_residues`).
 
@@ -256,7 +307,7 @@ def tokenize_dataset(ds: datasets.Dataset, num_proc: int | None = None, batch_si
     features = ds.features.copy()
     features["input_ids"] = datasets.List(datasets.Value("int8"))
     # the fingerprint (hence the cache file) is datasets' own: ds's fingerprint plus this call's arguments
-    out = ds.with_format("arrow").map(_encode_batch, batched=True, batch_size=batch_size, features=features,
+    out = ds.with_format("arrow").map(encode_batch, batched=True, batch_size=batch_size, features=features,
                                       num_proc=num_proc)
     return out.with_format(ds.format["type"], **ds.format["format_kwargs"])
 

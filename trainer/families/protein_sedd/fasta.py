@@ -9,6 +9,12 @@ with numpy and `bytes` operations at once (record and line boundaries, residue c
 and headers by `fasta_headers.parse_header_block`), so the per-record Python work is limited to the
 rare records off the usual shape, which take the exact reference path (`parse_header`, `_clean`).
 
+Chunks, for a parallel conversion: `iter_record_chunks` cuts a file's text into chunks of whole records, each
+starting at the first header at or after a multiple of a fixed size (so they depend on the file alone);
+`plan_chunks` finds the same chunks of an uncompressed file as byte ranges by seeking; `iter_chunk_tables`
+parses one chunk (a range or a chunk's text) into the tables, counts and errors `iter_fasta_tables` gives
+for those records.
+
 Header styles:
 
 * UniRef (`>UniRef50_A0A5A9P0L4 Peptidylprolyl isomerase n=1 Tax=Triplophysa tibetana
@@ -50,9 +56,10 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import io
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -329,8 +336,6 @@ class _Reader:
     shard_count: int
     ordinal: int = -1
     """Ordinal of the last header seen (counting every header of the file, all shards)."""
-    last_header: bytes | None = None
-    """The last whole header line seen (for the truncated-gzip error)."""
 
     def block(self, data: bytes, first_line: int) -> pa.Table | None:
         """Table of the records in `data`: whole records, '>' first, '\\n' last, at line `first_line`."""
@@ -341,8 +346,6 @@ class _Reader:
         line_starts[1:] = newlines[:-1] + 1
         header_lines = np.flatnonzero(buf[line_starts] == 62)
         body_end = np.append(line_starts[header_lines[1:]], len(buf))  # the next record's '>'
-        if len(header_lines):
-            self.last_header = data[line_starts[header_lines[-1]] + 1:newlines[header_lines[-1]]]
         first_ordinal = self.ordinal + 1
         self.ordinal += len(header_lines)
         if self.shard_count > 1:  # other shards' records are not looked at
@@ -493,6 +496,13 @@ class _Reader:
         return _clean(seq, self.path, lines, header_line + 1, record_id, self.nonstandard, self.stats)
 
 
+def _check_settings(nonstandard: str, val_fraction: float) -> None:
+    if nonstandard not in NONSTANDARD_POLICIES:
+        raise ValueError(f"nonstandard must be one of {NONSTANDARD_POLICIES}, got {nonstandard!r}")
+    if not 0.0 <= val_fraction <= 1.0:  # NaN included
+        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction!r}")
+
+
 def iter_fasta_tables(path: str | Path, *, min_length: int = 0, max_length: int = 0, nonstandard: str = "keep",
                       val_fraction: float = 0.0, salt: str = "", stats: FastaStats | None = None,
                       shard: tuple[int, int] = (0, 1)) -> Iterator[pa.Table]:
@@ -506,10 +516,7 @@ def iter_fasta_tables(path: str | Path, *, min_length: int = 0, max_length: int 
     any record of the block that holds it is yielded.
     """
     global PARSE_CALLS
-    if nonstandard not in NONSTANDARD_POLICIES:
-        raise ValueError(f"nonstandard must be one of {NONSTANDARD_POLICIES}, got {nonstandard!r}")
-    if not 0.0 <= val_fraction <= 1.0:  # NaN included
-        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction!r}")
+    _check_settings(nonstandard, val_fraction)
     shard_index, shard_count = shard
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"bad shard {shard}")
@@ -518,17 +525,110 @@ def iter_fasta_tables(path: str | Path, *, min_length: int = 0, max_length: int 
     PARSE_CALLS += 1
     stats.files += 1
     reader = _Reader(path, min_length, max_length, nonstandard, val_fraction, salt, stats, shard_index, shard_count)
+    for chunk in _record_chunks(path, None):
+        table = reader.block(chunk.data, chunk.first_line)
+        if table is not None:
+            yield table
 
+
+@dataclass(frozen=True)
+class TextChunk:
+    """A piece of a FASTA file's (decompressed) text made of whole records: `data` starts with '>' and ends
+    with '\\n', with Unix line endings; its first line is line `first_line` of the file and its first byte
+    lies at `offset` of the text."""
+
+    data: bytes
+    first_line: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """Bytes [start, end) of an uncompressed FASTA file, whole records (`start` is a header's '>').
+
+    `first_line` is the line number of `start` where known, 0 where not (counted only to name an error's
+    line); `cr_only` says that the file ends lines with a lone '\\r'."""
+
+    start: int
+    end: int
+    first_line: int
+    cr_only: bool
+
+
+def is_compressed(path: str | Path) -> bool:
+    """Whether `open_fasta` decompresses `path` (gzip, known by its magic bytes): such a file is read in order."""
+    return _is_gzip(Path(path))
+
+
+def iter_record_chunks(path: str | Path, chunk_bytes: int) -> Iterator[TextChunk]:
+    """The whole text of a FASTA file (decompressed) in order, as `TextChunk`s of whole records.
+
+    A chunk starts at the first header at or after each multiple of `chunk_bytes` of the text (byte offsets
+    of the decompressed file), so where the chunks fall depends on the file and `chunk_bytes` alone. The
+    file-level checks and errors are those of `iter_fasta_tables` (byte-order marks, line endings, text
+    before the first header, no records, a damaged gzip stream: raised after the chunks before it).
+    """
+    global PARSE_CALLS
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    PARSE_CALLS += 1
+    yield from _record_chunks(Path(path), chunk_bytes)
+
+
+def _first_header(path: Path, data: bytes, lineno: int) -> int:
+    """Index of the first header in `data` (text from the file's start), -1 if none yet; only blank
+    lines may come before it."""
+    if data[:1] == b">":
+        return 0
+    cut = data.find(b"\n>")
+    prefix = data if cut < 0 else data[:cut + 1]
+    for k, line in enumerate(prefix.split(b"\n")):
+        if line.strip():
+            raise FastaFormatError(f"{path}:{lineno + k}: sequence line before the first header '>'")
+    return cut if cut < 0 else cut + 1
+
+
+def _last_header(chunk: bytes) -> bytes | None:
+    """The last header line of a piece of whole records (Unix line endings), without its '>'."""
+    if not chunk:
+        return None
+    start = chunk.rfind(b"\n>") + 1
+    return chunk[start + 1:chunk.find(b"\n", start)]
+
+
+def _cuts(data: bytes, offset: int, chunk_bytes: int | None) -> list[int]:
+    """Where to cut `data` (text at `offset`, from a header on) into chunks: each cut is the '\\n' before a
+    header; the rest after the last cut waits for more text."""
+    if chunk_bytes is None:  # every whole record read so far
+        cut = data.rfind(b"\n>")
+        return [cut] if cut >= 0 else []
+    cuts: list[int] = []
+    base = 0
+    while True:  # the first header at or after the next multiple of chunk_bytes
+        nominal = ((offset + base) // chunk_bytes + 1) * chunk_bytes - offset
+        cut = data.find(b"\n>", nominal - 1) if nominal <= len(data) else -1
+        if cut < 0:
+            return cuts
+        cuts.append(cut)
+        base = cut + 1
+
+
+def _record_chunks(path: Path, chunk_bytes: int | None) -> Iterator[TextChunk]:
+    """`iter_record_chunks`; `chunk_bytes` None: each read's whole records (about `_READ_SIZE`)."""
+    read_size = _READ_SIZE if chunk_bytes is None else max(_READ_SIZE, min(chunk_bytes, 64 * _READ_SIZE))
     lineno = 1  # line number of the first line of `pending`
+    offset = 0  # offset of `pending` in the text
     pending = b""
     started = False
     first_block, cr_only = True, False
     delivered = 0  # decompressed bytes read so far
+    records = 0  # headers in the chunks yielded (for the damaged-gzip error)
+    last: bytes = b""  # the last chunk yielded
     with open_fasta(path) as f:
         while True:
             error = None
             try:
-                block = f.read(_READ_SIZE)
+                block = f.read(read_size)
                 delivered += len(block)
             except _GZIP_ERRORS as e:
                 # the failed read dropped what it had decompressed: recover it, and read the whole
@@ -536,54 +636,188 @@ def iter_fasta_tables(path: str | Path, *, min_length: int = 0, max_length: int 
                 error, block = e, _decompressible_tail(path, delivered)
             if first_block:
                 first_block = False
+                raw = len(block)
                 block, cr_only = _first_block(path, block)
+                offset = raw - len(block)  # a byte-order mark
             if cr_only:
                 block = block.replace(b"\r", b"\n")
             end = error is not None or not block
             data = pending + block if pending else block
-            if not started:
-                if data[:1] == b">":
-                    started = True
-                else:  # blank lines may precede the first header; anything else is an error
-                    cut = data.find(b"\n>")
-                    prefix = data if cut < 0 else data[:cut + 1]
-                    for k, line in enumerate(prefix.split(b"\n")):
-                        if line.strip():
-                            raise FastaFormatError(f"{path}:{lineno + k}: sequence line before the first header '>'")
-                    if cut < 0:
-                        pending = data
-                        if not end:
-                            continue
-                        if error is None:
-                            raise _no_records(path, data)
-                    else:
-                        lineno += prefix.count(b"\n")
-                        data, started = data[cut + 1:], True
+            if not started:  # blank lines may precede the first header; anything else is an error
+                first = _first_header(path, data, lineno)
+                if first < 0:
+                    pending = data
+                    if not end:
+                        continue
+                    if error is None:
+                        raise _no_records(path, data)
+                else:
+                    lineno += data.count(b"\n", 0, first)
+                    offset += first
+                    data, started = data[first:], True
             if error is not None:
                 cut = data.rfind(b"\n>") if started else -1
                 pending = data[cut + 1:] if cut >= 0 else data
-                if cut >= 0:  # the records before the damaged one are whole: read (and yield) them
-                    chunk = data[:cut + 1]
-                    table = reader.block(_unix(chunk), lineno)
-                    lineno += chunk.count(b"\n")
-                    if table is not None:
-                        yield table
-                raise _truncated(path, error, pending, lineno, reader) from error
+                if cut >= 0:  # the records before the damaged one are whole: yield them
+                    last = _unix(data[:cut + 1])
+                    yield TextChunk(last, lineno, offset)
+                    records += 1 + last.count(b"\n>")
+                    lineno += last.count(b"\n")
+                raise _truncated(path, error, pending, lineno, records, _last_header(last)) from error
             if not block:
                 if data:
-                    table = reader.block(_unix(data if data.endswith(b"\n") else data + b"\n"), lineno)
-                    if table is not None:
-                        yield table
+                    yield TextChunk(_unix(data if data.endswith(b"\n") else data + b"\n"), lineno, offset)
                 return
-            cut = data.rfind(b"\n>")
-            if cut < 0:
+            cuts = _cuts(data, offset, chunk_bytes)
+            if not cuts:
                 pending = data
                 continue
-            chunk, pending = data[:cut + 1], data[cut + 1:]
-            table = reader.block(_unix(chunk), lineno)
-            lineno += chunk.count(b"\n")
-            if table is not None:
-                yield table
+            begin = 0
+            for cut in cuts:
+                piece = data[begin:cut + 1]
+                last = _unix(piece)
+                yield TextChunk(last, lineno, offset + begin)
+                records += 1 + last.count(b"\n>")
+                lineno += piece.count(b"\n")
+                begin = cut + 1
+            pending, offset = data[begin:], offset + begin
+
+
+def plan_chunks(path: str | Path, chunk_bytes: int) -> list[ChunkSpan]:
+    """The chunks of an uncompressed FASTA file that `iter_record_chunks` gives, as byte ranges, found
+    with a seek and a short read per chunk (not a pass over the file); raises the same file-level errors."""
+    global PARSE_CALLS
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    if is_compressed(path):
+        raise ValueError(f"{path}: a compressed file has no byte ranges to plan: read it with iter_record_chunks")
+    PARSE_CALLS += 1
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(_READ_SIZE)
+        data, cr_only = _first_block(path, head)
+        bom = len(head) - len(data)
+        if cr_only:
+            data = data.replace(b"\r", b"\n")
+        while (first := _first_header(path, data, 1)) < 0:  # a long run of blank lines: read on
+            more = f.read(_READ_SIZE)
+            if not more:
+                raise _no_records(path, data)
+            data += more.replace(b"\r", b"\n") if cr_only else more
+        starts = [bom + first]
+        first_line = 1 + data.count(b"\n", 0, first)
+        separator = b"\r>" if cr_only else b"\n>"
+        while (nominal := (starts[-1] // chunk_bytes + 1) * chunk_bytes) < size:
+            header = _next_header(f, nominal, separator)
+            if header >= size:
+                break
+            starts.append(header)
+    ends = starts[1:] + [size]
+    return [ChunkSpan(a, b, first_line if k == 0 else 0, cr_only) for k, (a, b) in enumerate(zip(starts, ends))]
+
+
+def _next_header(f: BinaryIO, position: int, separator: bytes) -> int:
+    """Offset of the first header at or after `position` (a line-start '>'), or past the end of the file."""
+    f.seek(position - 1)
+    base, tail = position - 1, b""
+    while piece := f.read(1 << 16):
+        data = tail + piece
+        hit = data.find(separator)
+        if hit >= 0:
+            return base + hit + 1
+        base += len(data) - 1
+        tail = data[-1:]
+    return 1 << 62
+
+
+def _read_blocks(read: Callable[[int], bytes], cr_only: bool) -> Iterator[tuple[bytes, int]]:
+    """Blocks of whole records (Unix line endings) of a source that starts at a header, each with the
+    number of lines before it in the source."""
+    pending, lines = b"", 0
+    while True:
+        block = read(_READ_SIZE)
+        if cr_only:
+            block = block.replace(b"\r", b"\n")
+        data = pending + block if pending else block
+        if not block:
+            if data:
+                yield _unix(data if data.endswith(b"\n") else data + b"\n"), lines
+            return
+        cut = data.rfind(b"\n>")
+        if cut < 0:
+            pending = data
+            continue
+        piece, pending = data[:cut + 1], data[cut + 1:]
+        yield _unix(piece), lines
+        lines += piece.count(b"\n")
+
+
+def _chunk_tables(reader: _Reader, chunk: ChunkSpan | TextChunk, first_line: int) -> Iterator[pa.Table]:
+    if isinstance(chunk, TextChunk):
+        blocks = _read_blocks(io.BytesIO(chunk.data).read, False)
+        yield from _parsed(reader, blocks, first_line)
+        return
+    with open(reader.path, "rb") as f:
+        f.seek(chunk.start)
+        left = chunk.end - chunk.start
+
+        def read(n: int) -> bytes:
+            nonlocal left
+            piece = f.read(min(n, left))
+            left -= len(piece)
+            return piece
+
+        yield from _parsed(reader, _read_blocks(read, chunk.cr_only), first_line)
+
+
+def _parsed(reader: _Reader, blocks: Iterator[tuple[bytes, int]], first_line: int) -> Iterator[pa.Table]:
+    for block, lines in blocks:
+        table = reader.block(block, first_line + lines)
+        if table is not None:
+            yield table
+
+
+def _lines_before(path: Path, offset: int, cr_only: bool) -> int:
+    """Lines that end before byte `offset` of an uncompressed file (read on an error path only)."""
+    end = b"\r" if cr_only else b"\n"
+    count, left = 0, offset
+    with open(path, "rb") as f:
+        while left and (piece := f.read(min(left, 16 << 20))):
+            count += piece.count(end)
+            left -= len(piece)
+    return count
+
+
+def iter_chunk_tables(path: str | Path, chunk: ChunkSpan | TextChunk, *, min_length: int = 0, max_length: int = 0,
+                      nonstandard: str = "keep", val_fraction: float = 0.0, salt: str = "",
+                      stats: FastaStats | None = None) -> Iterator[pa.Table]:
+    """The records of one chunk of a FASTA file as Arrow tables: a `ChunkSpan` of `plan_chunks` (read
+    from `path` here) or a `TextChunk` of `iter_record_chunks` (its text).
+
+    The tables, counts (`stats.files` excepted: a chunk does not count its file) and errors are those
+    `iter_fasta_tables` gives for the same records. An error in a span whose first line is not known
+    names the line all the same: the lines before the span are counted, on that path only.
+    """
+    _check_settings(nonstandard, val_fraction)
+    path = Path(path)
+    stats = stats if stats is not None else FastaStats()
+    reader = _Reader(path, min_length, max_length, nonstandard, val_fraction, salt, stats, 0, 1)
+    if chunk.first_line:
+        yield from _chunk_tables(reader, chunk, chunk.first_line)
+        return
+    try:
+        yield from _chunk_tables(reader, chunk, 1)
+        return
+    except FastaFormatError:
+        pass
+    assert isinstance(chunk, ChunkSpan)
+    first_line = _lines_before(path, chunk.start, chunk.cr_only) + 1
+    # the same parse again, numbered from the right line, to the same error
+    again = _Reader(path, min_length, max_length, nonstandard, val_fraction, salt, FastaStats(), 0, 1)
+    for _ in _chunk_tables(again, chunk, first_line):
+        pass
+    raise AssertionError(f"{path}: a chunk's error did not recur")  # the parse is deterministic
 
 
 def _decompressible_tail(path: Path, skip: int) -> bytes:
@@ -634,10 +868,12 @@ def _no_records(path: Path, data: bytes) -> FastaFormatError:
     return FastaFormatError(f"{path}:{lines}: no FASTA records: the file holds only {lines} blank line(s)")
 
 
-def _truncated(path: Path, error: BaseException, pending: bytes, lineno: int, reader: _Reader) -> FastaFormatError:
-    """The error for a damaged gzip stream, saying what was read before the damage."""
+def _truncated(path: Path, error: BaseException, pending: bytes, lineno: int, records: int,
+               last_header: bytes | None) -> FastaFormatError:
+    """The error for a damaged gzip stream, saying what was read before the damage (`records` whole records,
+    the last of them headed `last_header`)."""
     good = lineno - 1 + pending.count(b"\n")  # whole lines decompressed
-    header = reader.last_header
+    header = last_header
     if pending[:1] == b">" and b"\n" in pending:  # the damaged record's header line is whole
         header = pending[1:].split(b"\n", 1)[0]
     record = parse_header(header.decode("utf-8", "replace"))["id"] if header is not None else None
@@ -645,7 +881,7 @@ def _truncated(path: Path, error: BaseException, pending: bytes, lineno: int, re
         return FastaFormatError(f"{path}: truncated or corrupt gzip stream (not one whole line could be "
                                 f"decompressed): {error}")
     return FastaFormatError(f"{path}: truncated or corrupt gzip stream after line {good} (last good line {good}, "
-                            f"in record {record!r}); the {reader.ordinal + 1} whole records before the damage "
+                            f"in record {record!r}); the {records} whole records before the damage "
                             f"were read: {error}")
 
 

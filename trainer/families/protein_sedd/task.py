@@ -28,9 +28,23 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainer.data.arrow_cache import ListColumn, column_array, selected_column
+from trainer.data.arrow_cache import (
+    ListColumn,
+    cache_root,
+    column_array,
+    digest,
+    file_entries,
+    file_keys,
+    read_meta,
+    selected_column,
+    selected_rows,
+    write_meta,
+)
+from trainer.data.build_lock import default_cache_folder
+from trainer.data.prepare import human_size
 from trainer.errors import DataError
 from trainer.families.protein_sedd.dataset import (
+    FORMAT_VERSION,
     build_fasta_dataset,
     default_protein_fasta,
     select_split,
@@ -53,6 +67,11 @@ PAD_STATE = NUM_RESIDUES  # the state after the residues; the mask (absorbing gr
 SEP_STATE = NUM_RESIDUES + 1  # with task.packing: the separator between packed sequences
 REFERENCE_ROWS = 10_000
 """Streaming without validation sequences: the first rows that give the reference statistics."""
+STATS_VERSION = 1
+"""Bump when the statistics sidecar's content changes, so that old sidecars are not read."""
+PREPARE_WARN_BYTES = 64 << 20
+"""Inputs from this size up log a WARNING when a job converts them (below it the conversion takes seconds and
+the note is INFO): `trainer data prepare` does it ahead of the job."""
 
 logger = logging.getLogger(__name__)
 
@@ -130,22 +149,33 @@ class PackedBlocks(Dataset):
 
     def __init__(self, tokenized, max_length: int, seed: int):
         self.dataset, self.max_length = tokenized, max_length
-        column = self._column = ListColumn(tokenized, "input_ids")
-        lengths = column.lengths()
-        order = derive_rng("protein_sedd/packing", seed).permutation(len(lengths))
-        self.rows = column.table_rows()[order]  # the table row of each packed sequence, in packed order
-        self.ends = np.cumsum(lengths[order] + 1)  # where each sequence's separator ends in the stream
+        # Per sequence only its table row (int32 where it fits) and where it ends (int64) are kept; the lengths,
+        # the order and the split's selection are temporaries, narrowed as soon as they are made (the peak of
+        # this constructor is paid by every process too).
+        lengths = selected_column(tokenized, "length").to_numpy()  # == len(input_ids): one id per residue
+        index_dtype = np.int32 if len(tokenized.with_format(None).data) < 2**31 else np.int64
+        order = derive_rng("protein_sedd/packing", seed).permutation(len(lengths)).astype(index_dtype)
+        rows = selected_rows(tokenized)
+        if rows is None:
+            self.rows = order  # the table row of each packed sequence, in packed order
+        else:
+            rows = rows.astype(index_dtype)
+            self.rows = rows[order]
+        del rows
+        self.ends = np.cumsum(lengths[order] + 1, dtype=np.int64)  # where each sequence's separator ends
+        del lengths, order
+        self._column = _TableRows(tokenized, "input_ids")
         total = int(self.ends[-1]) if len(self.ends) else 0
         self.num_blocks = total // max_length
         self.dropped_tokens = total - self.num_blocks * max_length
 
     def __getstate__(self) -> dict[str, Any]:
-        # the column's arrays view the Arrow buffers: a worker re-opens them from the dataset instead
+        # the reader's arrays view the Arrow buffers: a worker re-opens them from the dataset instead
         return {k: v for k, v in self.__dict__.items() if k != "_column"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._column = ListColumn(self.dataset, "input_ids")
+        self._column = _TableRows(self.dataset, "input_ids")
 
     def __len__(self) -> int:
         return self.num_blocks
@@ -167,6 +197,25 @@ class PackedBlocks(Dataset):
                 states[a - lo:b - lo] = residue_states(seq[a - start:b - start])
             k += 1
         return {"states": states, "index": index}
+
+
+class _TableRows:
+    """Rows of a list column of the underlying Arrow table, read through zero-copy views of its chunks' offsets
+    and values: nothing per row is copied into the process (`arrow_cache.ListColumn` holds int64 copies of
+    the offsets, the lengths and the selection, 24 bytes a row, which PackedBlocks does not need)."""
+
+    def __init__(self, ds, name: str):
+        chunks = ds.with_format(None).data.column(name).chunks
+        # `.offsets` of a sliced chunk index its unsliced `.values`: kept together, both views of the buffers
+        self.offsets = [chunk.offsets.to_numpy() for chunk in chunks]
+        self.values = [chunk.values.to_numpy(zero_copy_only=False) for chunk in chunks]
+        self.chunk_starts = np.cumsum([0] + [len(c) for c in chunks], dtype=np.int64)
+
+    def table_row(self, row: int) -> np.ndarray:
+        """The values of row `row` of the underlying table (a view, no copy)."""
+        c = int(np.searchsorted(self.chunk_starts, row, side="right")) - 1
+        k = row - int(self.chunk_starts[c])
+        return self.values[c][int(self.offsets[c][k]):int(self.offsets[c][k + 1])]
 
 
 def collate_crops(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -199,15 +248,7 @@ class ProteinSEDDTask(Task):
 
     def build_data(self) -> TaskData:
         c = self.cfg
-        path = c.data_path or str(default_protein_fasta())
-        common = dict(cache_dir=c.cache_dir or None, val_fraction=c.val_fraction, min_length=c.min_length,
-                      nonstandard=c.nonstandard)
-        records, self.data_stats = build_fasta_dataset(path, **common)
-        logger.info("%s: %s", path, self.data_stats.summary())
-        if not self.data_stats.train:
-            raise DataError(f"{path}: no training sequences (task.val_fraction={c.val_fraction}, "
-                            f"task.min_length={c.min_length}, task.nonstandard={c.nonstandard}): "
-                            f"{self.data_stats.summary()}")
+        path, records = self._load_records()
         val = tokenize_dataset(select_split(records, "validation"))
         if len(val):
             eval_set = ProteinCrops(val, c.max_length, self.seed, random_crop=False)
@@ -217,33 +258,93 @@ class ProteinSEDDTask(Task):
             logger.log(level, "%s: no validation sequences (task.val_fraction=%s): no evaluation, checkpoints on "
                        "schedule and at the end only", path, c.val_fraction)
         if c.streaming:
-            # Reference statistics (unigram baseline, sampling lengths) from the validation split: a
-            # hash-chosen subset of the same distribution, without materialising the training split
-            # (without validation sequences: the first records, all of them training records).
-            reference = val if len(val) else records.select(range(min(len(records), REFERENCE_ROWS)))
             train_set = ProteinStream(stream_fasta(path, split="train", columns=["id", "input_ids"],
-                                                   with_input_ids=True, **common_stream(common)),
+                                                   with_input_ids=True, **common_stream(self._common())),
                                       c.max_length, self.seed, c.start_crop_share)
+            stats = self._statistics(path, records, val, None)
         else:
-            reference = train = tokenize_dataset(select_split(records, "train"))
+            train = tokenize_dataset(select_split(records, "train"))
             train_set = (PackedBlocks(train, c.max_length, self.seed) if c.packing
                          else ProteinCrops(train, c.max_length, self.seed, random_crop=True,
                                        start_share=c.start_crop_share))
             if isinstance(train_set, PackedBlocks):
                 logger.info("packing: %d training blocks of %d states; the last %d states (shorter than a block) "
                             "are left out", len(train_set), c.max_length, train_set.dropped_tokens)
-        counts = residue_counts(reference)
-        lengths, length_counts = np.unique(np.minimum(column_array(reference, "length"), c.max_length),
-                                           return_counts=True)
-        # What eval and the sampler need, saved as the run artifact task_stats.json: sampling never
-        # re-reads the training data.
-        # unigram_log_probs (add-half smoothing: a residue absent from training has a finite cost) score the
-        # held-out residues at eval: the baseline on the same tokens as the model's bound.
-        stats = {"unigram_perplexity": perplexity_of(counts),
-                 "unigram_log_probs": np.log((counts + 0.5) / (counts.sum() + 0.5 * len(counts))).tolist(),
-                 "train_composition": (counts / counts.sum()).tolist(),
-                 "length_histogram": {str(int(n)): int(k) for n, k in zip(lengths, length_counts)}}
+            stats = self._statistics(path, records, val, train)
         return TaskData(train=train_set, eval=eval_set, stats=stats)
+
+    def prepare_data(self) -> dict[str, Any]:
+        """The Arrow cache, its split selections and the statistics sidecar, without the per-run parts (the
+        packing order, crops, the stream): what `trainer data prepare` builds ahead of a job."""
+        c = self.cfg
+        path, records = self._load_records(advise=False)
+        val = tokenize_dataset(select_split(records, "validation"))
+        train = None if c.streaming else tokenize_dataset(select_split(records, "train"))
+        self._statistics(path, records, val, train)
+        files = {f["filename"] for ds in (records, val, train) if ds is not None for f in ds.cache_files}
+        files.add(str(self._stats_path(path, train is None)))
+        return {"records": {"train": self.data_stats.train, "validation": len(val)},
+                "cache_files": sorted(files), "cache_dir": str(Path(records.cache_files[0]["filename"]).parent.parent)}
+
+    def _common(self) -> dict[str, Any]:
+        """The reader settings of `build_fasta_dataset` (and, less cache_dir, of the stream). Without
+        task.cache_dir the caches go where the build lock is ($TRAINER_CACHE_DIR, else the `datasets` cache), so
+        that the lock spans the same nodes as the caches it guards."""
+        c = self.cfg
+        return dict(cache_dir=c.cache_dir or str(default_cache_folder()), val_fraction=c.val_fraction,
+                    min_length=c.min_length, nonstandard=c.nonstandard)
+
+    def _load_records(self, advise: bool = True) -> tuple[str, Any]:
+        """(the FASTA path, every record of its Arrow cache). A missing statistics sidecar means that this
+        input and these settings have not been prepared: the conversion runs now, and (`advise`: in a run) a
+        big file says how to run it ahead of the job instead."""
+        c = self.cfg
+        path = c.data_path or str(default_protein_fasta())
+        if advise and Path(path).exists() and not self._stats_path(path, c.streaming).is_file():
+            size = sum(e["size"] for e in file_entries(path))
+            logger.log(logging.WARNING if size >= PREPARE_WARN_BYTES else logging.INFO,
+                       "%s (%s): not prepared for these settings: converting it to Arrow shards and counting its "
+                       "statistics in this job (a first run does it once per cache; the other processes wait). "
+                       "`trainer data prepare CONFIG` (the same overrides) builds them ahead of a job, so GPUs do "
+                       "not wait", path, human_size(size))
+        records, self.data_stats = build_fasta_dataset(path, **self._common())
+        logger.info("%s: %s", path, self.data_stats.summary())
+        if not self.data_stats.train:
+            raise DataError(f"{path}: no training sequences (task.val_fraction={c.val_fraction}, "
+                            f"task.min_length={c.min_length}, task.nonstandard={c.nonstandard}): "
+                            f"{self.data_stats.summary()}")
+        return path, records
+
+    def _stats_path(self, path: str, streaming: bool) -> Path:
+        """The statistics sidecar of this input (its files' content, as the Arrow cache key) and of the
+        settings the statistics depend on."""
+        c = self.cfg
+        key = digest({"version": STATS_VERSION, "format": FORMAT_VERSION, "input": file_keys(path),
+                      "settings": common_stream(self._common()), "max_length": c.max_length,
+                      "reference": "validation-or-first-rows" if streaming else "train"})
+        return cache_root(self._common()["cache_dir"], "protein_stats") / f"{key}.json"
+
+    def _statistics(self, path: str, records, val, train) -> dict[str, Any]:
+        """The task statistics (unigram baseline, composition, length histogram) of the training data, read
+        from the sidecar that the first build wrote (inside the build lock) rather than recounted per process:
+        the counts are a pass over every training residue. `train` None (streaming): the reference is the
+        validation split, or without one the first `REFERENCE_ROWS` records (a hash-chosen subset of the same
+        distribution, without materialising the training split)."""
+        c = self.cfg
+        sidecar = self._stats_path(path, train is None)
+        meta = read_meta(sidecar)
+        if meta is None or "residue_counts" not in meta or "length_counts" not in meta:
+            if train is not None:
+                reference = train
+            else:
+                reference = val if len(val) else records.select(range(min(len(records), REFERENCE_ROWS)))
+            counts = residue_counts(reference)
+            lengths, length_counts = np.unique(np.minimum(column_array(reference, "length"), c.max_length),
+                                               return_counts=True)
+            meta = {"input": path, "residue_counts": counts.astype(np.int64).tolist(),
+                    "length_counts": {str(int(n)): int(k) for n, k in zip(lengths, length_counts)}}
+            write_meta(sidecar, meta)
+        return task_statistics(np.asarray(meta["residue_counts"], dtype=np.float64), meta["length_counts"])
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         return collate_crops(samples)
@@ -251,7 +352,7 @@ class ProteinSEDDTask(Task):
     def unit_sizes(self, dataset: Dataset) -> np.ndarray | None:
         """Tokens of each training crop (data.batching=budget: length-bucketed token-budget batches)."""
         if isinstance(dataset, PackedBlocks):
-            return np.full(len(dataset), dataset.max_length)
+            return np.full(len(dataset), dataset.max_length, dtype=np.int32)  # 4 bytes a block, as the crops'
         if not isinstance(dataset, ProteinCrops):
             return None
         lengths = selected_column(dataset.ids, "length").to_numpy()  # in the split's row order
@@ -383,6 +484,17 @@ def residue_counts(tokenized) -> np.ndarray:
     """How often each of the 25 residues occurs in a tokenized dataset (one bincount per Arrow chunk)."""
     counts = ListColumn(tokenized, "input_ids").bincount(VOCAB_SIZE)
     return counts[FIRST_RESIDUE_ID:FIRST_RESIDUE_ID + NUM_RESIDUES].astype(np.float64)
+
+
+def task_statistics(counts: np.ndarray, length_counts: dict[str, int]) -> dict[str, Any]:
+    """The task statistics from the training residue counts and the histogram of crop lengths (saved as the run
+    artifact task_stats.json: eval and sampling never re-read the training data)."""
+    # unigram_log_probs (add-half smoothing: a residue absent from training has a finite cost) score the
+    # held-out residues at eval: the baseline on the same tokens as the model's bound.
+    return {"unigram_perplexity": perplexity_of(counts),
+            "unigram_log_probs": np.log((counts + 0.5) / (counts.sum() + 0.5 * len(counts))).tolist(),
+            "train_composition": (counts / counts.sum()).tolist(),
+            "length_histogram": {str(int(n)): int(k) for n, k in length_counts.items()}}
 
 
 def perplexity_of(counts: np.ndarray) -> float:
