@@ -263,29 +263,32 @@ data = task.build_data()
 plan = plan_batch(cfg, world=world)
 batches = TrainBatches(cfg, plan, task, data.train, rank, world, torch.device("cpu")).micro_batches(0)
 next(batches)  # the loader's start (workers, the epoch's order) is the launch's cost, measured there
-n, t0 = 0, time.perf_counter()
+n, t0, c0 = 0, time.perf_counter(), time.process_time()
 while n < samples:
     next(batches)
     n += plan.per_device_batch_size
-print(json.dumps({"samples": n, "seconds": time.perf_counter() - t0,
+print(json.dumps({"samples": n, "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
                   "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
-def data_rate(a: argparse.Namespace, world: int, extra: list[str]) -> tuple[float, float]:
-    """(mean samples/s per rank, samples/s of all W ranks together) of W loader processes run at once."""
+def data_rate(a: argparse.Namespace, world: int, extra: list[str]) -> tuple[float, float, float]:
+    """(mean samples/s per rank, samples/s of all W ranks together, mean CPU µs per sample of a rank) of W loader
+    processes run at once. The CPU time per sample is what a rank's reading costs whatever the cores it shares: W
+    ranks with a core each read W x 1e6 / it samples/s."""
     procs = [subprocess.Popen([sys.executable, "-c", LOADER_CHILD, str(a.config), str(r), str(world),
                                str(a.loader_samples), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
              for r in range(world)]
-    rates = []
+    rates, cpu_us = [], []
     for p in procs:
         out, err = p.communicate()
         if p.returncode != 0:
             raise SystemExit(f"the loader measurement failed (exit {p.returncode}):\n{err[-3000:]}")
         r = json.loads(out.strip().splitlines()[-1])
         rates.append(r["samples"] / r["seconds"])
-    return sum(rates) / len(rates), sum(rates)
+        cpu_us.append(1e6 * r["cpu_seconds"] / r["samples"])
+    return sum(rates) / len(rates), sum(rates), sum(cpu_us) / len(cpu_us)
 
 
 def took_s(w: Watched) -> float:
@@ -349,7 +352,7 @@ def measure_size(a: argparse.Namespace, n: int) -> tuple[dict[str, Any], list[di
         resumed = r.first(lambda rec, after=target: "loss" in rec and rec.get("step", 0) > after)
         wr["resume_s"] = first_step_s(r, after=target)
         wr["resume_epoch"] = resumed[1].get("epoch", float("nan")) if resumed else float("nan")
-        wr["loader_rank"], wr["loader_job"] = data_rate(a, world, common)
+        wr["loader_rank"], wr["loader_job"], wr["loader_cpu_us"] = data_rate(a, world, common)
         wr["loader_job_vs_w1"] = wr["loader_job"] / worlds[0]["loader_job"] if worlds else 1.0
         worlds.append(wr)
         log(f"N={n:,} W={world}: {wr}")
@@ -398,11 +401,12 @@ WORLD_COLS = [("N", "N"), ("W", "W"), ("first_step_s", "launch to 1st step s"), 
               ("resume_s", "resume @90% to 1st step s"),
               ("resume_epoch", "resumed at epoch"), ("loader_rank", "loader samples/s/rank"),
               ("loader_job", "loader samples/s all ranks"), ("loader_job_vs_w1", "all ranks / first W"),
+              ("loader_cpu_us", "loader CPU µs/sample/rank"),
               ("step_samples_per_s_rank", "step consumes samples/s/rank"), ("eval_s", "eval s")]
 EVAL_COLS = [("N", "N"), ("W", "W"), ("val_fraction", "val_fraction"), ("validation", "validation seqs"),
              ("max_samples", "eval.max_samples"), ("eval_s", "eval s")]
 SCALED = ["cat_s", "prepare_s", "convert_s", "prepare_peak_MiB", "cached_s", "first_step_s", "rank_peak_MiB", "resume_s",
-          "loader_rank", "eval_s"]
+          "loader_rank", "loader_cpu_us", "eval_s"]
 
 
 def per_doubling(sizes: list[dict[str, Any]], worlds: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -505,6 +509,12 @@ def run(a: argparse.Namespace) -> None:
                   table(per_doubling(sizes, worlds), heads), "",
                   f"Extrapolated (not measured) from the sizes above: to N = {n_to:,} (a power law in N) and to "
                   f"W = {w_to} (a power law in W):", "", table(ext, [(k, k) for k in ext[0]])]
+    cores = len(os.sched_getaffinity(0))
+    if max(a.worlds) > cores:
+        parts += ["", f"This machine has {cores} cores: from W = {cores + 1} on, the ranks share cores, so what grows "
+                  "with W here (launch, resume, the rate per rank) is contention for them, and the extrapolation in W "
+                  "says nothing of a cluster, where each rank has its own; the loader's CPU µs per sample is the "
+                  "per-rank cost of reading whatever the cores."]
     publish_section("\n".join(parts) + "\n", a.out, a.smoke, topic=TOPIC)
 
 

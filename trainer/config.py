@@ -91,9 +91,10 @@ class DataConfig:
     shuffled among `shuffle_window` blocks only, so a batch draws from fewer distinct regions of the file."""
     shuffle_window: int = 64
     """data.shuffle_block > 0: blocks (each taken whole, in a keyed random order) whose rows are shuffled together.
-    More blocks mix better (a global batch draws from up to this many places of the file) but keep more of the file
-    warm at once (window x block rows, read while the window is trained on); 64 lets a global batch of hundreds of
-    samples come from tens of places while a window of 64 x a few MB stays small next to the page cache."""
+    More blocks mix better (a global batch draws from this many places of the file, twice as many across a window's
+    edge) but keep more of the file warm at once (window x block rows, read while the window is trained on); 64
+    lets a global batch of hundreds of samples come from tens of places while a window of 64 x a few MB stays small
+    next to the page cache."""
 
 
 @dataclass

@@ -507,6 +507,20 @@ def test_block_window_order_has_its_own_recorded_name(caplog):
     assert len(caplog.records) == 2 and all("block=16,window=8" in r.getMessage() for r in caplog.records)
 
 
+def test_sequential_order_and_budget_plan_keys_name_what_they_depend_on():
+    """data.shuffle false is its own order whatever the block; a budget plan's key changes with the sizes
+    themselves, not only with their count and total."""
+    assert sample_order_name(0, 64, shuffle=False) == sample_order_name(16, 8, shuffle=False) != samplers_module.SAMPLE_ORDER
+    assert EpochSampler(100, 0, shuffle=False, block=16, window=8).order_name == samplers_module.SEQUENTIAL_ORDER
+
+    def key(sizes):
+        return BalancedBatchSampler(sizes, mode="budget", max_units=100, rank=0, world_size=2, seed=5).plan_key
+
+    same_count_and_total = [10, 20, 30, 40], [40, 30, 20, 10]
+    assert key(same_count_and_total[0]) != key(same_count_and_total[1])
+    assert key([10, 20, 30, 40]) == key(np.array([10, 20, 30, 40])) and samplers_module.BUDGET_PLAN in key([10, 20])
+
+
 @pytest.mark.parametrize("block", [0, 6])
 def test_budget_resume_from_a_recorded_epoch_start_builds_no_earlier_plan(monkeypatch, block):
     """A budget sampler told where an epoch starts (what a checkpoint records) finds the position of any later

@@ -9,6 +9,7 @@ read from a slow disk or shared filesystem.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,11 +25,19 @@ SAMPLE_ORDER = "keyed-permutation-1"
 mid-epoch would finish that epoch from a different permutation."""
 BLOCK_WINDOW_ORDER = "keyed-block-window-1"
 """The name of the block-window order (`BlockWindowOrder`), saved with its block and window sizes."""
+SEQUENTIAL_ORDER = "sequential-1"
+"""The recorded name of the order with data.shuffle false (the rows in order)."""
+BUDGET_PLAN = "budget-plan-1"
+"""The name of the token-budget cutting (`BalancedBatchSampler` mode budget), part of its `plan_key`: a resume
+under another cutting must not take an epoch start recorded under this one."""
 
 
-def sample_order_name(block: int = 0, window: int = 64) -> str:
-    """The recorded name of the order that data.shuffle_block=`block` and data.shuffle_window=`window` select:
-    another block or window size is another order, so a resume with other settings is said."""
+def sample_order_name(block: int = 0, window: int = 64, shuffle: bool = True) -> str:
+    """The recorded name of the order that data.shuffle_block=`block` and data.shuffle_window=`window` select
+    (data.shuffle false: the sequential order, whatever the block): another order, block or window size is
+    another order, so a resume with other settings is said."""
+    if not shuffle:
+        return SEQUENTIAL_ORDER
     return SAMPLE_ORDER if block <= 0 else f"{BLOCK_WINDOW_ORDER}(block={block},window={window})"
 
 
@@ -212,7 +221,7 @@ class EpochSampler(Sampler[int]):
     @property
     def order_name(self) -> str:
         """The order's recorded name (`sample_order_name`)."""
-        return sample_order_name(self.block, self.window)
+        return sample_order_name(self.block, self.window, self.shuffle)
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -340,7 +349,8 @@ class BalancedBatchSampler(Sampler[list[int]]):
         self.shuffle, self.batch_size, self.max_units = shuffle, batch_size, max_units
         self.block, self.window = block, window
         self.with_epoch = with_epoch
-        self._units = int(self.sizes.sum())  # for plan_key
+        # plan_key: the sizes themselves (the same count and total could be other sizes, or the same in another order)
+        self._sizes_digest = hashlib.blake2b(np.ascontiguousarray(self.sizes).tobytes(), digest_size=8).hexdigest()
         if mode == "budget":
             too_big = np.flatnonzero(self.sizes > max_units)
             if too_big.size:
@@ -463,12 +473,12 @@ class BalancedBatchSampler(Sampler[list[int]]):
     @property
     def order_name(self) -> str:
         """The order's recorded name (`sample_order_name`)."""
-        return sample_order_name(self.block, self.window)
+        return sample_order_name(self.block, self.window, self.shuffle)
 
     @property
     def plan_key(self) -> str:
         """What a budget plan's lengths depend on: an epoch start recorded under another key does not hold here."""
-        return (f"budget(n={self.sizes.size},units={self._units},world={self.world_size},"
+        return (f"{BUDGET_PLAN}(n={self.sizes.size},sizes={self._sizes_digest},world={self.world_size},"
                 f"max_units={self.max_units},bucket={self.bucket_size},seed={self.seed},shuffle={self.shuffle},"
                 f"order={self.order_name})") if self.mode == "budget" else self.mode
 

@@ -124,11 +124,19 @@ def cache_root(cache_dir: str | Path | None, namespace: str) -> Path:
     return root
 
 
-def arrow_writer(features: Any, path: str) -> Any:
-    """A `datasets` ArrowWriter for `path` with `features` (use as a context manager; call finalize())."""
+ROWS_PER_BATCH = 1 << 16
+"""Rows per Arrow record batch of a shard written from whole tables (`arrow_writer(..., batch_rows=...)`). Opening
+a memory-mapped shard reads every batch's header, and each read maps the pages around it into the process: with
+`datasets`' default of 1,000 rows a batch, a process that only opens a large data set already holds a tenth of it
+as resident file pages."""
+
+
+def arrow_writer(features: Any, path: str, batch_rows: int | None = None) -> Any:
+    """A `datasets` ArrowWriter for `path` with `features` (use as a context manager; call finalize()); tables
+    written whole are cut into record batches of `batch_rows` rows (None: `datasets`' default)."""
     from datasets.arrow_writer import ArrowWriter
 
-    return ArrowWriter(features=features, path=path)
+    return ArrowWriter(features=features, path=path, writer_batch_size=batch_rows)
 
 
 def _own_temp(final: str | Path, token: str) -> Path:

@@ -87,7 +87,10 @@ def select_split(ds: datasets.Dataset, split: str) -> datasets.Dataset:
     """The "train" or "validation" rows of a dataset with a `split` column (a cached selection)."""
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
-    return ds.filter(_in_split, input_columns="split", batched=True, fn_kwargs={"name": split})
+    # Large batches for the selection's indices file as for the shards (arrow_cache.ROWS_PER_BATCH): each process
+    # opens it whole at start.
+    return ds.filter(_in_split, input_columns="split", batched=True, fn_kwargs={"name": split},
+                     batch_size=arrow_cache.ROWS_PER_BATCH, writer_batch_size=arrow_cache.ROWS_PER_BATCH)
 
 
 def _is_main_guard(test: ast.expr) -> bool:

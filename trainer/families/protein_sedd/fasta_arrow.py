@@ -51,8 +51,16 @@ def convert_chunk(entry: dict[str, Any], settings: dict[str, Any], chunk: ChunkS
     """Parse one chunk of the file `entry["path"]` into the Arrow file `tmp_path` (`CACHE_FEATURES`; renamed
     into place by `arrow_cache.build_shards`); returns the chunk's `FastaStats` as a dict."""
     stats = FastaStats()
-    with arrow_cache.arrow_writer(CACHE_FEATURES, tmp_path) as writer:
+    pending: list[pa.Table] = []  # the reader's blocks, written as record batches of ROWS_PER_BATCH rows
+    rows = 0
+    with arrow_cache.arrow_writer(CACHE_FEATURES, tmp_path, batch_rows=arrow_cache.ROWS_PER_BATCH) as writer:
         for table in iter_chunk_tables(entry["path"], chunk, stats=stats, **{k: settings[k] for k in READER_SETTINGS}):
-            writer.write_table(encode_batch(table))
+            pending.append(encode_batch(table))
+            rows += table.num_rows
+            if rows >= arrow_cache.ROWS_PER_BATCH:
+                writer.write_table(pa.concat_tables(pending).combine_chunks())
+                pending, rows = [], 0
+        if pending:
+            writer.write_table(pa.concat_tables(pending).combine_chunks())
         writer.finalize()
     return stats.to_dict()
