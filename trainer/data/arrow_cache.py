@@ -160,7 +160,8 @@ def _run_shard(job: tuple[Callable[..., Any], tuple, str, str]) -> Any:
 
 
 def build_shards(jobs: Iterable[tuple[Callable[..., Any], tuple, str | Path]], num_proc: int = 1, *,
-                 on_done: Callable[[int, Any], None] | None = None, max_in_flight: int | None = None) -> list[Any]:
+                 on_done: Callable[[int, Any], None] | None = None, max_in_flight: int | None = None,
+                 renamed: list[str] | None = None) -> list[Any]:
     """Write Arrow shards: each job is (fn, args, final path) and calls `fn(*args, tmp_path)`.
 
     With `num_proc` > 1 (and, for a sequence, several jobs) they run in a spawn pool (`fn` must be importable
@@ -170,12 +171,18 @@ def build_shards(jobs: Iterable[tuple[Callable[..., Any], tuple, str | Path]], n
     that carry their data keep memory bounded. Returns each job's result, in order; `on_done(index, result)`
     is called as each finishes, in order. The first error in job order is raised (a job's, or the
     generator's after the jobs before it); the temp files of this call are removed, no one else's.
+    `renamed` (a list) receives the final path of each job that this call renamed into place, also when it
+    fails (the jobs seen finished by then), so that a caller undoing a failed build removes its own shards and
+    never those another builder of the same cache published.
     """
     token = uuid.uuid4().hex
     started: list[str] = []
     results: list[Any] = []
+    pending: deque[tuple[str, Any]] = deque()  # (final path, async result) of the pool's jobs not yet collected
 
     def done(result: Any) -> None:
+        if renamed is not None:
+            renamed.append(started[len(results)])
         if on_done is not None:
             on_done(len(results), result)
         results.append(result)
@@ -194,7 +201,6 @@ def build_shards(jobs: Iterable[tuple[Callable[..., Any], tuple, str | Path]], n
         size = min(num_proc, len(jobs)) if isinstance(jobs, Sequence) else num_proc
         limit = max(1, max_in_flight or 2 * size)
         with multiprocessing.get_context("spawn").Pool(size) as pool:
-            pending: deque[Any] = deque()
             queue = submitted(jobs)
             while True:
                 try:
@@ -202,16 +208,18 @@ def build_shards(jobs: Iterable[tuple[Callable[..., Any], tuple, str | Path]], n
                 except StopIteration:
                     break
                 except Exception:  # the generator's: an error of a job before it comes first
-                    for result in pending:
+                    for _, result in pending:
                         result.get()
                     raise
-                pending.append(pool.apply_async(_run_shard, (job,)))
+                pending.append((job[2], pool.apply_async(_run_shard, (job,))))
                 if len(pending) >= limit:
-                    done(pending.popleft().get())
+                    done(pending.popleft()[1].get())
             while pending:
-                done(pending.popleft().get())
+                done(pending.popleft()[1].get())
         return results
     except BaseException:
+        if renamed is not None:  # jobs after the failed one that had finished (the pool is stopped by now)
+            renamed.extend(final for final, result in pending if result.ready() and result.successful())
         for final in started:  # a pool worker killed mid-write leaves its temp file behind
             _own_temp(final, token).unlink(missing_ok=True)
         raise
@@ -227,6 +235,18 @@ def read_meta(path: str | Path) -> dict[str, Any] | None:
 
 def write_meta(path: str | Path, meta: dict[str, Any]) -> None:
     atomic_write_json(path, meta, durable=False)
+
+
+def shard_rows(path: str | Path) -> int | None:
+    """The rows of an Arrow shard (read from its record batches' headers, memory-mapped: no column data is
+    read), or None if it is missing or unreadable (truncated, not Arrow)."""
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(path)) as source:
+            return sum(batch.num_rows for batch in pa.ipc.open_stream(source))
+    except (OSError, pa.ArrowException):
+        return None
 
 
 def load_arrow(paths: Iterable[str | Path], fingerprint: str) -> Any:

@@ -136,3 +136,22 @@ def test_packed_blocks_hold_twelve_bytes_per_sequence(tmp_path):
     assert len(pickle.dumps(packed)) <= 12 * len(train) + 4096  # what a spawned DataLoader worker receives
     sizes = ProteinSEDDTask.unit_sizes(None, packed)  # data.batching=budget: 4 bytes a block
     assert sizes.dtype == np.int32 and len(sizes) == len(packed) and set(sizes.tolist()) == {64}
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+def test_first_build_derives_the_statistics_from_the_conversion_without_a_pass(tmp_path, monkeypatch, streaming):
+    """The sidecar is written from the per-split sums the conversion counted: the training (streaming: validation)
+    rows are not read again, and the values are those of a direct count (lengths above max_length folded)."""
+    for name in ("residue_counts", "column_array"):
+        monkeypatch.setattr(protein_task, name, lambda *a, **k: pytest.fail("a pass over the data"))
+    stats = build(tmp_path, "task.max_length=128", f"task.streaming={str(streaming).lower()}").stats
+    monkeypatch.undo()
+    if not streaming:
+        assert stats == direct_statistics(tmp_path, max_length=128)
+        return
+    t = load_config(CONFIG).task
+    records, _ = build_fasta_dataset(str(protein_task.default_protein_fasta()), cache_dir=str(tmp_path),
+                                     val_fraction=t.val_fraction, min_length=t.min_length, nonstandard=t.nonstandard)
+    val = tokenize_dataset(select_split(records, "validation"))
+    lengths, counts = np.unique(np.minimum(column_array(val, "length"), 128), return_counts=True)
+    assert stats == task_statistics(residue_counts(val), dict(zip(lengths.tolist(), counts.tolist())))

@@ -2,17 +2,19 @@
 
 `build_fasta_dataset` parses and tokenizes once per (file content, settings) into a fingerprinted Arrow
 cache (`trainer.data.arrow_cache`: one shard per fixed-size chunk of a file, in parallel, written under temp
-names and renamed, loaded memory-mapped); the reader's `FastaStats` are stored per chunk in a JSON sidecar
-per file (which also lists its shards) so that a cached load reports the same counts, and the build warns
-about duplicate ids and nucleotide-only records. `stream_fasta` reads with bounded memory, in one order the
-same in every process (the trainer shards it by the record's index in that order); iterated on its own it
-gives each record to exactly one (rank, dataloader worker). Ranks are passed in: nothing here touches
-`torch.distributed`.
+names and renamed, loaded memory-mapped); the reader's `FastaStats`, each split's token counts and length
+histogram (`SplitCounts`) and each shard's rows are stored per chunk in a JSON sidecar per file, so that a
+cached load reports the same counts and a shard that does not match is rebuilt, and the build warns about
+duplicate ids (found from 64-bit hashes of the ids made by the workers) and nucleotide-only records.
+`stream_fasta` reads with bounded memory, in one order the same in every process (the trainer shards it by the
+record's index in that order); iterated on its own it gives each record to exactly one (rank, dataloader
+worker). Ranks are passed in: nothing here touches `torch.distributed`.
 """
 
 from __future__ import annotations
 
 import ast
+import collections
 import itertools
 import logging
 import os
@@ -24,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 from torch.utils.data import IterableDataset, get_worker_info
 from tqdm.auto import tqdm
@@ -34,6 +38,7 @@ from trainer.families.protein_sedd.fasta import (
     ChunkSpan,
     FastaFormatError,
     FastaStats,
+    SplitCounts,
     is_compressed,
     iter_fasta_tables,
     iter_record_chunks,
@@ -44,12 +49,13 @@ from trainer.families.protein_sedd.fasta_arrow import (  # noqa: F401  (CACHE_FE
     FASTA_FEATURES,
     convert_chunk,
     encode_batch,
+    id_hashes,
 )
 from trainer.families.protein_sedd.tokenizer import encode_residues
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = "fasta-v5"
+FORMAT_VERSION = "fasta-v6"
 """Bump when the reader's output changes, so that old caches are not reused."""
 
 CHUNK_BYTES = 64 << 20
@@ -59,6 +65,7 @@ the number of workers. Not part of the cache key (the rows do not depend on it e
 
 SAMPLE_FASTA = "uniprot_sample_3k.fasta.gz"
 _DUPLICATE_EXAMPLES = 3
+_HASH_BUCKETS = 16
 
 
 def default_protein_fasta() -> Path:
@@ -144,7 +151,9 @@ def build_fasta_dataset(paths: str | Path | Iterable[str | Path], *, cache_dir: 
     file elsewhere included, is a cache hit. `split` selects "train" or
     "validation" (`select_split`); None returns all records with their `split` column. The stats
     always describe the whole parse (all splits, `duplicate_ids` over all files) and are the same
-    for cached loads; duplicate ids and nucleotide-only records are logged as warnings.
+    for cached loads; duplicate ids and nucleotide-only records are logged as warnings. `stats.splits` holds
+    each split's token counts and exact-length histogram (`SplitCounts`), counted while converting: statistics
+    of a split without a pass over its rows.
 
     Each file is converted in chunks of `CHUNK_BYTES` of text (whole records), one Arrow shard each, rows
     in file order: the shards, the rows and the cache key do not depend on `num_proc`. `num_proc` worker
@@ -174,32 +183,48 @@ def build_fasta_dataset(paths: str | Path | Iterable[str | Path], *, cache_dir: 
     def shard(key: str, k: int) -> Path:
         return arrow_dir / f"{key}-{k:05d}.arrow"
 
-    chunk_stats: dict[str, list[dict[str, int]]] = {}
+    def sidecar(key: str) -> Path:
+        return stats_dir / f"{key}-chunks.json"
+
+    chunk_stats: dict[str, list[dict[str, Any]]] = {}
     todo: list[dict[str, Any]] = []
     for entry in files:
-        meta = arrow_cache.read_meta(stats_dir / f"{entry['key']}-chunks.json")
-        if meta is not None and meta.get("chunks") and all(shard(entry["key"], k).exists()
-                                                            for k in range(len(meta["chunks"]))):
+        meta = arrow_cache.read_meta(sidecar(entry["key"]))
+        if _shards_match(meta, lambda k, key=entry["key"]: shard(key, k)):
             chunk_stats[entry["key"]] = meta["chunks"]
         elif entry["key"] not in {e["key"] for e in todo}:
             todo.append(entry)
+    hashes: dict[str, list[np.ndarray]] = {}  # the converted files' id hashes, per chunk
     if todo:
-        chunk_stats.update(_convert(todo, settings, shard, num_proc))
+        for entry in todo:  # not trusted while its shards are rewritten: written again once they are all in place
+            sidecar(entry["key"]).unlink(missing_ok=True)
+        converted = _convert(todo, settings, shard, num_proc)
         for entry in todo:
-            arrow_cache.write_meta(stats_dir / f"{entry['key']}-chunks.json",
-                                   {"file": entry, "chunks": chunk_stats[entry["key"]]})
+            chunks = converted[entry["key"]]
+            hashes[entry["key"]] = [chunk.pop("id_hashes") for chunk in chunks]
+            chunk_stats[entry["key"]] = chunks
+            arrow_cache.write_meta(sidecar(entry["key"]), {"file": entry, "chunks": chunks})
     outputs = [shard(entry["key"], k) for entry in files for k in range(len(chunk_stats[entry["key"]]))]
     ds = arrow_cache.load_arrow(outputs, fingerprint)
 
     by_file: dict[str, FastaStats] = defaultdict(FastaStats)
     for entry in files:
-        for counts in chunk_stats[entry["key"]]:
-            by_file[entry["path"]] += FastaStats.from_dict(counts)
-    stats = FastaStats()
+        for chunk in chunk_stats[entry["key"]]:
+            by_file[entry["path"]] += FastaStats.from_dict(chunk["stats"])
+            by_file[entry["path"]] += FastaStats(splits={k: SplitCounts.from_dict(v)
+                                                         for k, v in chunk["splits"].items()})
+    stats = FastaStats(splits={})
     for file_stats in by_file.values():
         file_stats.files = 1  # chunks do not count their file
         stats += file_stats
-    duplicates, examples = _duplicate_ids(ds, stats_dir / f"{fingerprint}.json")
+
+    def shard_hashes() -> Iterator[np.ndarray]:  # in the rows' order: from the conversion, else from the shard
+        for entry in files:
+            for k in range(len(chunk_stats[entry["key"]])):
+                yield hashes[entry["key"]][k] if entry["key"] in hashes else _shard_id_hashes(shard(entry["key"], k))
+
+    duplicates, examples = _duplicate_ids(ds, shard_hashes, stats_dir / f"{fingerprint}.json")
+    hashes.clear()
     stats.duplicate_ids = duplicates
     _warn(by_file, duplicates, examples)
     if split is not None:
@@ -207,9 +232,29 @@ def build_fasta_dataset(paths: str | Path | Iterable[str | Path], *, cache_dir: 
     return ds, stats
 
 
+def _shards_match(meta: dict[str, Any] | None, shard: Callable[[int], Path]) -> bool:
+    """Whether a file's chunks sidecar describes its shards on disk: every shard is readable and has the rows
+    the sidecar records (a shard lost, truncated or replaced makes the file convert again)."""
+    if meta is None or not meta.get("chunks"):
+        return False
+    try:
+        return all({"stats", "splits"} <= chunk.keys() and arrow_cache.shard_rows(shard(k)) == int(chunk["rows"])
+                   for k, chunk in enumerate(meta["chunks"]))
+    except (KeyError, TypeError, ValueError):  # a sidecar of another layout
+        return False
+
+
+def _shard_id_hashes(path: Path) -> np.ndarray:
+    """`id_hashes` of a shard's ids, in row order (a cached file's, when the duplicate-id check needs them)."""
+    with pa.memory_map(str(path)) as source:
+        parts = [id_hashes(batch.column("id")) for batch in pa.ipc.open_stream(source)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+
+
 def _convert(entries: list[dict[str, Any]], settings: dict[str, Any], shard: Callable[[str, int], Path],
-             num_proc: int | None) -> dict[str, list[dict[str, int]]]:
-    """Convert files to Arrow shards (`shard(key, chunk)`), chunk by chunk; each file's chunks' stats."""
+             num_proc: int | None) -> dict[str, list[dict[str, Any]]]:
+    """Convert files to Arrow shards (`shard(key, chunk)`), chunk by chunk; each file's chunks' results
+    (`convert_chunk`'s)."""
     started = time.perf_counter()
     chunk_bytes = CHUNK_BYTES  # read once: the chunks are cut here, never in the workers
     # Uncompressed files first: their chunks are planned at once (a seek each), and the workers start on
@@ -228,7 +273,10 @@ def _convert(entries: list[dict[str, Any]], settings: dict[str, Any], shard: Cal
 
     wanted = available_cores() if num_proc is None else max(1, int(num_proc))
     queue = jobs()
-    head = list(itertools.islice(queue, wanted))  # at most `wanted` chunks held: to size the pool
+    # The pool is sized by the chunks there are, up to `wanted`: a plain file's are planned, a compressed file's
+    # are decompressed to count them. Those peeked are handed on one by one (popped, not kept in a list), so
+    # that the chunks held are never more than the ones in flight (workers + 2).
+    head = collections.deque(itertools.islice(queue, wanted))
     workers = min(wanted, len(head))
     if workers > 1:
         caller = _unguarded_main_call()
@@ -243,44 +291,87 @@ def _convert(entries: list[dict[str, Any]], settings: dict[str, Any], shard: Cal
     total = None if len(plans) < len(order) else sum(c.end - c.start for spans in plans.values() for c in spans)
     bar = tqdm(total=total, desc=f"FASTA -> Arrow ({names})", unit="B", unit_scale=True, unit_divisor=1024,
                dynamic_ncols=True, delay=2, disable=None)  # disable=None: on a terminal only, not in a log file
-    results: list[dict[str, int]] = []
+
+    def handed_on() -> Iterator[tuple[Callable[..., Any], tuple, Path]]:
+        while head:
+            yield head.popleft()
+        yield from queue
+
+    results: list[dict[str, Any]] = []
+    renamed: list[str] = []
     try:
-        results = arrow_cache.build_shards(itertools.chain(head, queue), workers, max_in_flight=workers + 2,
+        results = arrow_cache.build_shards(handed_on(), workers, max_in_flight=workers + 2, renamed=renamed,
                                            on_done=lambda i, _: bar.update(done_where[i][1]))
     except BaseException:
-        for key, k in _job_chunks(done_where):  # this build's finished shards: the file fails as a whole
-            shard(key, k).unlink(missing_ok=True)
+        # The shards this build renamed into place: the file fails as a whole. Not the other jobs' names: another
+        # builder of the same cache (where the folder cannot hold a lock) may have published those.
+        for final in renamed:
+            Path(final).unlink(missing_ok=True)
         raise
     finally:
         bar.close()
     seconds = max(time.perf_counter() - started, 1e-9)
-    out: dict[str, list[dict[str, int]]] = {e["key"]: [] for e in entries}
-    for (key, _), counts in zip(done_where, results):
-        out[key].append(counts)
+    out: dict[str, list[dict[str, Any]]] = {e["key"]: [] for e in entries}
+    for (key, _), result in zip(done_where, results):
+        out[key].append(result)
     converted = sum(size for _, size in done_where)
     logger.info("FASTA -> Arrow: %d records, %.1f MB of text (%s) in %.1f s (%.0f MB/s), %d chunks, %d worker%s",
-                sum(c["records"] for c in results), converted / 1e6, names, seconds, converted / 1e6 / seconds,
+                sum(c["stats"]["records"] for c in results), converted / 1e6, names, seconds, converted / 1e6 / seconds,
                 len(results), workers, "" if workers == 1 else "s")
     return out
 
 
-def _job_chunks(where: list[tuple[str, int]]) -> Iterator[tuple[str, int]]:
-    """(file key, chunk index) of each job, from the jobs' (file key, size) list."""
-    seen: dict[str, int] = defaultdict(int)
-    for key, _ in where:
-        yield key, seen[key]
-        seen[key] += 1
+def repeated_hashes(parts: Sequence[np.ndarray], buckets: int = _HASH_BUCKETS) -> np.ndarray:
+    """The uint64 values that occur more than once over `parts`, sorted. Sorted bucket by bucket (by the top
+    bits; `buckets` a power of two), so that beside the parts only about 1/`buckets` of them is copied at a time."""
+    bits = int(buckets).bit_length() - 1
+    if buckets < 1 or 1 << bits != buckets:
+        raise ValueError(f"buckets must be a power of two, got {buckets}")
+    found: list[np.ndarray] = []
+    for b in range(buckets):
+        values = np.concatenate([p if not bits else p[(p >> np.uint64(64 - bits)) == b] for p in parts]
+                                + [np.zeros(0, np.uint64)])
+        values.sort()
+        found.append(np.unique(values[1:][values[1:] == values[:-1]]))
+    return np.concatenate(found)
 
 
-def _duplicate_ids(ds: datasets.Dataset, sidecar: Path) -> tuple[int, list[str]]:
-    """(records whose id an earlier record had, a few such ids), over the whole build; kept in `sidecar`."""
+def _take_sorted(column: pa.ChunkedArray, rows: np.ndarray) -> pa.ChunkedArray:
+    """`column.take(rows)` for increasing `rows`, chunk by chunk: `ChunkedArray.take` joins the chunks first,
+    a copy of the whole column (and a read of every page of it)."""
+    starts = np.cumsum([0] + [len(chunk) for chunk in column.chunks])
+    bounds = np.searchsorted(rows, starts)
+    pieces = [chunk.take(pa.array(rows[lo:hi] - start, pa.int64()))
+              for chunk, start, lo, hi in zip(column.chunks, starts, bounds, bounds[1:]) if hi > lo]
+    return pa.chunked_array(pieces, type=column.type)
+
+
+def _duplicate_ids(ds: datasets.Dataset, shard_hashes: Callable[[], Iterable[np.ndarray]],
+                   sidecar: Path) -> tuple[int, list[str]]:
+    """(records whose id an earlier record had, up to `_DUPLICATE_EXAMPLES` such ids in the order of their
+    first record), over the whole build (`ds`, rows in file order); kept in `sidecar`.
+
+    `shard_hashes()` gives `id_hashes` of each shard's rows, in order: 8 bytes a record where a whole-column
+    count of the ids would hold every id. Only the rows whose hash repeats have their ids read and counted
+    exactly (a hash collision of two ids is not a duplicate)."""
     meta = arrow_cache.read_meta(sidecar)
     if meta is None or "duplicate_ids" not in meta:
-        ids = arrow_cache.selected_column(ds, "id")
-        counts = pc.value_counts(ids)
-        repeated = counts.filter(pc.greater(counts.field("counts"), 1))
+        parts = list(shard_hashes())
+        repeated = repeated_hashes(parts)
+        rows: list[np.ndarray] = []
+        first = 0
+        for part in parts:
+            if len(repeated):
+                at = np.minimum(np.searchsorted(repeated, part), len(repeated) - 1)
+                rows.append(first + np.flatnonzero(repeated[at] == part))
+            first += len(part)
+        del parts
+        ids = _take_sorted(ds.with_format(None).data.column("id"),
+                           np.concatenate(rows) if rows else np.zeros(0, np.int64))
+        counts = pc.value_counts(ids)  # in the order of each id's first record
+        again = counts.filter(pc.greater(counts.field("counts"), 1))
         meta = {"duplicate_ids": len(ids) - len(counts),
-                "examples": repeated.field("values")[:_DUPLICATE_EXAMPLES].to_pylist()}
+                "examples": again.field("values")[:_DUPLICATE_EXAMPLES].to_pylist()}
         arrow_cache.write_meta(sidecar, meta)
     return int(meta["duplicate_ids"]), list(meta["examples"])
 

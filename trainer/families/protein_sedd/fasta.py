@@ -137,22 +137,74 @@ class FastaStats:
     duplicate_ids: int = 0
     """Records whose id an earlier record already had: counted by `build_fasta_dataset` over all its
     files (it needs every id at once), 0 from the reader and the stream."""
+    splits: dict[str, SplitCounts] | None = dataclasses.field(default=None, compare=False, repr=False)
+    """Not a counter: the token counts and length histogram of each split's kept records ("train",
+    "validation"), summed over the chunks by `build_fasta_dataset`; None from the reader and the stream."""
+
+    @classmethod
+    def counters(cls) -> tuple[str, ...]:
+        """The names of the integer counters (every field but `splits`)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "splits")
 
     def __iadd__(self, other: FastaStats) -> FastaStats:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in self.counters():
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        if other.splits is not None:
+            mine = self.splits if self.splits is not None else {}
+            for split, counts in other.splits.items():
+                mine.setdefault(split, SplitCounts())
+                mine[split] += counts
+            self.splits = mine
         return self
 
     def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+        return {name: getattr(self, name) for name in self.counters()}
 
     @classmethod
     def from_dict(cls, d: dict[str, int]) -> FastaStats:
-        return cls(**{k: int(v) for k, v in d.items() if k in {f.name for f in dataclasses.fields(cls)}})
+        return cls(**{k: int(v) for k, v in d.items() if k in cls.counters()})
 
     def summary(self) -> str:
         """One line listing the non-zero counters, for logs."""
         return ", ".join(f"{k}={v}" for k, v in self.to_dict().items() if v)
+
+
+@dataclass
+class SplitCounts:
+    """What the task statistics of one split need, counted while converting: how often each token id occurs in
+    its kept records, and how many records have each exact length."""
+
+    token_counts: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """int64, indexed by token id (as long as the longest `token_counts` added)."""
+    length_counts: dict[int, int] = dataclasses.field(default_factory=dict)
+    """length -> records of that length (lengths that occur only)."""
+
+    def add_counts(self, token_counts: np.ndarray, lengths: np.ndarray) -> None:
+        """Count records whose token ids occur `token_counts` times (indexed by id) and whose lengths are
+        `lengths`."""
+        self._add_tokens(token_counts)
+        for n, k in zip(*np.unique(lengths, return_counts=True)):
+            self.length_counts[int(n)] = self.length_counts.get(int(n), 0) + int(k)
+
+    def _add_tokens(self, counts: np.ndarray) -> None:
+        if len(counts) > len(self.token_counts):
+            self.token_counts = np.pad(self.token_counts, (0, len(counts) - len(self.token_counts)))
+        self.token_counts[:len(counts)] += counts.astype(np.int64, copy=False)
+
+    def __iadd__(self, other: SplitCounts) -> SplitCounts:
+        self._add_tokens(other.token_counts)
+        for n, k in other.length_counts.items():
+            self.length_counts[n] = self.length_counts.get(n, 0) + k
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (a chunks sidecar's): lengths as string keys, in increasing order."""
+        return {"token_counts": self.token_counts.tolist(),
+                "length_counts": {str(n): k for n, k in sorted(self.length_counts.items())}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SplitCounts:
+        return cls(np.asarray(d["token_counts"], dtype=np.int64), {int(n): int(k) for n, k in d["length_counts"].items()})
 
 
 # A tag starts at whitespace followed by KEY=; descriptions rarely hold " Word=" so this is safe for
@@ -853,10 +905,12 @@ def _first_block(path: Path, block: bytes) -> tuple[bytes, bool]:
     if block.startswith(_UTF16_BOMS):
         raise FastaFormatError(f"{path}:1: the file is UTF-16 encoded (byte-order mark {block[:2]!r}); FASTA "
                                f"is read as ASCII: convert it first, e.g. `iconv -f UTF-16 -t ASCII`")
+    # Classic Mac files end lines with '\r' alone: no '\n' in the file's first `_READ_SIZE` bytes means that. The
+    # same window in every path (the stream, `plan_chunks`, the chunked gzip read of bigger blocks): they agree.
+    probe = block[:_READ_SIZE]
     if block.startswith(_UTF8_BOM):
         block = block[len(_UTF8_BOM):]
-    # Classic Mac files end lines with '\r' alone: no '\n' in a whole first block (2 MiB) means that.
-    return block, b"\r" in block and b"\n" not in block
+    return block, b"\r" in probe and b"\n" not in probe
 
 
 def _no_records(path: Path, data: bytes) -> FastaFormatError:

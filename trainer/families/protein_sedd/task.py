@@ -52,6 +52,7 @@ from trainer.families.protein_sedd.dataset import (
     tokenize_dataset,
 )
 from trainer.families.protein_sedd.ddit import DDIT_PRESETS, DDiT
+from trainer.families.protein_sedd.fasta import SplitCounts
 from trainer.families.protein_sedd.sedd import build_diffusion_graph, build_noise, score_entropy_loss
 from trainer.families.protein_sedd.spec import SPEC, ProteinSampleConfig, ProteinSEDDConfig
 from trainer.families.protein_sedd.tokenizer import FIRST_RESIDUE_ID, RESIDUES, VOCAB_SIZE, build_protein_tokenizer
@@ -325,24 +326,29 @@ class ProteinSEDDTask(Task):
         return cache_root(self._common()["cache_dir"], "protein_stats") / f"{key}.json"
 
     def _statistics(self, path: str, records, val, train) -> dict[str, Any]:
-        """The task statistics (unigram baseline, composition, length histogram) of the training data, read
-        from the sidecar that the first build wrote (inside the build lock) rather than recounted per process:
-        the counts are a pass over every training residue. `train` None (streaming): the reference is the
-        validation split, or without one the first `REFERENCE_ROWS` records (a hash-chosen subset of the same
-        distribution, without materialising the training split)."""
+        """The task statistics (unigram baseline, composition, length histogram) of the training data, kept in a
+        sidecar that the first build writes (inside the build lock). They come from the per-split sums the
+        conversion counted (`FastaStats.splits`): no pass over the data. `train` None (streaming): the reference
+        is the validation split, or without one the first `REFERENCE_ROWS` records (a hash-chosen subset of the
+        same distribution, without materialising the training split), counted from those rows."""
         c = self.cfg
         sidecar = self._stats_path(path, train is None)
         meta = read_meta(sidecar)
         if meta is None or "residue_counts" not in meta or "length_counts" not in meta:
-            if train is not None:
-                reference = train
-            else:
-                reference = val if len(val) else records.select(range(min(len(records), REFERENCE_ROWS)))
-            counts = residue_counts(reference)
-            lengths, length_counts = np.unique(np.minimum(column_array(reference, "length"), c.max_length),
-                                               return_counts=True)
-            meta = {"input": path, "residue_counts": counts.astype(np.int64).tolist(),
-                    "length_counts": {str(int(n)): int(k) for n, k in zip(lengths, length_counts)}}
+            name = "train" if train is not None else "validation" if len(val) else None
+            summed = (self.data_stats.splits or {}).get(name) if name is not None else None
+            if summed is not None:
+                counts, length_counts = split_statistics(summed, c.max_length)
+            else:  # the first rows (streaming without validation records), or stats without the sums
+                if train is not None:
+                    reference = train
+                else:
+                    reference = val if len(val) else records.select(range(min(len(records), REFERENCE_ROWS)))
+                counts = residue_counts(reference)
+                lengths, per_length = np.unique(np.minimum(column_array(reference, "length"), c.max_length),
+                                                return_counts=True)
+                length_counts = {str(int(n)): int(k) for n, k in zip(lengths, per_length)}
+            meta = {"input": path, "residue_counts": counts.astype(np.int64).tolist(), "length_counts": length_counts}
             write_meta(sidecar, meta)
         return task_statistics(np.asarray(meta["residue_counts"], dtype=np.float64), meta["length_counts"])
 
@@ -478,6 +484,19 @@ class ProteinSEDDTask(Task):
 def common_stream(common: dict[str, Any]) -> dict[str, Any]:
     """The reader settings shared by the Arrow build and the stream."""
     return {k: v for k, v in common.items() if k != "cache_dir"}
+
+
+def split_statistics(counts: SplitCounts, max_length: int) -> tuple[np.ndarray, dict[str, int]]:
+    """(residue counts, float64 [NUM_RESIDUES]; histogram of min(length, max_length), "length" -> records, in
+    increasing length) of a split from the sums the conversion counted: what `residue_counts` and a histogram
+    of the split's `length` column give."""
+    tokens = np.zeros(VOCAB_SIZE, dtype=np.int64)
+    tokens[:min(VOCAB_SIZE, len(counts.token_counts))] = counts.token_counts[:VOCAB_SIZE]
+    folded: dict[int, int] = {}
+    for n, k in counts.length_counts.items():
+        folded[min(n, max_length)] = folded.get(min(n, max_length), 0) + k
+    residues = tokens[FIRST_RESIDUE_ID:FIRST_RESIDUE_ID + NUM_RESIDUES].astype(np.float64)
+    return residues, {str(n): folded[n] for n in sorted(folded)}
 
 
 def residue_counts(tokenized) -> np.ndarray:
