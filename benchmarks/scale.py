@@ -14,7 +14,8 @@ and for each W (`--worlds`), real launches of `trainer train CONFIG --nproc W` (
 
   first step    wall time from the launch to the first step's record in the run's metrics.jsonl (the data
                 caches already built)
-  rank RSS      each rank's peak resident memory (VmHWM of the rank processes, read from /proc while they run);
+  rank RSS      each rank's peak resident memory (VmHWM of the rank processes, read from /proc while they run),
+                and its peak private memory (RssAnon: without the memory-mapped shards' page-cache pages);
                 the largest over ranks is reported
   resume @90%   the same run's checkpoint moved to the step at 90 % of the epoch (its trainer_state.json step,
                 and its manifest), resumed: launch to the first step after it. Map-style data computes its
@@ -91,11 +92,15 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _peak_kib(pid: int) -> int | None:
+def _peak_kib(pid: int) -> tuple[int, int] | None:
+    """(VmHWM, RssAnon) of a process in KiB: its peak resident memory, file pages it maps included, and its
+    private memory now."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration, ValueError):
+            fields = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)
+                      if k in ("VmHWM", "RssAnon")}
+        return fields["VmHWM"], fields["RssAnon"]
+    except (OSError, KeyError, ValueError):
         return None
 
 
@@ -120,6 +125,10 @@ class Watched:
     rank_peak_mib: dict[int, float] = field(default_factory=dict)
     """Peak RSS of each rank process (RANK in its environment, its parent without); rank 0 = the command itself
     when nothing set RANK (one process)."""
+    rank_anon_mib: dict[int, float] = field(default_factory=dict)
+    """Peak private memory (RssAnon) of each rank process: what it holds itself, without the memory-mapped
+    shards' page-cache pages (shared by the node's processes and reclaimable; how many a read maps depends on the
+    kernel's page-cache folio size)."""
     any_peak_mib: float = 0.0
     """The largest peak RSS of any process of the command (conversion workers included)."""
 
@@ -137,6 +146,7 @@ def watch(cmd: list[str], metrics: Path | None = None, poll_s: float = 0.05, env
     reader.start()
     seen: list[tuple[float, dict[str, Any]]] = []
     peaks: dict[int, int] = {}
+    anon: dict[int, int] = {}
     ranks: dict[int, int] = {}
     offset, polls = 0, 0
     while True:
@@ -153,7 +163,8 @@ def watch(cmd: list[str], metrics: Path | None = None, poll_s: float = 0.05, env
             for pid in _descendants(proc.pid):
                 kib = _peak_kib(pid)
                 if kib is not None:
-                    peaks[pid] = max(peaks.get(pid, 0), kib)
+                    peaks[pid] = max(peaks.get(pid, 0), kib[0])
+                    anon[pid] = max(anon.get(pid, 0), kib[1])
                     if pid not in ranks:
                         r = _rank(pid)
                         if r is not None:
@@ -166,11 +177,15 @@ def watch(cmd: list[str], metrics: Path | None = None, poll_s: float = 0.05, env
     wall = time.perf_counter() - t0
     rank_procs = {pid: r for pid, r in ranks.items() if _parent_rank(pid, ranks) is None}
     by_rank: dict[int, float] = {}
+    anon_by_rank: dict[int, float] = {}
     for pid, r in rank_procs.items():
         by_rank[r] = max(by_rank.get(r, 0.0), peaks.get(pid, 0) / 1024)
+        anon_by_rank[r] = max(anon_by_rank.get(r, 0.0), anon.get(pid, 0) / 1024)
     if not by_rank and proc.pid in peaks:
         by_rank[0] = peaks[proc.pid] / 1024
-    return Watched(proc.returncode, wall, "".join(out), seen, by_rank, max(peaks.values(), default=0) / 1024)
+        anon_by_rank[0] = anon[proc.pid] / 1024
+    return Watched(proc.returncode, wall, "".join(out), seen, by_rank, anon_by_rank,
+                   max(peaks.values(), default=0) / 1024)
 
 
 _PARENTS: dict[int, int] = {}
@@ -338,6 +353,7 @@ def measure_size(a: argparse.Namespace, n: int) -> tuple[dict[str, Any], list[di
         per_rank_step = train[-1]["samples_per_s"] / world  # the job's samples/s, as logged, per rank
         wr: dict[str, Any] = {"N": n, "W": world, "first_step_s": first_step_s(w),
                               "rank_peak_MiB": max(w.rank_peak_mib.values(), default=float("nan")),
+                              "rank_private_MiB": max(w.rank_anon_mib.values(), default=float("nan")),
                               "ranks_seen": len(w.rank_peak_mib),
                               "rank0_logged_MiB": train[-1].get("peak_memory_mb", float("nan")),
                               "eval_s": eval_s(w), "step_samples_per_s_rank": per_rank_step}
@@ -397,6 +413,7 @@ SIZE_COLS = [("N", "N"), ("MiB", "FASTA MiB"), ("gen_s", "generate s"), ("cat_s"
              ("convert_over_cat", "conversion / cat"),
              ("convert_over_zcat", "conversion / zcat"), ("prepare_peak_MiB", "prepare peak RSS MiB")]
 WORLD_COLS = [("N", "N"), ("W", "W"), ("first_step_s", "launch to 1st step s"), ("rank_peak_MiB", "rank peak RSS MiB"),
+              ("rank_private_MiB", "rank peak private (anon) MiB"),
               ("ranks_seen", "ranks seen"), ("rank0_logged_MiB", "rank 0 logged MiB"),
               ("resume_s", "resume @90% to 1st step s"),
               ("resume_epoch", "resumed at epoch"), ("loader_rank", "loader samples/s/rank"),
@@ -405,7 +422,8 @@ WORLD_COLS = [("N", "N"), ("W", "W"), ("first_step_s", "launch to 1st step s"), 
               ("step_samples_per_s_rank", "step consumes samples/s/rank"), ("eval_s", "eval s")]
 EVAL_COLS = [("N", "N"), ("W", "W"), ("val_fraction", "val_fraction"), ("validation", "validation seqs"),
              ("max_samples", "eval.max_samples"), ("eval_s", "eval s")]
-SCALED = ["cat_s", "prepare_s", "convert_s", "prepare_peak_MiB", "cached_s", "first_step_s", "rank_peak_MiB", "resume_s",
+SCALED = ["cat_s", "prepare_s", "convert_s", "prepare_peak_MiB", "cached_s", "first_step_s", "rank_peak_MiB", "rank_private_MiB",
+          "resume_s",
           "loader_rank", "loader_cpu_us", "eval_s"]
 
 

@@ -92,3 +92,22 @@ def test_reference_lengths_and_counts_of_a_selection(sample):
     ds = tokenize_dataset(sample.select([3, 3, 9, 0, 41]))
     assert column_array(ds, "length").tolist() == [len(x) for x in ds["input_ids"]]
     assert np.array_equal(residue_counts(ds), _old_counts(ds))
+
+
+@pytest.mark.parametrize("split", ["train", "validation", None])
+def test_crops_read_each_row_of_the_selection_and_survive_a_worker_pickle(sample, split):
+    """ProteinCrops reads a split's rows through zero-copy views of the Arrow buffers and of the split's
+    selection: the same residues as `datasets`' own row access, in the selection's order, and the same after
+    the pickle a DataLoader worker receives (which carries the dataset, not the views)."""
+    from trainer.families.protein_sedd.task import ProteinCrops
+
+    ds = tokenize_dataset(sample if split is None else select_split(sample, split))
+    crops = ProteinCrops(ds, 10_000, seed=0, random_crop=False)
+    expected = ds.with_format("numpy", columns=["input_ids"])
+    rows = list(range(0, len(ds), max(1, len(ds) // 50))) + [len(ds) - 1, -1]
+    for i in rows:
+        assert np.array_equal(crops.get_item(i)["states"], residue_states(expected[i]["input_ids"]))
+    again = pickle.loads(pickle.dumps(crops))
+    assert all(np.array_equal(again.get_item(i)["states"], crops.get_item(i)["states"]) for i in rows)
+    with pytest.raises(IndexError):
+        crops.get_item(len(ds))

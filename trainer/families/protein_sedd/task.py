@@ -124,12 +124,23 @@ class ProteinCrops(Dataset):
         self.seed = seed
         self.random_crop = random_crop
         self.start_share = start_share
+        self._rows = _TableRows(tokenized, "input_ids")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the reader's arrays view the Arrow buffers: a worker re-opens them from the dataset instead
+        return {k: v for k, v in self.__dict__.items() if k != "_rows"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._rows = _TableRows(self.ids, "input_ids")
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def get_item(self, index: int, epoch: int = 0) -> dict[str, Any]:
-        seq = self.ids[index]["input_ids"]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sequence {index} of {len(self)}")
+        seq = self._rows[index % len(self)]
         start = 0
         if self.random_crop and len(seq) > self.max_length:
             rng = derive_rng("protein_sedd/crop", self.seed, epoch, index)
@@ -202,8 +213,10 @@ class PackedBlocks(Dataset):
 
 class _TableRows:
     """Rows of a list column of the underlying Arrow table, read through zero-copy views of its chunks' offsets
-    and values: nothing per row is copied into the process (`arrow_cache.ListColumn` holds int64 copies of
-    the offsets, the lengths and the selection, 24 bytes a row, which PackedBlocks does not need)."""
+    and values, and of the dataset's selection (a split's indices): nothing per row is copied into the process
+    (`arrow_cache.ListColumn` holds int64 copies of the offsets, the lengths and the selection, 24 bytes a row),
+    and a read maps only the pages it touches (`datasets`' row access and pyarrow's `combine_chunks` of a one-row
+    slice map about as much of the file as the record batch's offsets span)."""
 
     def __init__(self, ds, name: str):
         chunks = ds.with_format(None).data.column(name).chunks
@@ -211,12 +224,23 @@ class _TableRows:
         self.offsets = [chunk.offsets.to_numpy() for chunk in chunks]
         self.values = [chunk.values.to_numpy(zero_copy_only=False) for chunk in chunks]
         self.chunk_starts = np.cumsum([0] + [len(c) for c in chunks], dtype=np.int64)
+        selection = None if ds._indices is None else ds._indices.column(0).chunks
+        self.selected = None if selection is None else [chunk.to_numpy() for chunk in selection]
+        self.selected_starts = (None if selection is None
+                                else np.cumsum([0] + [len(c) for c in selection], dtype=np.int64))
 
     def table_row(self, row: int) -> np.ndarray:
         """The values of row `row` of the underlying table (a view, no copy)."""
         c = int(np.searchsorted(self.chunk_starts, row, side="right")) - 1
         k = row - int(self.chunk_starts[c])
         return self.values[c][int(self.offsets[c][k]):int(self.offsets[c][k + 1])]
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        """The values of the dataset's row `index` (through its selection)."""
+        if self.selected is None:
+            return self.table_row(index)
+        c = int(np.searchsorted(self.selected_starts, index, side="right")) - 1
+        return self.table_row(int(self.selected[c][index - int(self.selected_starts[c])]))
 
 
 def collate_crops(samples: list[dict[str, Any]]) -> dict[str, Any]:
