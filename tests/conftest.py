@@ -246,6 +246,16 @@ FAMILY_RUN_OVERRIDES = {
 """What a family's tiny config needs changed for these runs, on top of FAMILY_RUNS_COMMON (most need nothing)."""
 
 
+def load_script(path: Path, name: str):
+    """A script of the repository (scripts/, benchmarks/: not part of the package) imported as module `name`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def trainable_families() -> list[str]:
     """This repository's tasks that train from a config of their own: each task whose spec lives in trainer/families,
     but one that post-trains another task's runs (a spec's `aligned_by`, run by `trainer align RUN_DIR`)."""

@@ -16,7 +16,7 @@ compared multiplied by L and our gradients are taken of that product.
     TRAINER_REFERENCE_SEDD=/tmp/ref_sedd python scripts/parity/sedd.py            # compare, exit 1 on a failure
     TRAINER_REFERENCE_SEDD=/tmp/ref_sedd python scripts/parity/sedd.py --write-golden tests/families/protein_sedd/golden
 
-``--write-golden DIR`` writes what ``tests/families/protein_sedd/test_parity.py`` checks without the reference:
+``--write-golden DIR`` writes what ``tests/families/protein_sedd/test_sedd_parity.py`` checks without the reference:
 ``weights.safetensors`` (the randomised reference state dict), ``io.safetensors`` (inputs and the reference's
 outputs) and ``meta.json`` (repository, commit, licence, config); ``--check-golden DIR`` also checks that the
 golden files are what this checkout computes. The commit is ``git rev-parse HEAD`` of the checkout, or the
@@ -31,10 +31,8 @@ without CUDA. Importing the reference changes global TorchScript flags, so run i
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
 import types
 import warnings
@@ -45,6 +43,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from parity_common import (  # noqa: E402
+    close,
+    parse_arguments,
+    read_golden_files,
+    reference_commit,
+    report,
+    stale_golden,
+)
 
 REPO = "louaaron/Score-Entropy-Discrete-Diffusion"
 LICENSE = "MIT"
@@ -108,7 +116,11 @@ class _PinnedGraph:
 def ours_loss(model: nn.Module, x0: torch.Tensor, t: torch.Tensor, perturbed: torch.Tensor,
               config: Mapping[str, Any] = CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-sequence sums [B], our task's loss: their total over the token count) with t and x_t pinned."""
-    from trainer.families.protein_sedd.sedd import AbsorbingGraph, LogLinearNoise, score_entropy_loss
+    from trainer.families.protein_sedd.sedd import (
+        AbsorbingGraph,
+        LogLinearNoise,
+        score_entropy_loss,
+    )
 
     graph = _PinnedGraph(AbsorbingGraph(config["tokens"] + 1), perturbed)
     per_seq, tokens = score_entropy_loss(model, graph, LogLinearNoise(), x0, t=t)  # type: ignore[arg-type]
@@ -118,7 +130,10 @@ def ours_loss(model: nn.Module, x0: torch.Tensor, t: torch.Tensor, perturbed: to
 def ours_outputs(ref_state: Mapping[str, torch.Tensor], x0: torch.Tensor, t: torch.Tensor,
                  perturbed: torch.Tensor, config: Mapping[str, Any] = CONFIG) -> dict[str, Any]:
     """Everything compared, computed by our code from the reference's state dict (through our key map)."""
-    from trainer.families.protein_sedd.reference import from_reference_state_dict, reference_state_dict
+    from trainer.families.protein_sedd.reference import (
+        from_reference_state_dict,
+        reference_state_dict,
+    )
     from trainer.families.protein_sedd.sedd import LogLinearNoise
 
     model = build_ours(config)
@@ -190,14 +205,6 @@ def randomise_(model: nn.Module, seed: int) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, failures: list[str]) -> None:
-    try:
-        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
-    except AssertionError as e:
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        failures.append(f"{name}: " + "; ".join([lines[0]] + [ln for ln in lines[1:] if ln.startswith("Greatest")]))
-
-
 def compare(ours: Mapping[str, Any], ref: Mapping[str, Any], length: int, full_grads: bool = True) -> list[str]:
     """Differences between our outputs and the reference's beyond the tolerances (empty: parity).
 
@@ -208,20 +215,20 @@ def compare(ours: Mapping[str, Any], ref: Mapping[str, Any], length: int, full_g
     failures: list[str] = []
     if not ours["round_trip"]:
         failures.append("state dict round trip (reference -> ours -> reference) is not exact")
-    _close("forward (eval)", ours["logits_eval"], ref["logits_eval"], **TOL_OUT, failures=failures)
-    _close("forward (train)", ours["logits_train"], ref["logits_train"], **TOL_OUT, failures=failures)
-    _close("loss per sequence", ours["loss_per_seq"], ref["loss_per_seq"], rtol=TOL_LOSS_REL, atol=0.0,
+    close("forward (eval)", ours["logits_eval"], ref["logits_eval"], **TOL_OUT, failures=failures)
+    close("forward (train)", ours["logits_train"], ref["logits_train"], **TOL_OUT, failures=failures)
+    close("loss per sequence", ours["loss_per_seq"], ref["loss_per_seq"], rtol=TOL_LOSS_REL, atol=0.0,
            failures=failures)
-    _close("loss (ours x L vs the reference's mean)", ours["loss"] * length, ref["loss"], rtol=TOL_LOSS_REL,
+    close("loss (ours x L vs the reference's mean)", ours["loss"] * length, ref["loss"], rtol=TOL_LOSS_REL,
            atol=0.0, failures=failures)
     for name, want in ref["grads"].items():
-        _close(f"gradient {name}", ours["grads"][name], want, **TOL_GRAD, failures=failures)
+        close(f"gradient {name}", ours["grads"][name], want, **TOL_GRAD, failures=failures)
     if "grad_norms" in ref:
         got = torch.stack([ours["grads"][n].norm() for n in ref["grad_names"]])
-        _close("gradient norms", got, ref["grad_norms"], **TOL_GRAD, failures=failures)
+        close("gradient norms", got, ref["grad_norms"], **TOL_GRAD, failures=failures)
     for kind in ("sgd", "adam"):
         for name, want in ref.get(kind, {}).items():
-            _close(f"{kind} step {name}", ours[kind][name], want, **TOL_PARAM, failures=failures)
+            close(f"{kind} step {name}", ours[kind][name], want, **TOL_PARAM, failures=failures)
     return failures
 
 
@@ -272,20 +279,6 @@ def load_reference(path: str | os.PathLike[str]) -> dict[str, Any]:
     return {"SEDD": SEDD, "losses": losses, "graph_lib": graph_lib, "noise_lib": noise_lib}
 
 
-def reference_commit(path: str | os.PathLike[str]) -> str:
-    """The checkout's commit: its REFERENCE_COMMIT file (an archive), else ``git rev-parse HEAD``."""
-    f = Path(path) / "REFERENCE_COMMIT"
-    if f.is_file():
-        return f.read_text().strip()
-    try:
-        out = subprocess.run(["git", "-C", str(path), "rev-parse", "--show-toplevel", "HEAD"],
-                             capture_output=True, text=True, check=True).stdout.split()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    # Only the checkout's own repository: a plain folder inside another repository is not that commit.
-    return out[1] if Path(out[0]).resolve() == Path(path).resolve() else "unknown"
-
-
 def reference_outputs(ref: Mapping[str, Any], inputs: Mapping[str, torch.Tensor],
                       config: Mapping[str, Any] = CONFIG) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(the randomised reference state dict, the reference's outputs) for ``inputs``."""
@@ -314,7 +307,10 @@ def reference_outputs(ref: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]
 def round_trip_into_reference(ref: Mapping[str, Any], state: Mapping[str, torch.Tensor],
                               config: Mapping[str, Any] = CONFIG) -> bool:
     """Reference -> ours -> reference, loaded with strict=True into a fresh reference model: exact?"""
-    from trainer.families.protein_sedd.reference import from_reference_state_dict, reference_state_dict
+    from trainer.families.protein_sedd.reference import (
+        from_reference_state_dict,
+        reference_state_dict,
+    )
 
     ours = build_ours(config)
     ours.load_state_dict(from_reference_state_dict(state), strict=True)
@@ -366,16 +362,7 @@ def write_golden(out_dir: Path, state: Mapping[str, torch.Tensor], inputs: Mappi
 
 def load_golden(golden_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any], dict]:
     """(reference weights, inputs, the reference's outputs in ``compare``'s layout, meta) from golden files."""
-    from safetensors.torch import load_file
-
-    for name in ("weights.safetensors", "io.safetensors", "meta.json"):
-        if not (golden_dir / name).is_file():
-            raise FileNotFoundError(f"{golden_dir / name}: golden file missing (scripts/parity/sedd.py "
-                                    f"--write-golden {golden_dir} writes it)")
-    state = load_file(str(golden_dir / "weights.safetensors"))
-    io = load_file(str(golden_dir / "io.safetensors"))
-    meta = json.loads((golden_dir / "meta.json").read_text())
-    inputs = {k.removeprefix("input."): v for k, v in io.items() if k.startswith("input.")}
+    state, io, meta, inputs = read_golden_files(golden_dir, "sedd.py")
     ref = {k: io[k] for k in ("logits_eval", "logits_train", "loss_per_seq", "loss")}
     ref["grads"] = {k.removeprefix("grad."): v for k, v in io.items() if k.startswith("grad.")}
     ref["grad_norms"], ref["grad_names"] = io["grad_norms"], meta["grad_names"]
@@ -384,14 +371,7 @@ def load_golden(golden_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, to
 
 
 def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reference", default=os.environ.get(ENV), help=f"reference checkout (default: ${ENV})")
-    p.add_argument("--write-golden", type=Path, metavar="DIR", help="write the golden files into DIR")
-    p.add_argument("--check-golden", type=Path, metavar="DIR",
-                   help="also check that the golden files in DIR are what this reference checkout computes")
-    args = p.parse_args(argv)
-    if not args.reference:
-        p.error(f"name the reference checkout with {ENV}=/path or --reference")
+    args = parse_arguments(__doc__.split("\n\n")[0], ENV, argv)
     torch.set_num_threads(1)  # one reduction order on every machine the golden files are checked on
     ref = load_reference(args.reference)
     commit = reference_commit(args.reference)
@@ -407,10 +387,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     if args.check_golden:
         # The committed golden files must still be what this checkout computes (not stale, same inputs).
         g_state, g_inputs, g_ref, _ = load_golden(args.check_golden)
-        if set(g_state) != set(state) or not all(torch.equal(g_state[k], state[k]) for k in state):
-            failures.append(f"{args.check_golden}/weights.safetensors: not the weights this script randomises")
-        if not all(torch.equal(g_inputs[k], v) for k, v in inputs.items()):
-            failures.append(f"{args.check_golden}/io.safetensors: inputs differ from this script's")
+        failures += stale_golden(args.check_golden, g_state, g_inputs, state, inputs)
         failures += [f"golden {f}" for f in compare({**ref_out, "round_trip": True}, g_ref, length=1)]
     length = CONFIG["length"]
     log(f"reference {REPO}@{commit[:7]}; config {CONFIG['model']}, batch {CONFIG['batch_size']}x{length}")
@@ -422,17 +399,9 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
                for n, g in ref_out["grads"].items())
     log(f"max |logit diff| {worst:.3g} (with dropout 0.1, same seed: {drop:.3g}); "
         f"max gradient diff / tensor max {gmax:.3g}")
-    for f in failures:
-        log(f"FAIL {f}")
-    if failures:
-        return 1
-    log("parity: state dict round trip exact; forward (eval, train, train with dropout), loss, gradients, SGD "
-        "and Adam steps within tolerance" + (f"; golden files in {args.check_golden} current" if args.check_golden
-                                             else ""))
-    if args.write_golden:
-        write_golden(args.write_golden, state, inputs, ref_out, commit)
-        log(f"golden files written to {args.write_golden}")
-    return 0
+    return report(failures, "parity: state dict round trip exact; forward (eval, train, train with dropout), loss, "
+                  "gradients, SGD and Adam steps within tolerance", args,
+                  lambda out: write_golden(out, state, inputs, ref_out, commit), log)
 
 
 if __name__ == "__main__":

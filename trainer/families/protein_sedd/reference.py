@@ -12,21 +12,14 @@ from collections.abc import Mapping
 
 import torch
 
+from trainer.state_dicts import strip_wrapper_prefixes
+
 ROTARY_KEY = "rotary_emb.inv_freq"
 
 
 def rotary_inv_freq(head_dim: int, base: float = 10_000) -> torch.Tensor:
     """The rotary frequencies both implementations compute for ``head_dim`` (fp32)."""
     return 1.0 / (base ** (torch.arange(0, head_dim, 2).float() / head_dim))
-
-
-def _strip_prefix(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # DDP / torch.compile wrappers prefix every key; a checkpoint saved from a wrapped model still maps.
-    out = dict(state_dict)
-    for prefix in ("module.", "_orig_mod."):
-        if out and all(k.startswith(prefix) for k in out):
-            out = {k[len(prefix):]: v for k, v in out.items()}
-    return out
 
 
 def from_reference_state_dict(state_dict: Mapping[str, torch.Tensor], source: str = "reference state dict"
@@ -36,7 +29,7 @@ def from_reference_state_dict(state_dict: Mapping[str, torch.Tensor], source: st
     Drops ``rotary_emb.inv_freq`` after checking it equals the frequencies ours computes: a checkpoint whose
     buffer differs would give a different model, so it is an error naming ``source`` rather than a silent drop.
     """
-    sd = _strip_prefix(state_dict)
+    sd = strip_wrapper_prefixes(state_dict)
     inv_freq = sd.pop(ROTARY_KEY, None)
     if inv_freq is not None:
         expected = rotary_inv_freq(2 * inv_freq.numel())
@@ -52,7 +45,7 @@ def reference_state_dict(state_dict: Mapping[str, torch.Tensor], n_heads: int) -
     ``n_heads`` gives the head dimension (hidden size / heads) for the ``rotary_emb.inv_freq`` buffer the
     reference expects.
     """
-    sd = _strip_prefix(state_dict)
+    sd = strip_wrapper_prefixes(state_dict)
     if "vocab_embed.embedding" not in sd:
         raise ValueError("state dict has no 'vocab_embed.embedding': not a DDiT state dict")
     hidden = sd["vocab_embed.embedding"].shape[1]

@@ -6,7 +6,6 @@ reference checkout) without the reference; and live against a checkout named by 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
 from trainer.families.protein_sedd.reference import (
     ROTARY_KEY,
@@ -29,10 +29,7 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 
 @pytest.fixture(scope="module")
 def parity():
-    spec = importlib.util.spec_from_file_location("sedd_parity", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "sedd_parity")
 
 
 @pytest.fixture(scope="module")
