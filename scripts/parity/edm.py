@@ -40,12 +40,14 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import parity_common  # noqa: E402
 from parity_common import (  # noqa: E402
     close,
     parse_arguments,
     read_golden_files,
     reference_commit,
     report,
+    round_trip_exact,
     stale_golden,
 )
 
@@ -143,13 +145,7 @@ def make_inputs(config: Mapping[str, Any] = CONFIG) -> dict[str, torch.Tensor]:
 def step_params(params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], kind: str,
                 config: Mapping[str, Any] = CONFIG) -> dict[str, torch.Tensor]:
     """Parameters after one ``kind`` ("sgd" or "adam") step from ``params`` with ``grads`` (copies)."""
-    ps = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
-    for n, p in ps.items():
-        p.grad = grads[n].clone()
-    opt = (torch.optim.SGD(ps.values(), lr=config["sgd_lr"]) if kind == "sgd"
-           else torch.optim.Adam(ps.values(), lr=config["adam_lr"]))
-    opt.step()
-    return {n: p.detach() for n, p in ps.items()}
+    return parity_common.step_params(params, grads, kind, config["sgd_lr"], config["adam_lr"])
 
 
 def ours_outputs(ref_state: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor],
@@ -354,11 +350,8 @@ def round_trip_into_reference(ref: Mapping[str, Any], state: Mapping[str, torch.
         reference_state_dict,
     )
 
-    ours = build_ours(config)
-    ours.load_state_dict(from_reference_state_dict(state), strict=True)
-    fresh = build_reference(ref, config)
-    fresh.load_state_dict(reference_state_dict(ours.state_dict()), strict=True)
-    return all(torch.equal(fresh.state_dict()[k], v) for k, v in state.items())
+    return round_trip_exact(state, build_ours(config), build_reference(ref, config), from_reference_state_dict,
+                            reference_state_dict)
 
 
 def schedule_matches(ref: Mapping[str, Any], config: Mapping[str, Any] = CONFIG) -> float:

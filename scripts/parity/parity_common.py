@@ -43,6 +43,27 @@ def reference_commit(path: str | os.PathLike[str]) -> str:
     return out[1] if Path(out[0]).resolve() == Path(path).resolve() else "unknown"
 
 
+def step_params(params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], kind: str, sgd_lr: float,
+                adam_lr: float) -> dict[str, torch.Tensor]:
+    """Parameters after one `kind` ("sgd" or "adam") step from `params` with `grads` (copies; `params` unchanged)."""
+    copies = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
+    for n, p in copies.items():
+        p.grad = grads[n].clone()
+    opt = (torch.optim.SGD(copies.values(), lr=sgd_lr) if kind == "sgd"
+           else torch.optim.Adam(copies.values(), lr=adam_lr))
+    opt.step()
+    return {n: p.detach() for n, p in copies.items()}
+
+
+def round_trip_exact(state: Mapping[str, torch.Tensor], ours: torch.nn.Module, fresh_reference: torch.nn.Module,
+                     from_reference: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]],
+                     to_reference: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]) -> bool:
+    """The reference's `state` -> `ours` -> a fresh reference model, each loaded with strict=True: the same tensors?"""
+    ours.load_state_dict(from_reference(state), strict=True)
+    fresh_reference.load_state_dict(to_reference(ours.state_dict()), strict=True)
+    return all(torch.equal(fresh_reference.state_dict()[k], v) for k, v in state.items())
+
+
 def close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, failures: list[str]) -> None:
     """Append to `failures` what `torch.testing.assert_close` says of `got` against `want`, in one line."""
     try:

@@ -45,12 +45,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import parity_common  # noqa: E402
 from parity_common import (  # noqa: E402
     close,
     parse_arguments,
     read_golden_files,
     reference_commit,
     report,
+    round_trip_exact,
     stale_golden,
 )
 
@@ -159,13 +161,7 @@ def step_params(model: nn.Module, grads: Mapping[str, torch.Tensor], kind: str,
                 config: Mapping[str, Any] = CONFIG) -> dict[str, torch.Tensor]:
     """Parameters after one ``kind`` ("sgd" or "adam") step from the model's current weights with ``grads``
     (the model itself is left unchanged)."""
-    params = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters()}
-    for n, p in params.items():
-        p.grad = grads[n].clone()
-    opt = (torch.optim.SGD(params.values(), lr=config["sgd_lr"]) if kind == "sgd"
-           else torch.optim.Adam(params.values(), lr=config["adam_lr"]))
-    opt.step()
-    return {n: p.detach() for n, p in params.items()}
+    return parity_common.step_params(dict(model.named_parameters()), grads, kind, config["sgd_lr"], config["adam_lr"])
 
 
 def make_inputs(config: Mapping[str, Any] = CONFIG) -> dict[str, torch.Tensor]:
@@ -312,11 +308,9 @@ def round_trip_into_reference(ref: Mapping[str, Any], state: Mapping[str, torch.
         reference_state_dict,
     )
 
-    ours = build_ours(config)
-    ours.load_state_dict(from_reference_state_dict(state), strict=True)
     fresh = ref["SEDD"]({k: v for k, v in config.items() if k in ("tokens", "graph", "model")})
-    fresh.load_state_dict(reference_state_dict(ours.state_dict(), config["model"]["n_heads"]), strict=True)
-    return all(torch.equal(fresh.state_dict()[k], v) for k, v in state.items())
+    return round_trip_exact(state, build_ours(config), fresh, from_reference_state_dict,
+                            lambda sd: reference_state_dict(sd, config["model"]["n_heads"]))
 
 
 def dropout_parity(ref: Mapping[str, Any], inputs: Mapping[str, torch.Tensor], p: float = 0.1,
