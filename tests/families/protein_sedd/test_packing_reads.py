@@ -8,45 +8,29 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT, load_script
 
-from trainer.data.arrow_cache import selected_column
+from trainer.data.arrow_cache import column_array, selected_column
 from trainer.families.protein_sedd.dataset import build_fasta_dataset, select_split, tokenize_dataset
 from trainer.families.protein_sedd.task import (
-    FIRST_RESIDUE_ID,
-    NUM_RESIDUES,
-    SEP_STATE,
-    VOCAB_SIZE,
     PackedBlocks,
     residue_counts,
     residue_states,
 )
-from trainer.seeding import derive_rng
 
 SAMPLE = Path(__file__).resolve().parents[3] / "trainer/families/protein_sedd/samples/uniprot_sample_3k.fasta.gz"
 
 
+_COLUMN_READS = load_script(ROOT / "benchmarks" / "column_reads.py", "column_reads")
+"""The code the column reads replaced, kept by the benchmark that times the two against each other."""
+_old_counts = _COLUMN_READS.old_counts
+
+
 def _old_blocks(tokenized, max_length: int, seed: int) -> tuple[np.ndarray, int]:
-    """The implementation replaced: a per-process int8 copy of every residue, one slice per sequence."""
-    column = selected_column(tokenized, "input_ids")
-    offsets = column.offsets.to_numpy()
-    values = residue_states(column.values.to_numpy())
-    lengths = np.diff(offsets)
-    order = derive_rng("protein_sedd/packing", seed).permutation(len(lengths))
-    stream = np.full(int(lengths.sum()) + len(lengths), SEP_STATE, dtype=np.int8)
-    starts = np.concatenate([[0], np.cumsum(lengths[order] + 1)[:-1]])
-    for start, k in zip(starts, order):
-        stream[start:start + lengths[k]] = values[offsets[k]:offsets[k + 1]]
-    num_blocks = len(stream) // max_length
-    blocks = stream[: num_blocks * max_length].reshape(num_blocks, max_length)
-    return blocks, len(stream) - blocks.size
-
-
-def _old_counts(tokenized) -> np.ndarray:
-    counts = np.zeros(VOCAB_SIZE, dtype=np.int64)
-    for batch in tokenized.with_format("numpy", columns=["input_ids"]).iter(batch_size=1000):
-        for ids in batch["input_ids"]:
-            counts += np.bincount(ids.astype(np.int64), minlength=VOCAB_SIZE)
-    return counts[FIRST_RESIDUE_ID:FIRST_RESIDUE_ID + NUM_RESIDUES].astype(np.float64)
+    """The packing replaced (a per-process int8 copy of every residue, one slice per sequence) and what it left out."""
+    blocks = _COLUMN_READS.old_packing(tokenized, max_length, seed)
+    total = int(column_array(tokenized, "length").sum()) + len(tokenized)  # residues plus one separator each
+    return blocks, total - blocks.size
 
 
 @pytest.fixture(scope="module")
