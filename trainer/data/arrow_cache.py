@@ -311,9 +311,12 @@ def column_array(ds: Any, name: str) -> np.ndarray:
 class ListColumn:
     """A variable-length list column of a dataset (e.g. `input_ids`) as numpy views of its Arrow chunks.
 
-    Nothing is copied: each chunk's flat values are a view of the (memory-mapped) Arrow buffer, so a
-    process holds only per-row offsets. Rows are numbered in the dataset's order (a `select`,
-    `shuffle` or `filter` is honoured); `table_row(r)` reads row r of the underlying table.
+    Nothing is copied: each chunk's offsets and flat values, and the selection's row numbers, are views of the
+    (memory-mapped) Arrow buffers, so reading a row maps only the pages it touches and a process holds nothing
+    per row until it asks for a whole-column quantity (`lengths`, `table_rows`, `flat`, `bincount`). Rows are
+    numbered in the dataset's order (a `select`, `shuffle` or `filter` is honoured); `table_row(r)` reads row r of
+    the underlying table. A reader built from views: a DataLoader worker builds its own from the dataset rather
+    than receiving one pickled (which would copy the views).
     """
 
     def __init__(self, ds: Any, name: str):
@@ -328,15 +331,33 @@ class ListColumn:
             if chunk.null_count:
                 raise ValueError(f"column {name!r} has {chunk.null_count} null rows")
             # `.offsets` of a sliced chunk index its unsliced `.values`: keep the two together
-            self.offsets.append(chunk.offsets.to_numpy().astype(np.int64))
+            self.offsets.append(chunk.offsets.to_numpy())
             self.values.append(chunk.values.to_numpy(zero_copy_only=False))
         self.chunk_starts = np.cumsum([0] + [len(c) for c in chunks], dtype=np.int64)
-        self.rows = selected_rows(ds)
-        self.table_lengths = (np.concatenate([np.diff(o) for o in self.offsets]) if self.offsets
-                              else np.zeros(0, np.int64))
+        selection = None if ds._indices is None else ds._indices.column(0).chunks
+        self._selected = None if selection is None else [chunk.to_numpy() for chunk in selection]
+        self._selected_starts = (None if selection is None
+                                 else np.cumsum([0] + [len(c) for c in selection], dtype=np.int64))
+        self._rows: np.ndarray | None = None
+        self._table_lengths: np.ndarray | None = None
+
+    @property
+    def rows(self) -> np.ndarray | None:
+        """The underlying table's row of each of the dataset's rows (None: no selection); made on first use."""
+        if self._selected is not None and self._rows is None:
+            self._rows = np.concatenate(self._selected) if self._selected else np.zeros(0, np.uint64)
+        return self._rows
+
+    @property
+    def table_lengths(self) -> np.ndarray:
+        """Items per row of the underlying table, int64; made on first use."""
+        if self._table_lengths is None:
+            self._table_lengths = (np.concatenate([np.diff(o) for o in self.offsets]).astype(np.int64)
+                                   if self.offsets else np.zeros(0, np.int64))
+        return self._table_lengths
 
     def __len__(self) -> int:
-        return len(self.table_lengths) if self.rows is None else len(self.rows)
+        return int(self.chunk_starts[-1] if self._selected is None else self._selected_starts[-1])
 
     def lengths(self) -> np.ndarray:
         """Items per row, int64, in the dataset's row order."""
@@ -350,10 +371,14 @@ class ListColumn:
         """The values of row `row` of the underlying table (a view, no copy)."""
         c = int(np.searchsorted(self.chunk_starts, row, side="right")) - 1
         k = row - int(self.chunk_starts[c])
-        return self.values[c][self.offsets[c][k]:self.offsets[c][k + 1]]
+        return self.values[c][int(self.offsets[c][k]):int(self.offsets[c][k + 1])]
 
     def __getitem__(self, index: int) -> np.ndarray:
-        return self.table_row(int(index if self.rows is None else self.rows[index]))
+        """The values of the dataset's row `index` (through its selection; a view, no copy)."""
+        if self._selected is None:
+            return self.table_row(int(index))
+        c = int(np.searchsorted(self._selected_starts, index, side="right")) - 1
+        return self.table_row(int(self._selected[c][index - int(self._selected_starts[c])]))
 
     def flat(self) -> np.ndarray:
         """The values of the dataset's rows concatenated in its row order (a copy; one gather, no row loop)."""

@@ -124,7 +124,7 @@ class ProteinCrops(Dataset):
         self.seed = seed
         self.random_crop = random_crop
         self.start_share = start_share
-        self._rows = _TableRows(tokenized, "input_ids")
+        self._rows = ListColumn(tokenized, "input_ids")
 
     def __getstate__(self) -> dict[str, Any]:
         # the reader's arrays view the Arrow buffers: a worker re-opens them from the dataset instead
@@ -132,7 +132,7 @@ class ProteinCrops(Dataset):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._rows = _TableRows(self.ids, "input_ids")
+        self._rows = ListColumn(self.ids, "input_ids")
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -176,7 +176,7 @@ class PackedBlocks(Dataset):
         del rows
         self.ends = np.cumsum(lengths[order] + 1, dtype=np.int64)  # where each sequence's separator ends
         del lengths, order
-        self._column = _TableRows(tokenized, "input_ids")
+        self._column = ListColumn(tokenized, "input_ids")
         total = int(self.ends[-1]) if len(self.ends) else 0
         self.num_blocks = total // max_length
         self.dropped_tokens = total - self.num_blocks * max_length
@@ -187,7 +187,7 @@ class PackedBlocks(Dataset):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._column = _TableRows(self.dataset, "input_ids")
+        self._column = ListColumn(self.dataset, "input_ids")
 
     def __len__(self) -> int:
         return self.num_blocks
@@ -209,38 +209,6 @@ class PackedBlocks(Dataset):
                 states[a - lo:b - lo] = residue_states(seq[a - start:b - start])
             k += 1
         return {"states": states, "index": index}
-
-
-class _TableRows:
-    """Rows of a list column of the underlying Arrow table, read through zero-copy views of its chunks' offsets
-    and values, and of the dataset's selection (a split's indices): nothing per row is copied into the process
-    (`arrow_cache.ListColumn` holds int64 copies of the offsets, the lengths and the selection, 24 bytes a row),
-    and a read maps only the pages it touches (`datasets`' row access and pyarrow's `combine_chunks` of a one-row
-    slice map about as much of the file as the record batch's offsets span)."""
-
-    def __init__(self, ds, name: str):
-        chunks = ds.with_format(None).data.column(name).chunks
-        # `.offsets` of a sliced chunk index its unsliced `.values`: kept together, both views of the buffers
-        self.offsets = [chunk.offsets.to_numpy() for chunk in chunks]
-        self.values = [chunk.values.to_numpy(zero_copy_only=False) for chunk in chunks]
-        self.chunk_starts = np.cumsum([0] + [len(c) for c in chunks], dtype=np.int64)
-        selection = None if ds._indices is None else ds._indices.column(0).chunks
-        self.selected = None if selection is None else [chunk.to_numpy() for chunk in selection]
-        self.selected_starts = (None if selection is None
-                                else np.cumsum([0] + [len(c) for c in selection], dtype=np.int64))
-
-    def table_row(self, row: int) -> np.ndarray:
-        """The values of row `row` of the underlying table (a view, no copy)."""
-        c = int(np.searchsorted(self.chunk_starts, row, side="right")) - 1
-        k = row - int(self.chunk_starts[c])
-        return self.values[c][int(self.offsets[c][k]):int(self.offsets[c][k + 1])]
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        """The values of the dataset's row `index` (through its selection)."""
-        if self.selected is None:
-            return self.table_row(index)
-        c = int(np.searchsorted(self.selected_starts, index, side="right")) - 1
-        return self.table_row(int(self.selected[c][index - int(self.selected_starts[c])]))
 
 
 def collate_crops(samples: list[dict[str, Any]]) -> dict[str, Any]:
