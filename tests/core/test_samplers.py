@@ -274,10 +274,13 @@ def test_a_rank_reads_a_huge_data_set_without_holding_its_order():
     assert [i for _, i in first[0]] == ShuffledOrder(10**9, 3, 9)(positions).tolist()
 
 
-def endless(batch_sampler, epochs):
-    out = []
-    for epoch in range(epochs):
-        batch_sampler.set_epoch(epoch)
+def endless(batch_sampler, epochs, first=(0, 0)):
+    """Every batch from (epoch, skip) = `first` to the end of epoch `epochs` - 1."""
+    epoch, skip = first
+    batch_sampler.set_epoch(epoch, skip)
+    out = list(batch_sampler)
+    for e in range(epoch + 1, epochs):
+        batch_sampler.set_epoch(e)
         out += list(batch_sampler)
     return out
 
@@ -298,12 +301,7 @@ def test_resume_at_any_position_gives_exactly_the_rest(kind, block):
         whole = endless(make(rank), 4)
         for consumed in (0, 1, 5, len(whole) // 3, len(whole) // 2 + 1, len(whole) - 1):
             resumed = make(rank)
-            epoch, skip = resumed.position(consumed)
-            resumed.set_epoch(epoch, skip)
-            rest = list(resumed)
-            for e in range(epoch + 1, 4):
-                resumed.set_epoch(e)
-                rest += list(resumed)
+            rest = endless(resumed, 4, first=resumed.position(consumed))
             assert rest == whole[consumed:], (rank, consumed)
 
 
@@ -554,12 +552,7 @@ def test_budget_resume_from_a_recorded_epoch_start_builds_no_earlier_plan(monkey
             epoch, skip = resumed.position(consumed)
             assert min(built) >= anchor, (anchor, consumed, built)  # nothing before the recorded epoch
             assert sum(lengths[:epoch]) + skip == consumed
-            resumed.set_epoch(epoch, skip)
-            rest = list(resumed)
-            for e in range(epoch + 1, 7):
-                resumed.set_epoch(e)
-                rest += list(resumed)
-            assert rest == whole[consumed:], (anchor, consumed)
+            assert endless(resumed, 7, first=(epoch, skip)) == whole[consumed:], (anchor, consumed)
     walked = make()
     built.clear()
     assert walked.position(sum(lengths[:5]) + 1)[0] == 5 and set(built) == {1, 2, 3, 4, 5}  # no record: from 0
