@@ -51,3 +51,21 @@ def test_generator_error_comes_after_the_jobs_before_it(tmp_path):
     with pytest.raises(ValueError, match="input damaged"):
         arrow_cache.build_shards(jobs())
     assert (tmp_path / "a").read_text() == "a" and not list(tmp_path.glob(".*.tmp"))
+
+
+def _slow_fail(tmp: str) -> None:
+    import time
+    time.sleep(1.0)
+    raise RuntimeError("worker failed")
+
+
+def test_a_failed_parallel_build_publishes_only_the_jobs_before_the_failure(tmp_path):
+    """Jobs after the failed one that finished in another worker are not renamed into place: only temp files
+    of them existed, and those are removed (a worker renaming its own shard published one its caller, stopping
+    the pool at the failure, might never hear of)."""
+    jobs = [(_write, ("a",), tmp_path / "a"), (_slow_fail, (), tmp_path / "b"), (_write, ("c",), tmp_path / "c")]
+    renamed: list[str] = []
+    with pytest.raises(RuntimeError, match="worker failed"):
+        arrow_cache.build_shards(jobs, num_proc=3, renamed=renamed)
+    assert renamed == [str(tmp_path / "a")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]

@@ -147,13 +147,13 @@ def _own_temp(final: str | Path, token: str) -> Path:
 
 
 def _run_shard(job: tuple[Callable[..., Any], tuple, str, str]) -> Any:
-    """Run `fn(*args, tmp_path)`, then rename the temp file to its final name; remove it on failure."""
+    """Run `fn(*args, tmp_path)`; remove the temp file on failure. The caller renames it into place: a worker
+    that renamed its own would publish a shard that its caller, failing on another job and stopping the pool,
+    may never hear of."""
     fn, args, final, token = job
     tmp = str(_own_temp(final, token))
     try:
-        result = fn(*args, tmp)
-        os.replace(tmp, final)
-        return result
+        return fn(*args, tmp)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -171,18 +171,21 @@ def build_shards(jobs: Iterable[tuple[Callable[..., Any], tuple, str | Path]], n
     that carry their data keep memory bounded. Returns each job's result, in order; `on_done(index, result)`
     is called as each finishes, in order. The first error in job order is raised (a job's, or the
     generator's after the jobs before it); the temp files of this call are removed, no one else's.
-    `renamed` (a list) receives the final path of each job that this call renamed into place, also when it
-    fails (the jobs seen finished by then), so that a caller undoing a failed build removes its own shards and
-    never those another builder of the same cache published.
+    Shards are renamed into place here as their jobs are collected, in order, so that a failed call has
+    published only the jobs before the failed one. `renamed` (a list) receives each such final path, also when
+    it fails, so that a caller undoing a failed build removes its own shards and never those another builder
+    of the same cache published.
     """
     token = uuid.uuid4().hex
     started: list[str] = []
     results: list[Any] = []
-    pending: deque[tuple[str, Any]] = deque()  # (final path, async result) of the pool's jobs not yet collected
+    pending: deque[Any] = deque()  # async results of the pool's jobs not yet collected, in order
 
     def done(result: Any) -> None:
+        final = started[len(results)]
+        os.replace(_own_temp(final, token), final)
         if renamed is not None:
-            renamed.append(started[len(results)])
+            renamed.append(final)
         if on_done is not None:
             on_done(len(results), result)
         results.append(result)
@@ -208,19 +211,18 @@ def build_shards(jobs: Iterable[tuple[Callable[..., Any], tuple, str | Path]], n
                 except StopIteration:
                     break
                 except Exception:  # the generator's: an error of a job before it comes first
-                    for _, result in pending:
+                    for result in pending:
                         result.get()
                     raise
-                pending.append((job[2], pool.apply_async(_run_shard, (job,))))
+                pending.append(pool.apply_async(_run_shard, (job,)))
                 if len(pending) >= limit:
-                    done(pending.popleft()[1].get())
+                    done(pending.popleft().get())
             while pending:
-                done(pending.popleft()[1].get())
+                done(pending.popleft().get())
         return results
     except BaseException:
-        if renamed is not None:  # jobs after the failed one that had finished (the pool is stopped by now)
-            renamed.extend(final for final, result in pending if result.ready() and result.successful())
-        for final in started:  # a pool worker killed mid-write leaves its temp file behind
+        # the pool is stopped by now: the jobs not collected, finished or not, leave only temp files
+        for final in started:
             _own_temp(final, token).unlink(missing_ok=True)
         raise
 
