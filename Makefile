@@ -19,7 +19,7 @@ RUN_DIR    ?= runs/$(notdir $(patsubst %/,%,$(dir $(abspath $(CONFIG)))))/$(base
 RESUME     ?= auto
 PYTEST_ARGS ?=
 # Every family's extra, so the main job and the whole test suite run from one environment.
-EXTRAS     ?= test,search,protein_sedd,crystals,molecules_edm,molecules_mlff,perturbation_gears
+EXTRAS     ?= test,search,parity,protein_sedd,crystals,molecules_edm,molecules_mlff,perturbation_gears
 
 .PHONY: setup train test test-all lint bench bench-engines docs docs-config clean
 
