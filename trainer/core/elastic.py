@@ -12,7 +12,11 @@ Recovery counts from the last step the old group recorded to the first one the n
 
 `lost_peer`: a collective that failed because a peer of the group is gone (a connection or store error) is a
 membership change the agent restarts the group for; anything else (a CUDA fault, a collective's size mismatch,
-an out-of-memory) is an error of the run that a restart would repeat (core/rank_errors.py).
+an out-of-memory) is an error of the run that a restart would repeat (core/rank_errors.py). A timeout alone proves
+no loss: a rank that skipped or reordered a collective leaves its peers waiting as a dead one does. So every rank of
+a restartable group beats a counter in the group's store (`PeerHeartbeat`, a thread), and a collective that timed out
+is a lost peer only when some rank's counter stopped (or the store is gone); with every rank beating it is the run's
+own error (`every_rank_alive`).
 
 Importing this module does not import torch.
 """
@@ -24,6 +28,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -57,6 +62,11 @@ _PEER_GONE = ("connection closed by", "connection reset by peer", "broken pipe",
 receive timeout (a node that vanished closes no connection) and its closing of a pair on an application timeout,
 the store's, NCCL's remote error and watchdog timeout. Lower case."""
 
+_TIMEOUT = ("timed out waiting", "wait timeout after", "socket timeout",
+            "watchdog caught collective operation timeout")
+"""What a collective's error says when it waited too long for a peer (gloo's receive and its socket's timeouts, the
+store's wait, NCCL's watchdog): a peer gone, or alive and waiting elsewhere (`every_rank_alive` tells). Lower case."""
+
 _OWN_ERROR = ("cuda error", "cudaerror", "cuda failure", "out of memory", "illegal memory access",
               "ncclunhandledcudaerror", "ncclinvalidargument", "ncclinvalidusage", "invalid argument",
               "invalid tensor size", "size mismatch", "doesn't match expected size",
@@ -89,6 +99,124 @@ def is_lost_peer(err: BaseException) -> bool:
     return False
 
 
+def is_timeout(err: BaseException) -> bool:
+    """Whether `err` is a lost peer (`is_lost_peer`) by a timeout only: no connection closed, reset or refused, no
+    store or network error type. A timeout with every peer alive is a collective the ranks did not all call."""
+    if not is_lost_peer(err):
+        return False
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = f"{type(err).__name__}: {err}".lower()
+        if {cls.__name__ for cls in type(err).__mro__} & _PEER_ERROR_TYPES:
+            return False
+        if any(m in text for m in _PEER_GONE if m not in _TIMEOUT):
+            return False
+        err = err.__cause__
+    return True
+
+
+EVERY_RANK_ALIVE = "a collective timed out with every rank alive: a rank skipped or reordered a collective?"
+"""The line for a collective's timeout while every rank of the group was beating (`every_rank_alive`)."""
+
+HEARTBEAT_S = 0.5
+"""How often each rank's heartbeat counter goes up in the group's store."""
+CONFIRM_S = 5.0
+"""How long a rank whose collective timed out watches its peers' counters: one that does not go up in that time
+(many heartbeats: a GC pause or a busy store does not stop it) is gone or cut off."""
+
+
+class PeerHeartbeat:
+    """Every rank of a restartable group, in a thread: a counter of its own in the group's store (a connection of
+    its own, cloned from the default process group's store) goes up every `interval_s`; `all_alive` watches every
+    rank's counter. A rank alive beats whatever its main thread does (a collective releases the interpreter lock);
+    a dead, stopped or cut-off one does not, nor does anything once the store is gone."""
+
+    def __init__(self, store: Any, rank: int, world: int, interval_s: float = HEARTBEAT_S):
+        self.rank, self.world, self.interval_s = rank, world, interval_s
+        self._store, self._lock, self._stop = store, threading.Lock(), threading.Event()
+        self._verdict: bool | None = None
+        self._thread = threading.Thread(target=self._beat, name="trainer-heartbeat", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def key(rank: int) -> str:
+        return f"trainer/alive/{rank}"
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with self._lock:
+                    self._store.add(self.key(self.rank), 1)
+            except Exception:  # noqa: BLE001 - the store is gone: so is the group; nothing left to tell
+                return
+            self._stop.wait(self.interval_s)
+
+    def _counts(self) -> list[int]:
+        with self._lock:
+            return [int(self._store.add(self.key(r), 0)) for r in range(self.world)]  # add 0: never waits for a key
+
+    def all_alive(self, within_s: float = CONFIRM_S) -> bool:
+        """Whether every rank's counter went up within `within_s` (False when the store cannot be reached). The
+        first answer is kept: it is asked once a failure, and the answer must not change between its uses."""
+        if self._verdict is None:
+            try:
+                first, deadline = self._counts(), time.monotonic() + within_s
+                while True:
+                    time.sleep(self.interval_s / 2)
+                    if all(now > before for now, before in zip(self._counts(), first)):
+                        self._verdict = True
+                        break
+                    if time.monotonic() >= deadline:
+                        self._verdict = False
+                        break
+            except Exception:  # noqa: BLE001 - the store unreachable, a store timeout: its host is gone
+                self._verdict = False
+        return self._verdict
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.interval_s + 5)
+
+
+_heartbeat: PeerHeartbeat | None = None
+
+
+def start_heartbeat(environ: Mapping[str, str] = os.environ) -> PeerHeartbeat | None:
+    """Start this rank's heartbeat (`PeerHeartbeat`) in a restartable group of several processes (the only place a
+    lost peer is told from the run's own error); None elsewhere, or where the group has no store to beat in."""
+    global _heartbeat
+    if _heartbeat is not None or not restartable(environ):
+        return _heartbeat
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store().clone()
+        store.set_timeout(datetime.timedelta(seconds=CONFIRM_S))
+    except (AttributeError, RuntimeError, ValueError):  # a store that cannot be cloned: timeouts stay lost peers
+        return None
+    _heartbeat = PeerHeartbeat(store, dist.get_rank(), dist.get_world_size())
+    return _heartbeat
+
+
+def stop_heartbeat() -> None:
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.stop()
+        _heartbeat = None
+
+
+def every_rank_alive(err: BaseException, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether `err` is a collective's timeout (`is_timeout`) while every rank of this restartable group still beats
+    (`PeerHeartbeat.all_alive`, which takes up to CONFIRM_S when one does not): the run's own error, not a lost peer.
+    False without a heartbeat (not restartable, one process): a timeout then stays a lost peer."""
+    return restartable(environ) and _heartbeat is not None and is_timeout(err) and _heartbeat.all_alive()
+
+
 def restartable(environ: Mapping[str, str] = os.environ) -> bool:
     """True in a worker of an elastic agent that restarts its group (trainer's, or torchrun with --max-restarts):
     a stop or a lost peer there is a membership change the next group reports, not the run's end."""
@@ -102,9 +230,10 @@ def restartable(environ: Mapping[str, str] = os.environ) -> bool:
 
 def lost_peer(err: BaseException, environ: Mapping[str, str] = os.environ,
               traceback_file: str | Path | None = None) -> str | None:
-    """One line for a collective that failed because a peer of a restartable worker group is gone (`is_lost_peer`),
-    naming the file that keeps its traceback; None for any other error, or outside such a group."""
-    if not restartable(environ) or not is_lost_peer(err):
+    """One line for a collective that failed because a peer of a restartable worker group is gone (`is_lost_peer`;
+    a timeout only where a peer stopped beating: `every_rank_alive`), naming the file that keeps its traceback; None
+    for any other error, or outside such a group."""
+    if not restartable(environ) or not is_lost_peer(err) or every_rank_alive(err, environ):
         return None
     first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
     first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo's source location, then its advice
@@ -175,6 +304,7 @@ class MembershipWatch:
         # A group that resumed nothing is a run's first (a restart resumes the checkpoint the last group left).
         self.before = restarted_group(run_dir, environ) if self.active and resumed_step else None
         self._tmp = self.path.with_name(f".{PROGRESS_FILE}.{os.getpid()}")
+        start_heartbeat(environ)  # every rank: a timeout is a lost peer only when a peer stopped beating
         self._last: tuple[int, float] | None = None  # the last step and its wall time
         self._written_at: float | None = None  # time.monotonic() of the last rewrite
 
@@ -192,6 +322,7 @@ class MembershipWatch:
     def finish(self, status: str) -> None:
         """At the end of fit: a completed run has no next group, and a later launch must not read it as one; a
         stopped group records its last step for the next one."""
+        stop_heartbeat()
         if not self.active:
             return
         if status == "completed":

@@ -77,6 +77,8 @@ class PreemptionWatcher:
             PreemptionWatcher._active._release()
         self.requested = False
         self.received: str | None = None
+        self.received_at: float | None = None
+        """When (time.monotonic()) the first stop signal arrived: a launcher's SIGKILL follows it in a fixed time."""
         self.stop_signal: str | None = None
         """Once the ranks agreed to stop: SIGINT if any rank had a Ctrl-C, else the preemption signal."""
         self.grace_s = grace_s
@@ -104,6 +106,7 @@ class PreemptionWatcher:
     def _handle(self, signum, frame) -> None:  # noqa: ARG002
         self.requested = True
         self.received = signal.Signals(signum).name
+        self.received_at = self.received_at or time.monotonic()
 
     def _start_listener(self) -> None:
         self._reader, self._writer = socket.socketpair()
@@ -148,6 +151,7 @@ class PreemptionWatcher:
                 name = signal.Signals(signum).name
                 if first_at is None:
                     first_at, self.requested, self.received = time.monotonic(), True, name
+                    self.received_at = self.received_at or first_at
                     if self.announce:
                         sys.stderr.write(_first_signal_message(name))
                         sys.stderr.flush()
@@ -231,6 +235,12 @@ class PreemptionWatcher:
             PreemptionWatcher._active = None
 
 
+def stop_requested_at() -> float | None:
+    """When (time.monotonic()) the running `fit`'s watcher received its first stop signal; None without one."""
+    active = PreemptionWatcher._active
+    return None if active is None else active.received_at
+
+
 def report_stop(cfg: Config, run_dir: RunDir, step: int, max_steps: int, watcher: PreemptionWatcher,
                 quiet: bool = False) -> None:
     """On the main process, once a stopped run's checkpoint is written: its marker, `RUN_DIR/preempted.json`
@@ -244,8 +254,14 @@ def report_stop(cfg: Config, run_dir: RunDir, step: int, max_steps: int, watcher
             latest = store.latest_checkpoint(run_dir.checkpoints)
             print(interrupted_line(step, max_steps, latest, resume_command(cfg)), file=sys.stderr, flush=True)
     elif not quiet:
-        logger.warning("stop requested by %s: checkpoint at step %d written, exiting with status %d",
-                       signal_name or "another rank", step, stop_exit_code(signal_name))
+        latest = store.latest_checkpoint(run_dir.checkpoints)
+        if latest is not None and latest.name != store.step_dir_name(step):  # given up at the stop (manager.py)
+            logger.warning("stop requested by %s at step %d: no checkpoint of it was written (the latest complete one "
+                           "is %s), exiting with status %d", signal_name or "another rank", step, latest.name,
+                           stop_exit_code(signal_name))
+        else:
+            logger.warning("stop requested by %s: checkpoint at step %d written, exiting with status %d",
+                           signal_name or "another rank", step, stop_exit_code(signal_name))
 
 
 def _first_signal_message(name: str) -> str:

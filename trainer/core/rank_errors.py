@@ -4,13 +4,14 @@ Every rank started by a launcher that fails with an error that is not the user's
 trainer/errors.py) appends its traceback to `RUN_DIR/errors/rank<RANK>.txt` (and, under torch's elastic agent,
 to the agent's error file, TORCHELASTIC_ERROR_FILE, which its final report shows). Then:
 
-- a peer lost under an agent that restarts the group (core/elastic.py `lost_peer`): one line per node naming
-  the file; the agent restarts the group;
+- a peer lost under an agent that restarts the group (core/elastic.py `lost_peer`: a connection or store error,
+  or a collective's timeout while some rank stopped beating): one line per node naming the file; the agent restarts
+  the group;
 - any other error under such an agent is the run's own (a CUDA fault, a collective's size mismatch, an
-  out-of-memory): a restart would hit it again. The rank records it in `RUN_DIR/errors/failed.json`; the
-  front end of every node (`trainer train --nnodes`) stops its agent when it appears and ends with the
-  traceback and one line, and a worker group that starts after it (bare torchrun) refuses to train
-  (`raise_if_run_failed`);
+  out-of-memory, a collective that timed out with every rank alive): a restart would hit it again. The rank
+  records it in `RUN_DIR/errors/failed.json`; the front end of every node (`trainer train --nnodes`) stops its
+  agent when it appears and ends with the traceback and one line, and a worker group that starts after it (bare
+  torchrun) refuses to train (`raise_if_run_failed`);
 - without restarts the error propagates as before (its traceback printed), the file kept beside it.
 
 Importing this module does not import torch.
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.core.command_line import started_by_front_end
-from trainer.core.elastic import lost_peer, restartable
+from trainer.core.elastic import EVERY_RANK_ALIVE, every_rank_alive, lost_peer, restartable
 from trainer.core.watchdog import started_by_launcher
 from trainer.errors import LaunchError, first_line
 
@@ -79,12 +80,19 @@ def _write_agent_error_file(err: BaseException, text: str, environ: Mapping[str,
         pass
 
 
+def describe_failure(err: BaseException, environ: Mapping[str, str] = os.environ) -> str:
+    """One line for an error of the run's own: its type and first line, after what it means where a collective timed
+    out with every rank of the group alive (core/elastic.py `every_rank_alive`)."""
+    what = f"{type(err).__name__}: {first_line(err)}"
+    return f"{EVERY_RANK_ALIVE} ({what[:200]})" if every_rank_alive(err, environ) else what
+
+
 def record_failure(err: BaseException, run_dir: str | Path, kept: Path | None,
                    environ: Mapping[str, str] = os.environ) -> None:
     """Record the error that ends an elastic run (FAILED_FILE), for the front ends and the next worker group."""
     folder = Path(run_dir) / ERRORS_DIR
     record = {"run_id": environ.get("TORCHELASTIC_RUN_ID"), "rank": environ.get("RANK", "0"),
-              "host": socket.gethostname(), "time": time.time(), "error": f"{type(err).__name__}: {first_line(err)}",
+              "host": socket.gethostname(), "time": time.time(), "error": describe_failure(err, environ),
               "traceback": str(kept) if kept else None}
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -134,7 +142,7 @@ def report_rank_failure(err: BaseException, run_dir: str | Path | None,
     if not started_by_front_end(environ):
         return None  # bare torchrun: the traceback goes to its log; the next group refuses to train
     # The front end stops its agent, prints this traceback from the file and ends with the line.
-    print(f"trainer: rank {environ.get('RANK', '0')} failed: {type(err).__name__}: {first_line(err)[:200]} "
+    print(f"trainer: rank {environ.get('RANK', '0')} failed: {describe_failure(err, environ)[:300]} "
           f"(traceback: {kept}); the elastic run stops", file=sys.stderr, flush=True)
     return 1
 

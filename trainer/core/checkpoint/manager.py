@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from trainer.core.checkpoint import store, writer
 from trainer.core.checkpoint.agreement import (
     SaveChannel,
     SaveErrors,
+    agree,
     agree_on_target,
     describe_write_failure,
     everywhere,
@@ -51,6 +54,8 @@ from trainer.core.checkpoint.parts import (
 )
 from trainer.core.checkpoint.target import ResumeTarget, warn_changed_task, warn_skipped
 from trainer.core.checkpoint.writer import StagedFile, WriteJob
+from trainer.core.elastic import restartable
+from trainer.core.preemption import stop_requested_at
 from trainer.core.run_lock import run_generation
 from trainer.errors import CheckpointError, first_line
 from trainer.rundir import RunDir
@@ -71,6 +76,25 @@ def completion_deadline_s(group_timeout_s: float) -> float:
     that group's broadcast: the deadline leaves them well inside their timeout, so the stalled checkpoint is the error
     every rank raises, not a collective's timeout."""
     return max(group_timeout_s / 2 - writer.ENDING_S, group_timeout_s / 4)
+
+
+AGENT_STOP_S = 30.0
+"""torch elastic's time from stopping its workers to their SIGKILL: the default of TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+for a signal the agent forwards, and fixed when the agent stops its group itself (a node joins, a restart)."""
+STOP_MARGIN_S = writer.ENDING_S + 5.0
+"""What a rank keeps of its stop window after the last checkpoint's wait: ending the writer process, the stop's
+marker, the exit."""
+
+
+def stop_window_s(environ: Mapping[str, str] = os.environ) -> float:
+    """How long a rank has from a stop signal to its SIGKILL: TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torch's default,
+    AGENT_STOP_S, where unset: also about what a batch system gives a process it signals, SLURM's KillWait), and
+    no more than AGENT_STOP_S under an agent that restarts its group (it stops a group for a join with that)."""
+    try:
+        window = float(environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "") or AGENT_STOP_S)
+    except ValueError:
+        window = AGENT_STOP_S
+    return min(window, AGENT_STOP_S) if restartable(environ) else window
 
 
 @dataclass
@@ -101,6 +125,9 @@ class Checkpointer:
         """The checkpoint whose writing past the deadline was said (`_tell_stalled`): once per checkpoint."""
         self._lost: int | None = None
         """The step of a checkpoint the writer process held when it died, not written since: `wait()` returns it."""
+        self._given_up: str | None = None
+        """A checkpoint given up at a stop, still being written when the stop window ran out (`_wait_limit`): no
+        checkpoint is written after it."""
         self._failure: tuple[Path, list[str]] | None = None
         """A save completed in the background that failed (its temp folder, each failing rank's line): raised, on
         every rank, by the next save or `wait()`."""
@@ -175,6 +202,8 @@ class Checkpointer:
             problem = self._join_completion()
             if problem is not None:
                 return SKIP, problem
+            if self._given_up is not None:  # a stop whose window ran out: a save on the step would outlast it too
+                return SKIP, None
             if self._lost == self.state.step:  # written again now
                 self._lost = None
             if background and self._writer is not None and self._writer.ready():
@@ -321,10 +350,14 @@ class Checkpointer:
         completion thread, no longer than `completion_deadline_s` (then it is a failure); the line of its failure,
         if it failed. A writer process found gone is said once, a checkpoint it held is given up (its step is
         `wait()`'s to return), and the saves after it are written on the step."""
-        deadline = time.monotonic() + self._writer_timeout_s
+        timeout_s, stop = self._wait_limit()
+        deadline = time.monotonic() + timeout_s
         if self._completion is not None:
-            self._completion.join(self._writer_timeout_s)
-            if self._completion.is_alive():  # a stalled filesystem: the thread is left to it, its temp folder too
+            self._completion.join(timeout_s)
+            if self._completion.is_alive() and stop is not None:  # left to the filesystem, a daemon
+                self._give_up(self._completing[1].name, stop)
+                self._completion = self._completing = None
+            elif self._completion.is_alive():  # a stalled filesystem: the thread is left to it, its temp folder too
                 tmp, final, _ = self._completing
                 return SaveErrors(self.acc, self.run_dir.checkpoints, tmp, self.channel).failure_message(
                     [f"rank 0: not completed within {round(self._writer_timeout_s, 1):g} s: the storage under {final.parent} "
@@ -333,18 +366,45 @@ class Checkpointer:
         if self._writer is not None:
             failure = self._writer.wait(max(0.0, deadline - time.monotonic()))
             self._log_writer_warnings()
-            if failure is not None and failure.lost:
+            if failure is not None and failure.timed_out and stop is not None:
+                self._give_up(failure.checkpoint, stop)  # said, not raised; its temp folder left to the next save
+                self._close_writer()
+                failure = None
+            elif failure is not None and failure.lost:
                 self._lost = _step_of(failure.checkpoint)
             if failure is not None and not failure.lost and self._failure is None:
                 final = self.run_dir.checkpoints / failure.checkpoint
                 self._failure = (store.temp_dir(final, self.generation), [f"rank 0: {failure.reason}"])
-            if self._writer.stopped is not None:
+            if self._writer is not None and self._writer.stopped is not None:
                 self._writer_stopped(failure)
         if self._failure is None:
             return None
         (tmp, problems), self._failure = self._failure, None
         shutil.rmtree(tmp, ignore_errors=True)
         return SaveErrors(self.acc, self.run_dir.checkpoints, tmp, self.channel).failure_message(problems)
+
+    def _wait_limit(self) -> tuple[float, str | None]:
+        """Main process: how long a wait for the checkpoint completing in the background may take now, and, where a
+        stop signal cut it short, what it was cut to (for `_give_up`). `completion_deadline_s`, but once a stop
+        signal arrived no longer than what is left of the stop window (`stop_window_s`) less STOP_MARGIN_S: a
+        launcher kills the rank at its end, and a rank killed there writes no marker and leaves its writer mid-way."""
+        since = stop_requested_at()
+        if since is None:
+            return self._writer_timeout_s, None
+        window = stop_window_s()
+        left = max(0.0, since + window - STOP_MARGIN_S - time.monotonic())
+        if left >= self._writer_timeout_s:
+            return self._writer_timeout_s, None
+        return left, (f"{round(window, 1):g} s from the stop signal to the launcher's SIGKILL "
+                      f"(TORCH_ELASTIC_SHUTDOWN_TIMEOUT), less {round(STOP_MARGIN_S, 1):g} s to end the writer and exit")
+
+    def _give_up(self, checkpoint: str, window: str) -> None:
+        """Main process, at a stop: the checkpoint being written past the stop window is given up, said once; the
+        saves of this stop are skipped (`_decide`), the run resumes from the latest complete checkpoint."""
+        self._given_up = checkpoint
+        logger.warning("stopping: checkpoint %s was still being written when the stop window ran out (%s; the storage "
+                       "under %s stalls?): given up, and no checkpoint is written at this stop; the run resumes from "
+                       "the latest complete checkpoint", checkpoint, window, self.run_dir.checkpoints)
 
     def _writer_stopped(self, failure: writer.WriteFailure | None) -> None:
         """Main process: the writer process is gone. Said once (where its end is not the failure to raise), with
@@ -369,7 +429,9 @@ class Checkpointer:
         """Every rank: return once the last checkpoint is complete on disk (raises its failure everywhere, naming
         its checkpoint); `close`: then stop the writer process. Returns, on every rank, the step of a checkpoint
         lost with the writer process (it died while writing it: not on disk, nor written since), else None; where
-        the state is still at that step, the caller saves it again (on the step: the writer is gone)."""
+        the state is still at that step, the caller saves it again (on the step: the writer is gone). Once a stop
+        signal arrived, the wait ends inside the launcher's stop window (`_wait_limit`): a checkpoint still being
+        written then is given up and said once, not raised, and the stop's saves are skipped."""
         problem, lost = None, -1
         if self.acc.is_main_process:
             try:
@@ -388,7 +450,7 @@ class Checkpointer:
 
     def _close_writer(self) -> None:
         if self._writer is not None:
-            self._writer.close(self._writer_timeout_s)
+            self._writer.close(self._wait_limit()[0])
             self._writer = None
         shutil.rmtree(self._scratch, ignore_errors=True)
 
@@ -408,6 +470,8 @@ class Checkpointer:
         if path is None:
             warn_skipped(target.skipped, "no complete checkpoint: starting from step 0")
             return None
+        if target.mode == "auto" and store.is_set_aside(path):
+            path = self._put_back(path)
         warn_skipped(target.skipped, f"resuming from {path.name}")
         if saved.get("task") and self.state.task and saved["task"] != self.state.task:
             raise everywhere(CheckpointError(
@@ -425,6 +489,23 @@ class Checkpointer:
         if converted and acc.is_main_process:
             logger.info("converted checkpoint %s (%s) through the topology-free form", path.name, converted)
         return Resumed(path, self.state, converted)
+
+    def _put_back(self, path: Path) -> Path:
+        """run.resume=auto picked a checkpoint that a kill left set aside with no other copy of its step
+        (store.set_aside_copies): the main process, holding the run lock, renames it back to its step folder before
+        any rank reads it, and every rank resumes it there (a failure is raised on every rank)."""
+        final = path.with_name(path.name.removeprefix(store.SET_ASIDE))
+        problem = None
+        if self._main:
+            try:
+                store.put_back(path, self.generation)
+                logger.warning("checkpoint %s was left set aside by a save of its step that did not finish: put back "
+                               "as %s", path, final.name)
+            except (OSError, CheckpointError) as err:
+                problem = str(err) if isinstance(err, CheckpointError) else (
+                    f"checkpoint {path} could not be put back as {final.name}: {err}")
+        agree(self.acc, problem)
+        return final
 
     def _load_part(self, key: str, path: Path, saved: dict[str, Any]) -> None:
         part = self.parts[key]

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TEMP_DIR = re.compile(r"^\.tmp-(step_\d+)(?:\.gen(\d+))?$")
 """A save's temp folder: `.tmp-step_N`, with `.genG` from a worker group of generation G >= 1."""
+SET_ASIDE = ".old-"
+"""The prefix of an older copy of a step set aside while the step is saved again (`finalize`)."""
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 TASK_STATS = "task_stats.json"
@@ -172,11 +174,13 @@ def skipped_checkpoints(root: Path) -> list[str]:
     found = []
     for path in root.iterdir():
         temp = TEMP_DIR.match(path.name)
-        name = temp.group(1) if temp else path.name.removeprefix(".old-")
+        name = temp.group(1) if temp else path.name.removeprefix(SET_ASIDE)
         match = STEP_DIR.match(name)
         if not path.is_dir() or match is None:
             continue
-        if path.name.startswith(".old-"):
+        if path.name.startswith(SET_ASIDE):
+            if _is_set_aside_copy(path):
+                continue  # a resume candidate: run.resume=auto puts it back as `name` (`put_back`)
             replaced = (root / name).exists()
             reason = (f"checkpoint {path} is an older copy of {name}, set aside while {name} was saved again" +
                       (" (the next save removes it)" if replaced else
@@ -214,10 +218,27 @@ def _completed_at(ckpt_dir: Path) -> float:
         return 0.0
 
 
+def _by_completion(path: Path) -> tuple[float, int]:
+    return _completed_at(path), int(STEP_DIR.match(path.name.removeprefix(SET_ASIDE)).group(1))
+
+
 def newest_first(root: Path) -> list[Path]:
     """Complete-looking step directories, the most recently completed first."""
-    return sorted(list_checkpoints(root), key=lambda p: (_completed_at(p), int(STEP_DIR.match(p.name).group(1))),
-                  reverse=True)
+    return sorted(list_checkpoints(root), key=_by_completion, reverse=True)
+
+
+def _is_set_aside_copy(path: Path) -> bool:
+    """Whether `path` is a complete checkpoint set aside as `.old-step_N` whose `step_N` is missing: a kill between
+    `finalize`'s two renames (where the file system cannot swap folders) left the step with no other copy."""
+    name = path.name.removeprefix(SET_ASIDE)
+    return (path.name.startswith(SET_ASIDE) and STEP_DIR.match(name) is not None and path.is_dir()
+            and (path / MANIFEST).is_file() and not (path.parent / name).exists())
+
+
+def set_aside_copies(root: Path) -> list[Path]:
+    """The complete checkpoints a kill left set aside with no `step_N` of their step (`_is_set_aside_copy`)."""
+    root = Path(root)
+    return [p for p in root.glob(f"{SET_ASIDE}step_*") if _is_set_aside_copy(p)] if root.is_dir() else []
 
 
 def read_pointer(root: Path, name: str) -> Path | None:
@@ -261,8 +282,31 @@ def best_checkpoint(root: Path) -> Path | None:
 def resume_candidates(root: Path) -> list[Path]:
     """Checkpoints to try for run.resume=auto, best first: the most recently completed, then older ones.
 
-    Not the `latest` pointer: a kill between a checkpoint's rename and the pointer leaves it behind."""
-    return newest_first(root)
+    Not the `latest` pointer: a kill between a checkpoint's rename and the pointer leaves it behind. A complete
+    checkpoint a kill left set aside (`.old-step_N`, no `step_N`: `set_aside_copies`) is one too, in its place by
+    completion; the resume puts it back as `step_N` (`put_back`) once its process holds the run lock."""
+    return sorted(list_checkpoints(root) + set_aside_copies(root), key=_by_completion, reverse=True)
+
+
+def is_set_aside(path: Path) -> bool:
+    """Whether `path` names a checkpoint set aside (`.old-step_N`) rather than a step folder."""
+    return Path(path).name.startswith(SET_ASIDE)
+
+
+def put_back(path: Path, generation: Generation | None) -> Path:
+    """Rename a checkpoint set aside (`.old-step_N`, see `set_aside_copies`) back to `step_N` and return that (main
+    process, holding the run lock). `generation`: the resuming group's; a newer one on disk raises
+    StaleGenerationError and nothing is renamed. A `step_N` that appeared since is not replaced (CheckpointError)."""
+    path = Path(path)
+    final = path.with_name(path.name.removeprefix(SET_ASIDE))
+    if generation is not None:
+        generation.check(f"checkpoint {path} was not put back as {final.name}")
+    if final.exists():
+        raise CheckpointError(f"checkpoint {path} was not put back as {final.name}: {final} appeared meanwhile (another "
+                              f"run saving into {path.parent}?)")
+    os.rename(path, final)
+    fsync_dir(path.parent)
+    return final
 
 
 def repair_pointers(root: Path, resumed: Path) -> list[str]:
@@ -297,7 +341,8 @@ def finalize(tmp_dir: Path, final_dir: Path, root: Path, best: bool) -> None:
 
     Order matters for a kill at any point: an older checkpoint of the same step is swapped with the new one in one
     step where the file system can (`_exchange`), else renamed aside to `.old-step_N` first and renamed back if the
-    second rename fails (a kill between the two leaves `.old-step_N` alone, which the next save puts back);
+    second rename fails (a kill between the two leaves `.old-step_N` alone, which the resume, else the next
+    save, puts back);
     `latest` is written last (its move means the whole save is done), and whatever a kill leaves stale is
     recovered on resume (`repair_pointers`)."""
     if final_dir.exists() and not (final_dir / MANIFEST).is_file():
@@ -312,7 +357,7 @@ def finalize(tmp_dir: Path, final_dir: Path, root: Path, best: bool) -> None:
     elif _exchange(tmp_dir, final_dir):
         replaced = tmp_dir  # the older copy, under the temp folder's name
     else:
-        replaced = root / f".old-{final_dir.name}"
+        replaced = root / f"{SET_ASIDE}{final_dir.name}"
         shutil.rmtree(replaced, ignore_errors=True)
         os.rename(final_dir, replaced)
         try:
@@ -404,8 +449,8 @@ def rotate(root: Path, keep_last: int, generation: Generation | None = None) -> 
         owner = _temp_generation(stale.name)
         if owner is not None and owner <= own:
             shutil.rmtree(stale, ignore_errors=True)
-    for aside in root.glob(".old-step_*"):
-        final = root / aside.name.removeprefix(".old-")
+    for aside in root.glob(f"{SET_ASIDE}step_*"):
+        final = root / aside.name.removeprefix(SET_ASIDE)
         if final.exists():
             shutil.rmtree(aside, ignore_errors=True)
         else:

@@ -111,6 +111,8 @@ class WriteFailure:
     """One line: what failed, a full disk or quota named as such with what the job had written."""
     lost: bool = False
     """The writer process died under it (`BackgroundWriter.stopped` says how): not the checkpoint's own failure."""
+    timed_out: bool = False
+    """Not completed within the wait's deadline (a stalled filesystem): the writer process was ended."""
 
 
 class WriterStopped(RuntimeError):
@@ -218,7 +220,8 @@ class BackgroundWriter:
                 final, waited = self._job.final, f"{round(timeout_s, 1):g} s"
                 self._gone(f"the checkpoint writer process was ended: {final.name} was not completed within {waited}")
                 self._result = WriteFailure(final.name, f"not completed within {waited}: the storage under "
-                                                        f"{final.parent} stalls (the writer process was ended)")
+                                                        f"{final.parent} stalls (the writer process was ended)",
+                                            timed_out=True)
         result, self._result = self._result, None
         return result
 
