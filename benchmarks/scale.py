@@ -427,16 +427,21 @@ SCALED = ["cat_s", "prepare_s", "convert_s", "prepare_peak_MiB", "cached_s", "fi
           "loader_rank", "loader_cpu_us", "eval_s"]
 
 
-def per_doubling(sizes: list[dict[str, Any]], worlds: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For consecutive sizes: each quantity's ratio per doubling of N, (b / a) ** (1 / log2(N_b / N_a)); the
-    per-W quantities at the smallest W measured."""
+def per_doubling(sizes: list[dict[str, Any]], worlds: list[dict[str, Any]],
+                 scaled: list[str] | None = None) -> list[dict[str, Any]]:
+    """`doubling_ratios` of the sizes' rows joined with their launches at the smallest W measured."""
     w0 = min(r["W"] for r in worlds)
     merged = [{**s, **next(r for r in worlds if r["N"] == s["N"] and r["W"] == w0)} for s in sizes]
+    return doubling_ratios(merged, SCALED if scaled is None else scaled)
+
+
+def doubling_ratios(rows: list[dict[str, Any]], scaled: list[str]) -> list[dict[str, Any]]:
+    """For consecutive rows (by N): each quantity's ratio per doubling of N, (b / a) ** (1 / log2(N_b / N_a))."""
     out = []
-    for x, y in zip(merged, merged[1:]):
+    for x, y in zip(rows, rows[1:]):
         d = math.log2(y["N"] / x["N"])
         row = {"N": f"{x['N']:,} -> {y['N']:,}"}
-        for k in SCALED:
+        for k in scaled:
             if x.get(k) and y.get(k) and x[k] > 0 and y[k] > 0:
                 row[k] = (y[k] / x[k]) ** (1 / d)
         out.append(row)

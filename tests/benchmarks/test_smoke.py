@@ -16,7 +16,7 @@ from conftest import ROOT, run_cmd
 # launches `trainer data prepare` twice and `trainer train` twice plus a loader process; stream_engines.py starts a
 # reader process per engine, world size and resume (each importing torch and datasets).
 HEAVY = {"molecules.py", "gears.py", "fsdp_checkpoints.py", "mlff_guidance.py", "elastic.py", "scale.py",
-         "stream_engines.py"}
+         "stream_engines.py", "scale_perturbation.py", "scale_molecules.py"}
 SCRIPTS = [pytest.param(name, marks=pytest.mark.extended) if name in HEAVY else name
            for name in sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "bench_report.py")]
 

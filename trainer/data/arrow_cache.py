@@ -334,7 +334,12 @@ class ListColumn:
                 raise ValueError(f"column {name!r} has {chunk.null_count} null rows")
             # `.offsets` of a sliced chunk index its unsliced `.values`: keep the two together
             self.offsets.append(chunk.offsets.to_numpy())
-            self.values.append(chunk.values.to_numpy(zero_copy_only=False))
+            values = chunk.values
+            if pa.types.is_fixed_size_list(values.type):  # e.g. positions: an item is a row of [items, width]
+                width = values.type.list_size
+                self.values.append(values.flatten().to_numpy(zero_copy_only=False).reshape(-1, width))
+            else:
+                self.values.append(values.to_numpy(zero_copy_only=False))
         self.chunk_starts = np.cumsum([0] + [len(c) for c in chunks], dtype=np.int64)
         selection = None if ds._indices is None else ds._indices.column(0).chunks
         self._selected = None if selection is None else [chunk.to_numpy() for chunk in selection]
@@ -375,12 +380,16 @@ class ListColumn:
         k = row - int(self.chunk_starts[c])
         return self.values[c][int(self.offsets[c][k]):int(self.offsets[c][k + 1])]
 
+    def table_index(self, index: int) -> int:
+        """The underlying table's row of the dataset's row `index` (through its selection; nothing is built)."""
+        if self._selected is None:
+            return int(index)
+        c = int(np.searchsorted(self._selected_starts, index, side="right")) - 1
+        return int(self._selected[c][index - int(self._selected_starts[c])])
+
     def __getitem__(self, index: int) -> np.ndarray:
         """The values of the dataset's row `index` (through its selection; a view, no copy)."""
-        if self._selected is None:
-            return self.table_row(int(index))
-        c = int(np.searchsorted(self._selected_starts, index, side="right")) - 1
-        return self.table_row(int(self._selected[c][index - int(self._selected_starts[c])]))
+        return self.table_row(self.table_index(index))
 
     def flat(self) -> np.ndarray:
         """The values of the dataset's rows concatenated in its row order (a copy; one gather, no row loop)."""

@@ -430,7 +430,7 @@ def test_cache_hit_and_rebuild(tmp_path):
 
 
 def test_num_proc_gives_same_rows(tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "MIN_SHARD_RECORDS", 2)
+    monkeypatch.setattr(D, "SHARD_RECORDS", 3)
     path = write_json(tmp_path, mlearn_items("Si", "test")[:6])
     one = build_crystal_dataset(path, graph=GraphSpec(k=12), cache_dir=tmp_path / "a")
     two = build_crystal_dataset(path, graph=GraphSpec(k=12), cache_dir=tmp_path / "b", num_proc=2)

@@ -12,7 +12,8 @@ always carries ComFormer's lattice coefficients, and `build_crystal_splits` spli
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
+import itertools
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -37,16 +38,19 @@ from trainer.data.arrow_cache import (
     write_meta,
 )
 from trainer.data.graphs import collate_sparse_graphs
-from trainer.data.splits import split_indices
+from trainer.data.splits import id_hashes, split_indices
 from trainer.families.crystals.graphs import GraphSpec, build_crystal_graph
 from trainer.families.crystals.lattice import canonical_lattice_coeffs
 from trainer.families.crystals.readers import (
     CrystalDataError,
     CrystalReport,
+    ReadChunk,
     TargetSpec,
     as_sources,
+    iter_chunks,
     iter_crystals,
     log_skips,
+    read_chunk,
     skip_or_raise,
 )
 
@@ -56,8 +60,10 @@ v2: one lattice rule (`lattice.py`), stored as `lattice_coeffs` (int32)."""
 
 ARROW_BATCH = 256
 """Structures per Arrow record batch."""
-MIN_SHARD_RECORDS = 128
-"""Fewest structures per worker when `num_proc` > 1: below that, a worker costs more than it saves."""
+SHARD_RECORDS = 4096
+"""Structures per Arrow shard: one worker job reads this many from its piece of the input, builds their graphs
+and writes them. Bounds what a worker holds (its structures as numpy arrays) and what the parent holds (the
+pieces in flight: a few shards' worth of extxyz text or JSON items, or only row ranges of an ASE database)."""
 
 _EDGE_DTYPE = np.int8
 _BASE_FEATURES = {
@@ -182,6 +188,95 @@ def _write_graph_rows(records: list[dict[str, Any]], spec: GraphSpec, features: 
     return dict(skipped)
 
 
+def _write_shard(chunk: ReadChunk | list[dict[str, Any]], spec: TargetSpec, id_key: str | None, graph: GraphSpec,
+                 on_invalid: str, path: str) -> dict[str, Any]:
+    """One worker job: read `chunk` (a piece of an input file, or validated in-memory records), check ids within
+    it, build the graphs and write the Arrow shard `path`. Returns what the parent needs to finish the build:
+    skip counts, records read and kept, the schema of the target / extra columns, the first record (to name
+    it when shards disagree) and the 64-bit hashes of the kept ids (for the check of ids across shards)."""
+    skipped: Counter = Counter()
+    records: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    items = chunk if isinstance(chunk, list) else read_chunk(chunk, spec, id_key, check_overlap=False)
+    for item in items:  # overlaps come free from the graph's neighbour list
+        if isinstance(item, CrystalDataError):
+            skip_or_raise(item, on_invalid, skipped)
+        elif item["id"] in seen:
+            skip_or_raise(CrystalDataError(item["source"], None, item["id"], "id", "duplicate_id",
+                                           "an earlier record has the same id"), on_invalid, skipped)
+        else:
+            seen.add(item["id"])
+            records.append(item)
+    read = len(records) + sum(skipped.values())
+    if not records:  # nothing to take a schema from: an empty shard that the parent drops
+        with arrow_writer(datasets.Features(_BASE_FEATURES), path) as writer:
+            writer.finalize()
+        return {"skipped": dict(skipped), "read": read, "kept": 0, "schema": None, "first": None,
+                "hashes": np.zeros(0, np.uint64)}
+    features = _features_for(records)
+    first = records[0]
+    graph_skips = _write_graph_rows(records, graph, features, on_invalid, path)
+    skipped.update(graph_skips)
+    kept_ids = [r["id"] for r in records]
+    if graph_skips:  # the shard's rows are its records less those whose graph failed
+        kept_ids = datasets.Dataset.from_file(path).data.column("id").to_pylist()
+    return {"skipped": dict(skipped), "read": read, "kept": len(kept_ids),
+            "schema": {k: str(v) for k, v in features.items() if k not in _BASE_FEATURES},
+            "first": (first["source"], first["index"], first["id"]), "hashes": id_hashes(kept_ids)}
+
+
+def _check_schemas(results: list[dict[str, Any]]) -> None:
+    """Every shard's target / extra columns are the first's (each worker checked its own records)."""
+    ref = next((r for r in results if r["schema"] is not None), None)
+    for r in results:
+        if r["schema"] is not None and r["schema"] != ref["schema"]:
+            source, index, rid = r["first"]
+            raise CrystalDataError(source, index, rid, "target", "inconsistent_target",
+                                   f"has columns {r['schema']}, the first record has {ref['schema']}")
+
+
+def _repeated(parts: list[np.ndarray]) -> np.ndarray:
+    values = np.sort(np.concatenate(parts + [np.zeros(0, np.uint64)]))
+    return np.unique(values[1:][values[1:] == values[:-1]])
+
+
+def _drop_duplicates_across(paths: list[Path], hashes: list[np.ndarray], on_invalid: str) -> int:
+    """Ids repeated across shards (each worker saw only its own): the first record keeps its id; a later one is
+    an error naming it, or (`on_invalid="skip"`) removed from its shard, which is rewritten. Only the rows
+    whose 64-bit hash repeats have their ids read. Returns the number removed."""
+    repeated = _repeated(hashes)
+    if not len(repeated):
+        return 0
+    seen: set[str] = set()
+    removed = 0
+    for path, h in zip(paths, hashes):
+        rows = np.flatnonzero(np.isin(h, repeated))
+        if not len(rows):
+            continue
+        table = datasets.Dataset.from_file(str(path)).data.table
+        ids = table.column("id").take(pa.array(rows)).to_pylist()
+        drop = []
+        for row, rid in zip(rows.tolist(), ids):
+            if rid not in seen:
+                seen.add(rid)
+                continue
+            source = table.column("source")[row].as_py()
+            skip_or_raise(CrystalDataError(source, None, rid, "id", "duplicate_id",
+                                           "an earlier record has the same id"), on_invalid, Counter())
+            drop.append(row)
+        if drop:
+            mask = np.ones(table.num_rows, dtype=bool)
+            mask[drop] = False
+            kept = table.filter(pa.array(mask))
+            tmp = path.with_name(f".{path.name}.dedup.tmp")
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, kept.schema) as writer:
+                writer.write_table(kept, max_chunksize=ARROW_BATCH)
+            del table
+            tmp.replace(path)
+            removed += len(drop)
+    return removed
+
+
 def _records_digest(records: list[dict[str, Any]]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for rec in records:
@@ -208,9 +303,13 @@ def build_crystal_dataset(source: Any, *, graph: GraphSpec | None = None, target
     fixed-length list) and any `atom_target` / kept extras. The fingerprint covers every input
     file's path, size and mtime (a folder: all its files) or, for in-memory structures, their
     content; the reader options; `on_invalid`; and the graph settings. A repeated call loads the
-    memory-mapped Arrow files without parsing; any changed setting rebuilds. `num_proc` > 1 builds
-    graphs in up to that many worker processes, one Arrow shard each, with at least
-    `MIN_SHARD_RECORDS` structures per process (row order does not depend on it). A failed build
+    memory-mapped Arrow files without parsing; any changed setting rebuilds. The build streams: each
+    input is cut into pieces of `SHARD_RECORDS` structures without parsing them (frames of an extxyz,
+    row ranges of an ASE database, rows of an id_prop.csv), and each piece is read, validated, turned
+    into graphs and written as one Arrow shard by a worker: up to `num_proc` worker processes (None
+    or 1: in this process), with a few pieces in flight, so no process holds every structure. Row
+    order, rows and ids do not depend on `num_proc` (ids repeated across pieces are found after the
+    workers, from 64-bit hashes of the ids). A failed build
     leaves neither temp files nor shards of its own. The returned dataset has no format set: read
     rows with `CrystalRows(ds)` (fast) or `ds.with_format("numpy")`; its `crystal_report` attribute
     is a `CrystalReport` (the same on a cached load).
@@ -232,6 +331,8 @@ def build_crystal_dataset(source: Any, *, graph: GraphSpec | None = None, target
         records = list(iter_crystals(objects, **read_kwargs))
         inputs: Any = {"in_memory": _records_digest(records), "n": len(objects), "skipped": dict(skipped)}
     else:
+        if labels is not None or ids is not None:
+            raise ValueError("labels / ids are for in-memory structures; files carry their own")
         for p in paths:
             if not p.exists():
                 raise CrystalDataError(str(p), None, None, "file", "missing_file", "no such file or folder")
@@ -243,36 +344,86 @@ def build_crystal_dataset(source: Any, *, graph: GraphSpec | None = None, target
     if meta is not None and meta.get("shards") and all((root / s).exists() for s in meta["shards"]):
         report = CrystalReport(fingerprint, meta["records"], meta["kept"], meta["skipped"], cache_hit=True)
     else:
-        if records is None:
-            records = list(iter_crystals(paths, **read_kwargs))
-        n_read = len(records) + sum(skipped.values())
-        if not records:
-            raise CrystalDataError(", ".join(map(str, paths)) or "<in-memory>", None, None, "records", "no_records",
+        if records is not None and not records:
+            raise CrystalDataError("<in-memory>", None, None, "records", "no_records",
                                    f"no valid records ({dict(skipped)} skipped)")
-        features = _features_for(records)
-        n_shards = max(1, min(num_proc or 1, len(records) // MIN_SHARD_RECORDS))
-        bounds = np.linspace(0, len(records), n_shards + 1).round().astype(int)
-        shards = [f"{fingerprint}-{k:05d}-of-{n_shards:05d}.arrow" for k in range(n_shards)]
-        jobs = [(_write_graph_rows, (records[bounds[k]:bounds[k + 1]], graph, features, on_invalid), root / shards[k])
-                for k in range(n_shards)]
-        try:
-            shard_skips = build_shards(jobs, num_proc=n_shards)
-        except BaseException:
-            # build_shards removed the temp files; shards that other workers completed are orphans now
-            for name in shards:
-                (root / name).unlink(missing_ok=True)
-            raise
-        for s in shard_skips:
-            skipped.update(s)
-        kept = len(records) - sum(sum(s.values()) for s in shard_skips)
-        write_meta(sidecar, {"fingerprint": fingerprint, "shards": shards, "records": n_read, "kept": kept,
-                             "skipped": dict(skipped), "settings": settings, "inputs": inputs})
-        meta = {"shards": shards}
-        report = CrystalReport(fingerprint, n_read, kept, dict(skipped), cache_hit=False)
+        meta, report = _build(paths, records, spec, id_key, id_prop, graph, on_invalid, num_proc, root,
+                              fingerprint, skipped, {"settings": settings, "inputs": inputs}, sidecar)
     log_skips(Counter(report.skipped), report.records, f"crystal dataset {fingerprint[:8]}")
     ds = load_arrow([root / s for s in meta["shards"]], fingerprint)
     ds.crystal_report = report
     return ds
+
+
+def _build(paths: list[Path], records: list[dict[str, Any]] | None, spec: TargetSpec, id_key: str | None,
+           id_prop: str, graph: GraphSpec, on_invalid: str, num_proc: int | None, root: Path, fingerprint: str,
+           skipped: Counter, about: dict[str, Any], sidecar: Path) -> tuple[dict[str, Any], CrystalReport]:
+    """Write the shards: each input is cut into pieces here (`iter_chunks`: no structure is parsed in this
+    process) and each piece is read, checked and turned into graphs by a worker; at most a few pieces are in
+    flight, so this process never holds the whole input."""
+    chunks: Any = (iter_chunks(paths, SHARD_RECORDS, id_prop) if records is None
+                   else (records[lo:lo + SHARD_RECORDS] for lo in range(0, len(records), SHARD_RECORDS)))
+    names: list[str] = []
+
+    def jobs() -> Any:
+        for k, chunk in enumerate(chunks):
+            names.append(f"{fingerprint}-{k:05d}.arrow")
+            yield _write_shard, (chunk, spec, id_key, graph, on_invalid), root / names[-1]
+
+    workers = max(1, int(num_proc or 1))
+    queue = jobs()
+    # A pool only for the pieces there are (spawning workers costs seconds): the first `workers` are peeked,
+    # then handed on in order; an error of the reader while peeking comes after the pieces before it.
+    head: deque = deque()
+    failed: BaseException | None = None
+    try:
+        head.extend(itertools.islice(queue, workers))
+    except Exception as e:  # noqa: BLE001 -- re-raised in order by handed_on
+        failed = e
+    workers = max(1, min(workers, len(head)))
+
+    def handed_on() -> Any:
+        while head:
+            yield head.popleft()
+        if failed is not None:
+            raise failed
+        yield from queue
+
+    renamed: list[str] = []
+    try:
+        results = build_shards(handed_on(), num_proc=workers, max_in_flight=workers + 2, renamed=renamed)
+        _check_schemas(results)
+        if not any(r["schema"] is not None for r in results):
+            raise CrystalDataError(", ".join(map(str, paths)) or "<in-memory>", None, None, "records",
+                                   "no_records", f"no valid records ({_sum_skips(skipped, results)} skipped)")
+        # shards where every record was skipped before its graph carry no schema: dropped
+        kept_shards = [(root / n, r) for n, r in zip(names, results) if r["schema"] is not None]
+        removed = _drop_duplicates_across([p for p, _ in kept_shards], [r["hashes"] for _, r in kept_shards],
+                                          on_invalid)
+    except BaseException:
+        # the shards this build published (another builder of the same cache may have published the others)
+        for final in renamed:
+            Path(final).unlink(missing_ok=True)
+        raise
+    for n, r in zip(names, results):
+        if r["schema"] is None:
+            (root / n).unlink(missing_ok=True)
+    total = _sum_skips(skipped, results)
+    if removed:
+        total["duplicate_id"] = total.get("duplicate_id", 0) + removed
+    n_read = (len(records) + sum(skipped.values())) if records is not None else sum(r["read"] for r in results)
+    kept = sum(r["kept"] for r in results) - removed
+    shards = [p.name for p, _ in kept_shards]
+    write_meta(sidecar, {"fingerprint": fingerprint, "shards": shards, "records": n_read, "kept": kept,
+                         "skipped": total, **about})
+    return {"shards": shards}, CrystalReport(fingerprint, n_read, kept, total, cache_hit=False)
+
+
+def _sum_skips(skipped: Counter, results: list[dict[str, Any]]) -> dict[str, int]:
+    total = Counter(skipped)
+    for r in results:
+        total.update(r["skipped"])
+    return dict(total)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -302,8 +453,15 @@ class _ChunkColumn:
 
     def __init__(self, arr: pa.Array):
         self.is_string = pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
+        self.offsets = None
         if self.is_string:
             self.arr = arr
+            return
+        if isinstance(arr, (pa.ListArray, pa.LargeListArray)) and not pa.types.is_list(arr.type.value_type):
+            # one list level over fixed-size items: the rows' starts are offsets x item size, computed per row
+            # from a view of the Arrow offsets, never a per-row array of its own (a copy that grows with N)
+            self.flat, self.width, inner = _flat_view(arr.values)
+            self.offsets, self.shape = arr.offsets.to_numpy(), (-1,) + inner
             return
         self.flat, mapping, self.shape = _flat_view(arr)
         if not self.shape:
@@ -317,6 +475,8 @@ class _ChunkColumn:
     def row(self, k: int) -> Any:
         if self.is_string:
             return self.arr[k].as_py()
+        if self.offsets is not None:
+            return self.flat[int(self.offsets[k]) * self.width:int(self.offsets[k + 1]) * self.width].reshape(self.shape)
         if not self.shape:
             return self.flat[k]
         if self.starts is None:

@@ -306,16 +306,17 @@ def _ase_lookup(atoms: Any) -> Callable[[str], tuple[np.ndarray, bool] | None]:
     return lookup
 
 
-def _iter_extxyz(path: Path, spec: TargetSpec, id_key: str | None, check_overlap: bool) -> Iterator[Any]:
+def _iter_extxyz(path: Path, spec: TargetSpec, id_key: str | None, check_overlap: bool, text: bytes,
+                 start: int) -> Iterator[Any]:
+    """Records of the extended XYZ frames `text`, frame `start` onward of `path` (one `ReadChunk`)."""
     import ase.io
 
-    global PARSE_CALLS
-    PARSE_CALLS += 1
     source = str(path)
-    index = -1
+    index = start - 1
     try:
         # iread rather than read(":"): a broken frame is reported with its index.
-        for index, atoms in enumerate(ase.io.iread(str(path), index=":", format="extxyz")):
+        frames = ase.io.iread(io.StringIO(text.decode("utf-8")), index=":", format="extxyz")
+        for index, atoms in enumerate(frames, start):
             rid = str(atoms.info[id_key]) if id_key and id_key in atoms.info else f"{_short(path)}#{index}"
             yield _record(source, index, rid, atoms.numbers, atoms.positions, atoms.cell.array, atoms.pbc,
                           _ase_lookup(atoms), spec, check_overlap)
@@ -331,9 +332,126 @@ def _iter_extxyz(path: Path, spec: TargetSpec, id_key: str | None, check_overlap
                                f"cannot read frame {index + 1}: {type(e).__name__}: {e}") from e
 
 
+def _extxyz_chunks(path: Path, size: int) -> Iterator[ReadChunk]:
+    """The file cut into texts of `size` frames, by the atom count on each frame's first line: no frame is
+    parsed here. A blank line ends the file, as it ends ASE's reading; a first line that is not a count is an
+    error naming the frame (after the pieces before it)."""
+    with _open_binary(path) as f:
+        start = index = 0
+        lines: list[bytes] = []
+        while line := f.readline():
+            if not line.strip():
+                break
+            try:
+                n = int(line)
+            except ValueError:
+                if lines:
+                    yield ReadChunk("extxyz", str(path), start, b"".join(lines))
+                raise CrystalDataError(str(path), index, None, "file", "unreadable",
+                                       f"cannot read frame {index}: its first line {line[:80]!r} is not an atom "
+                                       f"count") from None
+            lines.append(line)
+            lines.extend(f.readline() for _ in range(n + 1))
+            index += 1
+            if index - start == size:
+                yield ReadChunk("extxyz", str(path), start, b"".join(lines))
+                lines, start = [], index
+        if lines:
+            yield ReadChunk("extxyz", str(path), start, b"".join(lines))
+
+
+def _row_lookup(row: Any) -> Callable[[str], tuple[np.ndarray, bool] | None]:
+    """Quantities of an ASE database row: its key-value pairs (per structure), its `data` (per atom when the
+    first axis is the atom count), then its stored calculator results (`energy`, `forces`, `stress`, ...)."""
+    n = row.natoms
+    kvp = row.key_value_pairs
+    data = row.get("data") or {}
+
+    def lookup(key: str) -> tuple[np.ndarray, bool] | None:
+        if key in kvp:
+            return _scalar_or_vector(kvp[key]), False
+        value = data.get(key)
+        if value is None and key in _ROW_RESULTS:
+            value = row.get(key)
+        if value is None:
+            return None
+        arr = np.asarray(value, dtype=np.float64)
+        return arr, key == "forces" or (arr.ndim >= 1 and arr.shape[0] == n and key not in ("stress", "dipole"))
+    return lookup
+
+
+_ROW_RESULTS = ("energy", "free_energy", "forces", "stress", "dipole", "charges", "magmom", "magmoms")
+
+
+def _connect_db(path: Path) -> Any:
+    """An open ASE database; `.aselmdb` through ase-db-backends (fairchem's OMat24 / OMol25 files)."""
+    import ase.db
+
+    try:
+        if path.name.lower().endswith(".aselmdb"):
+            try:
+                import ase_db_backends  # noqa: F401 -- provides ase.db's aselmdb backend
+            except ImportError as e:
+                raise CrystalDataError(str(path), None, None, "file", "unreadable",
+                                       "reading .aselmdb needs the ase-db-backends package (the crystals extra)"
+                                       ) from e
+            return ase.db.connect(str(path), type="aselmdb", readonly=True)
+        return ase.db.connect(str(path), type="db")
+    except CrystalDataError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- each backend raises its own types
+        raise CrystalDataError(str(path), None, None, "file", "unreadable", f"{type(e).__name__}: {e}") from e
+
+
+def _db_chunks(path: Path, size: int) -> Iterator[ReadChunk]:
+    db = _connect_db(path)
+    try:
+        n = db.count()
+    finally:
+        _close_db(db)  # LMDB allows one open environment per file and process: the reader opens its own
+    for lo in range(0, n, size):
+        yield ReadChunk("db", str(path), lo, (lo, min(n, lo + size)))
+
+
+def _iter_db(path: Path, spec: TargetSpec, id_key: str | None, check_overlap: bool, lo: int,
+             hi: int) -> Iterator[Any]:
+    """Rows lo..hi-1 (by position) of an ASE database: `.aselmdb` (fairchem's LMDB files), `.db` (SQLite)."""
+    db = _connect_db(path)
+    source = str(path)
+    ids = getattr(db, "ids", None)  # aselmdb: row k is db.ids[k], read by id without scanning the rows before it
+    rows = ((db._get_row(i) for i in ids[lo:hi]) if ids is not None and hasattr(db, "_get_row")
+            else db.select(offset=lo, limit=hi - lo))
+    index = lo - 1
+    try:
+        for index, row in enumerate(rows, lo):  # noqa: B007 -- `index` names the row that failed
+            kvp = row.key_value_pairs
+            rid = str(kvp[id_key]) if id_key and id_key in kvp else f"{_short(path)}#{row.id}"
+            yield _record(source, index, rid, row.numbers, row.positions, row.cell, row.pbc, _row_lookup(row),
+                          spec, check_overlap)
+    except CrystalDataError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- a corrupt row: the backends raise many types
+        raise CrystalDataError(source, index + 1, None, "row", "unreadable",
+                               f"cannot read row {index + 1}: {type(e).__name__}: {e}") from e
+    finally:
+        _close_db(db)
+
+
+def _close_db(db: Any) -> None:
+    close = getattr(db, "close", None)
+    if close is not None:
+        close()
+
+
 def _short(path: Path) -> str:
     """Record-id prefix: the parent folder and file name (Si/training.json), unique enough across sets."""
     return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+
+
+def _open_binary(path: Path) -> io.BufferedIOBase:
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")  # type: ignore[return-value]
 
 
 def _open_text(path: Path) -> io.TextIOBase:
@@ -344,10 +462,8 @@ def _open_text(path: Path) -> io.TextIOBase:
     return open(path, encoding="utf-8")
 
 
-def _iter_mlearn(path: Path, spec: TargetSpec, check_overlap: bool) -> Iterator[Any]:
-    """mlearn JSON: a list of {structure: Structure.as_dict(), outputs: {energy, forces, virial_stress}}."""
-    global PARSE_CALLS
-    PARSE_CALLS += 1
+def _mlearn_chunks(path: Path, size: int) -> Iterator[ReadChunk]:
+    """mlearn JSON is one list (the sets are small): loaded whole here, handed on `size` records at a time."""
     source = str(path)
     try:
         with _open_text(path) as f:
@@ -356,9 +472,17 @@ def _iter_mlearn(path: Path, spec: TargetSpec, check_overlap: bool) -> Iterator[
         raise CrystalDataError(source, None, None, "file", "unreadable", f"{type(e).__name__}: {e}") from e
     if not isinstance(data, list):
         raise CrystalDataError(source, None, None, "file", "unreadable", "expected a JSON list of records")
+    for lo in range(0, len(data), size):
+        yield ReadChunk("mlearn", source, lo, data[lo:lo + size])
+
+
+def _iter_mlearn(path: Path, spec: TargetSpec, check_overlap: bool, data: list[Any], start: int) -> Iterator[Any]:
+    """mlearn JSON records `data` (from record `start` of `path`): {structure: Structure.as_dict(), outputs:
+    {energy, forces, virial_stress}}."""
+    source = str(path)
     table, _ = _elements_table()
     prefix = _short(path)
-    for index, item in enumerate(data):
+    for index, item in enumerate(data, start):
         rid = f"{prefix}#{index}"
 
         def err(field_: str, reason: str, detail: str, index: int = index, rid: str = rid) -> CrystalDataError:
@@ -415,12 +539,9 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _iter_id_prop(folder: Path, spec: TargetSpec, id_prop: str, check_overlap: bool) -> Iterator[Any]:
-    """A folder of POSCAR/CIF files with id_prop.csv rows `filename,value[,value...]` (no header)."""
-    import ase.io
-
-    global PARSE_CALLS
-    PARSE_CALLS += 1
+def _id_prop_chunks(folder: Path, id_prop: str, size: int) -> Iterator[ReadChunk]:
+    """The rows of `id_prop` (file name and value: small), `size` at a time; the structure files are read by
+    whoever reads the chunk."""
     csv_path = folder / id_prop
     if not csv_path.exists():
         raise CrystalDataError(str(folder), None, None, "file", "missing_file", f"no {id_prop} in the folder")
@@ -429,8 +550,18 @@ def _iter_id_prop(folder: Path, spec: TargetSpec, id_prop: str, check_overlap: b
     # Tolerate one header row (its second field is not a number).
     if rows and len(rows[0]) > 1 and not _is_number(rows[0][1]):
         rows = rows[1:]
+    for lo in range(0, len(rows), size):
+        yield ReadChunk("id_prop", str(csv_path), lo, rows[lo:lo + size])
+
+
+def _iter_id_prop(csv_path: Path, spec: TargetSpec, check_overlap: bool, rows: list[list[str]],
+                  start: int) -> Iterator[Any]:
+    """`rows` of an id_prop.csv (from row `start`): `filename,value[,value...]`, the files beside it."""
+    import ase.io
+
+    folder = csv_path.parent
     source = str(csv_path)
-    for index, row in enumerate(rows):
+    for index, row in enumerate(rows, start):
         name = row[0].strip()
         values = [c.strip() for c in row[1:]]
 
@@ -539,8 +670,10 @@ def _source_kind(path: Path) -> str:
         return "mlearn"
     if name.endswith((".xyz", ".extxyz", ".xyz.gz", ".extxyz.gz")):
         return "extxyz"
-    raise ValueError(f"{path}: unknown crystal source (expected a folder with id_prop.csv, mlearn .json[.gz] "
-                     f"or extended XYZ .xyz/.extxyz[.gz])")
+    if name.endswith((".aselmdb", ".db")):
+        return "db"
+    raise ValueError(f"{path}: unknown crystal source (expected a folder with id_prop.csv, mlearn .json[.gz], "
+                     f"extended XYZ .xyz/.extxyz[.gz] or an ASE database .aselmdb/.db)")
 
 
 def as_sources(source: Any) -> tuple[list[Path], list[Any] | None]:
@@ -563,16 +696,60 @@ def _iter_items(source: Any, spec: TargetSpec, *, labels: Sequence[Any] | None =
         return
     if labels is not None or ids is not None:
         raise ValueError("labels / ids are for in-memory structures; files carry their own")
+    for chunk in iter_chunks(paths, CHUNK_RECORDS, id_prop):
+        yield from read_chunk(chunk, spec, id_key, check_overlap)
+
+
+CHUNK_RECORDS = 1024
+"""Structures per `ReadChunk` when a reader goes through a whole input (`iter_crystals`)."""
+
+
+@dataclass(frozen=True)
+class ReadChunk:
+    """A piece of one input file that a worker reads on its own: `start` is the index of its first record in
+    the file; `payload` is what the worker needs beside the path (extxyz: the frames' text; ASE db: the
+    (first, end) row positions; mlearn: the raw JSON items; id_prop: the CSV rows). Small enough to pickle."""
+
+    kind: str
+    path: str
+    start: int
+    payload: Any
+
+
+def iter_chunks(paths: Sequence[Path], size: int, id_prop: str = "id_prop.csv") -> Iterator[ReadChunk]:
+    """Every input cut into `ReadChunk`s of up to `size` records, in file order, without parsing a structure:
+    an extxyz is cut by the frames' atom-count lines, an ASE database by row positions, a POSCAR/CIF folder by
+    the rows of its id_prop.csv (mlearn JSON, a single list, is loaded and cut)."""
+    global PARSE_CALLS
     for path in paths:
         if not path.exists():
             raise CrystalDataError(str(path), None, None, "file", "missing_file", "no such file or folder")
         kind = _source_kind(path)
+        PARSE_CALLS += 1
         if kind == "id_prop":
-            yield from _iter_id_prop(path, spec, id_prop, check_overlap)
+            yield from _id_prop_chunks(path, id_prop, size)
         elif kind == "mlearn":
-            yield from _iter_mlearn(path, spec, check_overlap)
+            yield from _mlearn_chunks(path, size)
+        elif kind == "db":
+            yield from _db_chunks(path, size)
         else:
-            yield from _iter_extxyz(path, spec, id_key, check_overlap)
+            yield from _extxyz_chunks(path, size)
+
+
+def read_chunk(chunk: ReadChunk, spec: TargetSpec, id_key: str | None = None,
+               check_overlap: bool = True) -> Iterator[dict[str, Any] | CrystalDataError]:
+    """The records and `CrystalDataError`s of one chunk, in order (duplicate ids are not checked here: that
+    needs every chunk; `iter_crystals` and the dataset build do it)."""
+    path = Path(chunk.path)
+    if chunk.kind == "extxyz":
+        return _iter_extxyz(path, spec, id_key, check_overlap, chunk.payload, chunk.start)
+    if chunk.kind == "db":
+        return _iter_db(path, spec, id_key, check_overlap, *chunk.payload)
+    if chunk.kind == "mlearn":
+        return _iter_mlearn(path, spec, check_overlap, chunk.payload, chunk.start)
+    if chunk.kind == "id_prop":
+        return _iter_id_prop(path, spec, check_overlap, chunk.payload, chunk.start)
+    raise ValueError(f"unknown chunk kind {chunk.kind!r}")
 
 
 def iter_crystals(source: Any, *, target: str | Sequence[str] | None = "energy", atom_target: str = "sum",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,18 +92,73 @@ def element_fractions(numbers: list[np.ndarray] | ListColumn) -> np.ndarray:
     return out
 
 
-def fit_element_baseline(numbers: list[np.ndarray], targets: np.ndarray) -> np.ndarray:
+BASELINE_BLOCK_ROWS = 16384
+"""Structures per block of the element-fraction baseline's normal equations: the dense fractions of one block
+([rows, 119] float64) are all that is ever materialised, whatever the number of structures."""
+
+
+def _fraction_blocks(numbers: list[np.ndarray] | ListColumn, block: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(first row, element fractions [rows, 119]) of consecutive blocks of `block` structures."""
+    if not isinstance(numbers, ListColumn):
+        for lo in range(0, len(numbers), block):
+            yield lo, element_fractions(numbers[lo:lo + block])
+        return
+    rows = numbers.rows  # the selection's table rows (None: all, in order)
+    for lo in range(0, len(numbers), block):
+        r = (rows[lo:lo + block] if rows is not None else np.arange(lo, min(lo + block, len(numbers)))).astype(np.int64)
+        chunk = np.searchsorted(numbers.chunk_starts, r, side="right") - 1
+        parts = []
+        for c in np.unique(chunk):  # each Arrow chunk's rows of the block, gathered from its offsets
+            at = np.flatnonzero(chunk == c)
+            local = r[at] - numbers.chunk_starts[c]
+            starts = numbers.offsets[c][local].astype(np.int64)
+            n = numbers.offsets[c][local + 1].astype(np.int64) - starts
+            flat = numbers.values[c][np.repeat(starts - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))]
+            parts.append((at, n, flat))
+        counts = np.zeros(len(r), np.int64)
+        for at, n, _ in parts:
+            counts[at] = n
+        out = np.zeros((len(r), NUM_ELEMENTS))
+        for at, n, flat in parts:
+            np.add.at(out, (np.repeat(at, n), flat.astype(np.int64)),
+                      np.repeat(1.0 / np.maximum(1, counts[at]), n))
+        yield lo, out
+
+
+def fit_element_baseline(numbers: list[np.ndarray] | ListColumn, targets: np.ndarray) -> np.ndarray:
     """Per-element linear baseline for intensive targets: y ~ sum_e fraction_e * c_e, least squares.
 
     Returns the coefficients [119, T] (zero for elements absent from training). With one element
     (mlearn Si) it is the training mean; with several it is the composition-only model that any
-    structure-aware model must beat."""
-    x = element_fractions(numbers)
-    used = x.any(axis=0)
+    structure-aware model must beat. Solved from the normal equations (X^T X [119, 119], X^T y), summed
+    over blocks of `BASELINE_BLOCK_ROWS` structures, so the memory does not grow with the data; the
+    minimum-norm solution, as a least-squares solve of X itself gives (elements whose fractions are
+    collinear share their coefficient the same way)."""
+    targets = np.asarray(targets, dtype=np.float64)
+    xtx = np.zeros((NUM_ELEMENTS, NUM_ELEMENTS))
+    xty = np.zeros((NUM_ELEMENTS, targets.shape[1]))
+    for lo, x in _fraction_blocks(numbers, BASELINE_BLOCK_ROWS):
+        xtx += x.T @ x
+        xty += x.T @ targets[lo:lo + len(x)]
+    used = np.diag(xtx) > 0
     coef = np.zeros((NUM_ELEMENTS, targets.shape[1]))
     if used.any():
-        coef[used] = np.linalg.lstsq(x[:, used], targets, rcond=None)[0]
+        coef[used] = np.linalg.lstsq(xtx[np.ix_(used, used)], xty[used], rcond=None)[0]
     return coef
+
+
+SPLIT_BLOCK_ROWS = 1 << 20
+"""Ids decoded to Python strings at a time when the splits are assigned: a rank never holds every id as a string."""
+
+
+def _split_rows(ds: Any, fractions: dict[str, float], key: int) -> dict[str, np.ndarray]:
+    """`split_indices` of the dataset's ids, read `SPLIT_BLOCK_ROWS` at a time (the same rows: the rule is per id)."""
+    ids = selected_column(ds, "id")
+    found: dict[str, list[np.ndarray]] = {name: [] for name in fractions}
+    for lo in range(0, len(ids), SPLIT_BLOCK_ROWS):
+        for name, rows in split_indices(ids.slice(lo, SPLIT_BLOCK_ROWS).to_pylist(), fractions, key=key).items():
+            found[name].append(rows + lo)
+    return {name: np.concatenate(parts) if parts else np.zeros(0, np.int64) for name, parts in found.items()}
 
 
 @register_task(SPEC)  # options, presets, unit and metrics: spec.py
@@ -140,12 +196,11 @@ class CrystalPropertyTask(Task):
         c = self.cfg
         train_source, test_source = self._sources()
         full = self._build(train_source, c.target, c.per_atom)
-        ids = selected_column(full, "id").to_pylist()
         hold_test = 0.0 if test_source is not None else c.test_fraction
         # Each id goes to a split by its own hash (keyed by the seed): the split of a structure does
         # not depend on the others, the file order or the world size; sizes are close to the fractions.
-        parts = split_indices(ids, {"train": 1.0 - c.val_fraction - hold_test, "validation": c.val_fraction,
-                                    "test": hold_test}, key=self.seed)
+        parts = _split_rows(full, {"train": 1.0 - c.val_fraction - hold_test, "validation": c.val_fraction,
+                                   "test": hold_test}, key=self.seed)
         if len(parts["train"]) == 0:
             raise ValueError(f"{train_source}: no training structures left after the validation/test split")
         train = full.select(parts["train"])

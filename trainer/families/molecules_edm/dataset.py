@@ -28,6 +28,7 @@ import pyarrow as pa
 import torch
 
 from trainer.data.arrow_cache import (
+    ListColumn,
     arrow_writer,
     build_shards,
     cache_root,
@@ -37,6 +38,7 @@ from trainer.data.arrow_cache import (
     load_arrow,
     read_meta,
     selected_column,
+    selected_rows,
     write_meta,
 )
 from trainer.data.splits import split_indices
@@ -132,17 +134,46 @@ def _molecules_digest(molecules: list[Molecule]) -> str:
     return h.hexdigest()
 
 
+SMILES_CHUNK = 4096
+"""Molecules per task of the parallel SMILES perception."""
+
+
+def _smiles_of(geometries: list[tuple[np.ndarray, np.ndarray]]) -> list[str | None]:
+    """EDM's SMILES of each (numbers, positions) (a pool task: importable at module level)."""
+    from trainer.families.molecules_edm.metrics import molecule_smiles
+
+    return [molecule_smiles(numbers, positions) for numbers, positions in geometries]
+
+
+def _perceive_smiles(molecules: list[Molecule], num_proc: int | None) -> list[str | None]:
+    """`_smiles_of` every molecule, in order: in a spawn pool of `num_proc` (None: the cores) when there is more
+    than one chunk of `SMILES_CHUNK` (RDKit's perception is the costly part of a build; a pool's start is not worth
+    it for a small set)."""
+    import multiprocessing
+    import os
+
+    geometries = [(m.numbers, m.positions) for m in molecules]
+    chunks = [geometries[a:a + SMILES_CHUNK] for a in range(0, len(geometries), SMILES_CHUNK)]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = min(len(chunks), cores if num_proc is None else max(1, int(num_proc)))
+    if workers <= 1:
+        return [s for chunk in chunks for s in _smiles_of(chunk)]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:  # spawn: see arrow_cache.build_shards
+        return [s for part in pool.imap(_smiles_of, chunks) for s in part]
+
+
 def build_molecule_dataset(source: str | Path | Sequence[Any], elements: Sequence[str] = QM9_ELEMENTS,
                            cache_dir: str | Path | None = None, *, min_distance: float = MIN_DISTANCE,
                            on_invalid: str = "error", id_key: str | None = None, add_hydrogens: bool = True,
-                           compute_smiles: bool = True) -> datasets.Dataset:
+                           compute_smiles: bool = True, num_proc: int | None = 1) -> datasets.Dataset:
     """Read `source` (an .xyz/.extxyz/.sdf path, optionally .gz, or a list of `ase.Atoms` / `Molecule`)
     into the shared Arrow cache and return it memory-mapped (no format set; use `MoleculeRows`).
 
     The fingerprint covers the input file's absolute path, size and mtime (or the in-memory content),
     `elements`, `min_distance`, `on_invalid`, `id_key`, `add_hydrogens` and `compute_smiles`; a repeated
     call loads the cached file without parsing, any change rebuilds. `compute_smiles` stores
-    `edm_smiles` (EDM's SMILES of each geometry, for novelty). The result has a `molecule_report`
+    `edm_smiles` (EDM's SMILES of each geometry, for novelty), perceived once per build by `num_proc` processes
+    (None: the cores this process may use; not part of the fingerprint). The result has a `molecule_report`
     attribute (`readers.ReadReport`, the same on a cache hit) and `cache_hit` (bool).
     """
     elements = tuple(str(e) for e in elements)
@@ -175,11 +206,7 @@ def build_molecule_dataset(source: str | Path | Sequence[Any], elements: Sequenc
             molecules = list(iter_molecules(Path(source), skipped=skipped, **read_kwargs))  # type: ignore[arg-type]
         if not molecules:
             raise MoleculeDataError(name, None, None, "no_records", f"no valid molecules ({dict(skipped)} skipped)")
-        smiles = None
-        if compute_smiles:
-            from trainer.families.molecules_edm.metrics import molecule_smiles
-
-            smiles = [molecule_smiles(m.numbers, m.positions) for m in molecules]
+        smiles = _perceive_smiles(molecules, num_proc) if compute_smiles else None
         shard = f"{fingerprint}.arrow"
         build_shards([(_write_rows, (molecules, smiles), root / shard)])
         report = ReadReport(len(molecules) + sum(skipped.values()), len(molecules), dict(skipped))
@@ -197,24 +224,14 @@ def build_molecule_dataset(source: str | Path | Sequence[Any], elements: Sequenc
 # rows
 
 
-def _list_parts(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets int64 [rows + 1], flat values) of a list column (a fixed-size-list inside is flattened)."""
-    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    if arr.offset:  # a sliced array: rebuild it so that offsets start at 0
-        arr = pa.concat_arrays([arr])
-    offsets = arr.offsets.to_numpy().astype(np.int64)
-    values = arr.values
-    if isinstance(values, pa.FixedSizeListArray):
-        values = values.flatten()
-    return offsets, values.to_numpy(zero_copy_only=False)
-
-
 class MoleculeRows(torch.utils.data.Dataset):
     """Rows of a molecule dataset: {"id": str, "numbers": int64 [n], "positions": float32 [n, 3]
-    (Angstrom, as stored), "num_atoms": int, and the requested numeric `properties` as floats}.
+    (Angstrom, as stored; a read-only view), "num_atoms": int, and the requested numeric `properties` as floats}.
 
-    Reads the Arrow buffers once (honouring `select`ed splits), then slices numpy arrays per row;
-    pickles as the underlying dataset.
+    Nothing is copied per molecule: atoms are read through `ListColumn` views of the memory-mapped Arrow
+    buffers and ids / properties from their Arrow columns, one row at a time, so the memory a rank or a
+    DataLoader worker holds does not grow with the data set (the pages a row touches are file-backed and
+    shared). Pickles as the underlying dataset; each process builds its own views on first use.
     """
 
     def __init__(self, dataset: datasets.Dataset, properties: Sequence[str] = ()):
@@ -227,17 +244,14 @@ class MoleculeRows(torch.utils.data.Dataset):
 
     def _prepare(self) -> dict[str, Any]:
         if self._cache is None:
-            n_offsets, numbers = _list_parts(selected_column(self.dataset, "numbers"))
-            p_offsets, positions = _list_parts(selected_column(self.dataset, "positions"))
+            table = self.dataset.with_format(None).data
+            numbers, positions = ListColumn(self.dataset, "numbers"), ListColumn(self.dataset, "positions")
+            if [len(o) for o in numbers.offsets] != [len(o) for o in positions.offsets]:
+                raise DataError("molecule dataset: numbers and positions disagree on row chunks (corrupt cache?)")
             self._cache = {
-                "ids": selected_column(self.dataset, "id").to_pylist(),
-                "offsets": n_offsets, "numbers": numbers.astype(np.int64),
-                "positions": positions.astype(np.float32).reshape(-1, 3),
-                "properties": {p: selected_column(self.dataset, p).to_numpy(zero_copy_only=False).astype(np.float64)
-                               for p in self.properties},
+                "numbers": numbers, "positions": positions, "ids": table.column("id"),
+                "properties": {p: table.column(p) for p in self.properties},
             }
-            if not np.array_equal(p_offsets, n_offsets):
-                raise DataError("molecule dataset: numbers and positions disagree on atom counts (corrupt cache?)")
         return self._cache
 
     def __getstate__(self) -> dict[str, Any]:
@@ -256,11 +270,16 @@ class MoleculeRows(torch.utils.data.Dataset):
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for {n} molecules")
-        index %= n
-        a, b = int(c["offsets"][index]), int(c["offsets"][index + 1])
-        row = {"id": c["ids"][index], "numbers": c["numbers"][a:b], "positions": c["positions"][a:b], "num_atoms": b - a}
+        t = c["numbers"].table_index(index % n)
+        numbers, positions = c["numbers"].table_row(t), c["positions"].table_row(t)
+        if len(numbers) != len(positions):
+            raise DataError(f"molecule dataset row {t}: {len(numbers)} atomic numbers but {len(positions)} positions "
+                            "(corrupt cache?)")
+        row = {"id": c["ids"][t].as_py(), "numbers": numbers.astype(np.int64), "positions": positions,
+               "num_atoms": len(numbers)}
         for p, values in c["properties"].items():
-            row[p] = float(values[index])
+            value = values[t].as_py()
+            row[p] = float("nan") if value is None else float(value)
         return row
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
@@ -383,6 +402,29 @@ def node_count_histogram(dataset: datasets.Dataset | MoleculeRows | Sequence[Mol
     return {int(v): int(f) for v, f in zip(values, freq)}
 
 
+UNIQUE_BLOCK = 1 << 20
+"""Rows of a selection taken at a time by `_unique_strings` (bounds the temporary copy)."""
+
+
+def _unique_strings(dataset: datasets.Dataset, name: str) -> set[str]:
+    """The distinct non-null values of a string column over the dataset's rows: deduplicated in Arrow, chunk by
+    chunk (a block of a selection at a time), so that only the distinct values become Python strings."""
+    import pyarrow.compute as pc
+
+    column = dataset.with_format(None).data.column(name)
+    rows = selected_rows(dataset)
+    if rows is None:
+        parts = (pc.unique(chunk) for chunk in column.chunks)
+    else:
+        parts = (pc.unique(column.take(pa.array(rows[a:a + UNIQUE_BLOCK])))
+                 for a in range(0, len(rows), UNIQUE_BLOCK))
+    out: set[str] = set()
+    for part in parts:
+        out.update(part.to_pylist())
+    out.discard(None)
+    return out
+
+
 def training_smiles(dataset: datasets.Dataset | MoleculeRows | Sequence[Molecule]) -> list[str]:
     """Sorted unique SMILES of the valid training molecules, for novelty.
 
@@ -395,7 +437,7 @@ def training_smiles(dataset: datasets.Dataset | MoleculeRows | Sequence[Molecule
     if isinstance(dataset, MoleculeRows):
         dataset = dataset.dataset
     if isinstance(dataset, datasets.Dataset) and "edm_smiles" in dataset.column_names:
-        values = selected_column(dataset, "edm_smiles").to_pylist()
+        values = _unique_strings(dataset, "edm_smiles")
     else:
         from trainer.families.molecules_edm.metrics import molecule_smiles
 

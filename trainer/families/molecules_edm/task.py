@@ -42,6 +42,7 @@ from trainer.families.molecules_edm.dataset import (
 )
 from trainer.families.molecules_edm.diffusion import EDMDiffusion
 from trainer.families.molecules_edm.egnn import build_egnn_dynamics
+from trainer.families.molecules_edm.geom import build_geom_dataset, geom_split
 from trainer.families.molecules_edm.guidance import ForceGuidance, GuidanceConfig, evaluations_line
 from trainer.families.molecules_edm.molecule import Molecule
 from trainer.families.molecules_edm.readers import bundled_qm9_path
@@ -97,11 +98,16 @@ class MoleculesEDMTask(Task):
     def build_data(self) -> TaskData:
         c = self.cfg
         source = c.data_path or str(bundled_qm9_path())
-        full = build_molecule_dataset(source, self.elements, cache_dir=c.cache_dir or None, on_invalid=c.on_invalid,
-                                      min_distance=c.min_distance)
-        ids = [str(i) for i in column_array(full, "id").tolist()]  # one Arrow read, not row by row
-        parts = split_indices(ids, {"train": 1.0 - c.val_fraction - c.test_fraction, "validation": c.val_fraction,
-                                    "test": c.test_fraction}, key=self.seed if c.split_seed < 0 else c.split_seed)
+        split_key = self.seed if c.split_seed < 0 else c.split_seed
+        if source.lower().endswith(".msgpack"):  # GEOM (drugs_crude.msgpack): EDM's conformer rule and split
+            full = build_geom_dataset(source, self.elements, cache_dir=c.cache_dir or None, on_invalid=c.on_invalid)
+            parts = geom_split(len(full), split_key, c.val_fraction, c.test_fraction)
+        else:
+            full = build_molecule_dataset(source, self.elements, cache_dir=c.cache_dir or None,
+                                          on_invalid=c.on_invalid, min_distance=c.min_distance, num_proc=None)
+            ids = [str(i) for i in column_array(full, "id").tolist()]  # one Arrow read, not row by row
+            parts = split_indices(ids, {"train": 1.0 - c.val_fraction - c.test_fraction,
+                                        "validation": c.val_fraction, "test": c.test_fraction}, key=split_key)
         if len(parts["train"]) == 0:
             raise ConfigError(f"{source}: no training molecules left after the validation/test split")
         train = full.select(parts["train"])

@@ -10,7 +10,8 @@ processing adds. Raw AnnData with only X/var/obs gets those fields computed the 
 - `uns['rank_genes_groups_cov_all']`: per cell type, scanpy `rank_genes_groups` of every
   condition_name against f"{cell_type}_ctrl_1" (Welch t-test, `rankby_abs=True`, all genes), the
   ranked var names per condition_name. Groups of fewer than 2 cells (scanpy refuses them; GEARS
-  crashes) and cell types without 2 control cells are skipped and reported.
+  crashes) and cell types without 2 control cells are skipped and reported. Computed without scanpy, in
+  one pass over X (`rank_genes_by_cell_type`): scanpy's statistic and ranking, ties included.
 - Per condition, over all its cells: `non_zeros_gene_idx` = genes whose mean is non-zero;
   `non_dropout_gene_idx` = those plus the genes zero both in the condition and in the control mean;
   `top_non_dropout_de_20` / `top_non_zero_de_20` = the first 20 ranked genes in those sets.
@@ -30,10 +31,11 @@ raises a DataError naming the condition and reason. Nothing is densified: X stay
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -68,6 +70,11 @@ GEARS_UNS_FIELDS = ("rank_genes_groups_cov_all", "non_zeros_gene_idx", "non_drop
                     "top_non_dropout_de_20", "top_non_zero_de_20")
 DATA_FILE = "perturb_processed.h5ad"
 _SAMPLES = Path(__file__).resolve().parent / "samples"
+FULL_HASH_BYTES = 256 * 2**20
+"""X (values + columns) up to this size is hashed whole by `PerturbationData.fingerprint`; above, sampled."""
+FINGERPRINT_WINDOWS = 64
+FINGERPRINT_WINDOW = 4096
+"""Non-zeros per sampled window of a large X's values and columns in `PerturbationData.fingerprint`."""
 DROP_REASONS = ("missing_condition", "malformed_condition", "gene_not_in_var", "gene_not_in_go", "no_cells",
                 "no_de_ranking")
 """Why a condition (or, for missing_condition, a cell) is dropped, in the order they are checked."""
@@ -163,9 +170,23 @@ class PerturbationData:
 
     @cached_property
     def fingerprint(self) -> str:
-        """Content hash of the expression, gene names and per-cell conditions (keys graph caches)."""
+        """Hash of the expression, gene names and per-cell conditions (keys graph caches), the same in every process.
+
+        Up to `FULL_HASH_BYTES` of X the whole of X is hashed. Above, every row's length (indptr), the per-cell
+        conditions and `FINGERPRINT_WINDOWS` evenly spaced windows of X's values and columns: linear in the
+        cells, not in the non-zeros, so no process reads all of X at each start to key a cache. An edit that
+        keeps every row's length and misses every window goes unseen: pass a new cache_dir after such an edit.
+        """
         h = hashlib.blake2b(digest_size=16)
-        for arr in (self.X.indptr, self.X.indices, self.X.data, self.cell_condition):
+        X = self.X
+        if X.data.nbytes + X.indices.nbytes <= FULL_HASH_BYTES:
+            parts = [X.indptr, X.indices, X.data, self.cell_condition]
+        else:
+            h.update(f"sampled:{X.shape}:{X.nnz}".encode())
+            starts = np.linspace(0, X.nnz - FINGERPRINT_WINDOW, FINGERPRINT_WINDOWS).astype(np.int64)
+            parts = [X.indptr, self.cell_condition, *(X.data[a:a + FINGERPRINT_WINDOW] for a in starts),
+                     *(X.indices[a:a + FINGERPRINT_WINDOW] for a in starts)]
+        for arr in parts:
             h.update(np.ascontiguousarray(arr).view(np.uint8))
         h.update("\0".join(self.gene_names.tolist()).encode())
         h.update("\0".join(self.condition_strings).encode())
@@ -195,26 +216,57 @@ def dense_rows(X: sp.csr_matrix, rows: Sequence[int] | np.ndarray) -> np.ndarray
 # GEARS' processing
 
 
-def group_means(X: sp.spmatrix, codes: np.ndarray, num_groups: int, block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
-    """(means [num_groups, G] float64, counts [num_groups]) of the rows of X by group code, without densifying X.
+def group_sums(X: Any, codes: np.ndarray, num_groups: int, block: int = 4096, squares: bool = False
+               ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """(sums [num_groups, G] float64, sums of squares or None, counts [num_groups]) of the rows of X by group code.
 
-    Sums are float64 straight from X's buffers, `block` rows at a time: no copy of X, not even a
-    float64 one of a block's rows (scipy upcasts a whole operand for a mixed-dtype product).
+    One pass over X, `block` rows at a time: each block's sums are a sparse group-indicator matrix times the
+    block (float64), added into the dense totals at the block's distinct (group, gene) entries, so the work is
+    the block's non-zeros, not groups x genes. X is CSR, dense, or anything whose row slices `X[a:b]` give one
+    (an h5py-backed AnnData X), so X need not be in memory. A code < 0 leaves its row out. Squares are of the
+    float32 values, as scanpy's variance takes them.
     """
     codes = np.asarray(codes, dtype=np.int64)
     n = len(codes)
-    X = sp.csr_matrix(X) if not sp.issparse(X) else X.tocsr()
-    num_genes = X.shape[1]
+    if X.shape[0] != n:
+        raise ValueError(f"{n} group codes for {X.shape[0]} rows")
+    num_genes = int(X.shape[1])
     sums = np.zeros(num_groups * num_genes, dtype=np.float64)
-    indptr, indices, data = X.indptr, X.indices, X.data
+    sq = np.zeros(num_groups * num_genes, dtype=np.float64) if squares else None
     for start in range(0, n, block):
         stop = min(start + block, n)
-        a, b = indptr[start], indptr[stop]
-        cell_codes = np.repeat(codes[start:stop], np.diff(indptr[start:stop + 1]))
-        sums += np.bincount(cell_codes * num_genes + indices[a:b], weights=data[a:b], minlength=len(sums))
-    counts = np.bincount(codes, minlength=num_groups)
+        part = X[start:stop]
+        part = sp.csr_matrix(part) if not sp.issparse(part) else part.tocsr()
+        part_codes = np.maximum(codes[start:stop], -1)
+        present, local = np.unique(part_codes, return_inverse=True)
+        keep = part_codes >= 0
+        if not keep.any():
+            continue
+        if present[0] < 0:
+            present, local = present[1:], local - 1
+        indicator = sp.csr_matrix((np.ones(int(keep.sum())), (local[keep], np.flatnonzero(keep))),
+                                  shape=(len(present), stop - start))
+        for total, values in ((sums, part.data), (sq, None if sq is None else part.data * part.data)):
+            if total is None:
+                continue
+            block_x = sp.csr_matrix((values.astype(np.float64), part.indices, part.indptr), shape=part.shape)
+            # a sparse product holds each (group, gene) once (unsorted), so the fancy-index add below is exact
+            product = (indicator @ block_x).tocsr()
+            rows = np.repeat(present, np.diff(product.indptr))
+            total[rows * num_genes + product.indices] += product.data
+    counts = np.bincount(codes[codes >= 0], minlength=num_groups)
+    return (sums.reshape(num_groups, num_genes), None if sq is None else sq.reshape(num_groups, num_genes), counts)
+
+
+def group_means(X: Any, codes: np.ndarray, num_groups: int, block: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """(means [num_groups, G] float64, counts [num_groups]) of the rows of X by group code, without densifying X.
+
+    Float64 sums from `group_sums` (one pass, a sparse indicator product per block of `block` rows); an
+    empty group has NaN means.
+    """
+    sums, _, counts = group_sums(X, codes, num_groups, block=block)
     with np.errstate(invalid="ignore", divide="ignore"):
-        means = sums.reshape(num_groups, num_genes) / counts[:, None]
+        means = sums / counts[:, None]
     return means, counts
 
 
@@ -228,9 +280,106 @@ def mean_of_rows(X: sp.csr_matrix, rows: np.ndarray, block: int = 4096) -> np.nd
     return total / max(len(rows), 1)
 
 
-def rank_genes_by_cell_type(X: sp.spmatrix | np.ndarray, names: np.ndarray, cell_types: np.ndarray,
-                            var_names: np.ndarray) -> tuple[dict[str, np.ndarray], Counter]:
+def _rank_by_abs(scores: np.ndarray) -> np.ndarray:
+    """Gene positions by decreasing |score|, ties in the order scanpy's `_select_top_n` gives them (the same numpy
+    calls: argpartition, then argsort reversed; a comparison sort's permutation depends only on the comparisons)."""
+    scores = np.abs(scores)
+    n = scores.shape[0]
+    partition = np.argpartition(scores, -n)[-n:]
+    return partition[np.argsort(scores[partition])[::-1]]
+
+
+def _de_groups(names: np.ndarray, cell_types: np.ndarray) -> tuple[list[tuple[str, int, int]], np.ndarray, Counter]:
+    """The condition_names to rank, each against its cell type's control: ([(name, group code, control's code)],
+    per-cell group code (-1: not needed), skipped counts), with GEARS' rules (see `rank_genes_by_cell_type`)."""
+    names = np.asarray(names, dtype=object)
+    cell_types = np.asarray(cell_types, dtype=object)
+    pairs = pd.MultiIndex.from_arrays([pd.Index(cell_types, dtype=object), pd.Index(names, dtype=object)])
+    codes, uniq = pd.factorize(pairs)
+    counts = np.bincount(codes, minlength=len(uniq))
+    skipped: Counter = Counter()
+    groups: list[tuple[str, str, int]] = []
+    wanted = np.zeros(len(uniq), dtype=bool)
+    code_of = {pair: k for k, pair in enumerate(uniq)}
+    for cell_type in pd.unique(cell_types):
+        reference = f"{cell_type}_{CTRL}_1"
+        mine = [(name, k) for k, (ct, name) in enumerate(uniq) if ct == cell_type and name != reference]
+        ok = [(name, k) for name, k in mine if counts[k] >= 2]
+        skipped["single_cell_group"] += len(mine) - len(ok)
+        ref = code_of.get((cell_type, reference))
+        if ref is None or counts[ref] < 2:
+            skipped["no_control_in_cell_type"] += len(ok)
+            continue
+        if not ok:
+            continue
+        wanted[ref] = True
+        for name, k in ok:
+            wanted[k] = True
+            groups.append((cell_type, name, k))
+    remap = np.full(len(uniq), -1, dtype=np.int64)
+    remap[wanted] = np.arange(int(wanted.sum()))
+    out = [(name, int(remap[k]), int(remap[code_of[(ct, f"{ct}_{CTRL}_1")]])) for ct, name, k in groups]
+    return out, remap[codes], skipped
+
+
+def _welch_t(X: Any, names: np.ndarray, cell_types: np.ndarray, block: int, skipped: Counter
+             ) -> Iterator[tuple[str, np.ndarray]]:
+    """(condition_name, t) per ranked group, one at a time (see `welch_t_scores`); fills `skipped`."""
+    groups, codes, counted = _de_groups(names, cell_types)
+    skipped.update(counted)
+    if not groups:
+        return
+    num_groups = int(codes.max()) + 1
+    sums, sq, counts = group_sums(X, codes, num_groups, block=block, squares=True)
+    n = counts.astype(np.float64)[:, None]
+    # in place, in scanpy's order of operations: means, then (E[x^2] - mean^2) * n / (n - 1), then its root
+    means = sums
+    means /= n
+    sq /= n
+    sq -= means ** 2
+    sq *= n / (n - 1)
+    std = np.sqrt(sq, out=sq)
+    for name, k, r in groups:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            denom = np.sqrt(std[k] ** 2 / counts[k] + std[r] ** 2 / counts[r])
+            t = (means[k] - means[r]) / denom
+        t[np.isnan(t)] = 0
+        yield name, t
+
+
+def welch_t_scores(X: Any, names: np.ndarray, cell_types: np.ndarray, block: int = 4096
+                   ) -> tuple[dict[str, np.ndarray], Counter]:
+    """{condition_name: [G] float64 Welch t statistic against its cell type's control}, and the skipped groups.
+
+    scanpy's `rank_genes_groups(method="t-test")` statistic, vectorised: the per-group means and unbiased (n - 1)
+    variances come from one pass over X (`group_sums`, float32 squares as scanpy's), then
+    t = (m1 - m2) / sqrt(s1^2 / n1 + s2^2 / n2), NaN (0 / 0) -> 0.
+    """
+    skipped: Counter = Counter()
+    scores = dict(_welch_t(X, names, cell_types, block, skipped))
+    return scores, skipped
+
+
+def rank_genes_by_cell_type(X: Any, names: np.ndarray, cell_types: np.ndarray, var_names: np.ndarray,
+                            block: int = 4096) -> tuple[dict[str, np.ndarray], Counter]:
     """GEARS' `rank_genes_groups_by_cov`: {condition_name: var names ranked by |t|} and the skipped groups.
+
+    Per cell type, every condition_name is ranked against f"{cell_type}_ctrl_1" by scanpy's t-test statistic
+    (Welch, rankby_abs, all genes), computed in one pass over X (`welch_t_scores`): the ranking scanpy gives,
+    ties included (`rank_genes_by_cell_type_scanpy` is scanpy's own path, kept as the reference). Skipped
+    (counted): groups of one cell ('single_cell_group') and every group of a cell type without 2 control cells
+    ('no_control_in_cell_type').
+    """
+    skipped: Counter = Counter()
+    # object arrays: a pointer per ranked gene, not a fixed-width copy of its name (groups x genes of them)
+    var_names = np.asarray(var_names, dtype=object)
+    ranking = {name: var_names[_rank_by_abs(t)] for name, t in _welch_t(X, names, cell_types, block, skipped)}
+    return ranking, skipped
+
+
+def rank_genes_by_cell_type_scanpy(X: sp.spmatrix | np.ndarray, names: np.ndarray, cell_types: np.ndarray,
+                                   var_names: np.ndarray) -> tuple[dict[str, np.ndarray], Counter]:
+    """scanpy's path to `rank_genes_by_cell_type` (a `rank_genes_groups` per cell type): the reference for tests.
 
     Per cell type, every condition_name is ranked against f"{cell_type}_ctrl_1" with scanpy's
     `rank_genes_groups` (t-test, rankby_abs, all genes). Skipped (counted): groups of one cell
@@ -270,6 +419,21 @@ def rank_genes_by_cell_type(X: sp.spmatrix | np.ndarray, names: np.ndarray, cell
     return ranking, skipped
 
 
+class _NameLookup:
+    """Names -> positions through a {name: position} dict, for whole arrays at once (a hash index, not a loop)."""
+
+    def __init__(self, position: Mapping[str, int]):
+        self.index = pd.Index(list(position))
+        self.values = np.fromiter(position.values(), dtype=np.int64, count=len(position))
+
+    def __call__(self, names: Any) -> np.ndarray:
+        """Positions of `names` (int64); KeyError naming the first name not in the dict."""
+        found = self.index.get_indexer(np.asarray(names, dtype=object))
+        if (found < 0).any():
+            raise KeyError(np.asarray(names, dtype=object)[np.flatnonzero(found < 0)[0]])
+        return self.values[found]
+
+
 def dropout_fields(X: sp.spmatrix, conditions: np.ndarray, names: np.ndarray, ranking: Mapping[str, np.ndarray],
                    var_names: np.ndarray) -> dict[str, dict[str, np.ndarray]]:
     """GEARS' `get_dropout_non_zero_genes`: the four per-condition_name uns fields from the DE ranking.
@@ -284,13 +448,13 @@ def dropout_fields(X: sp.spmatrix, conditions: np.ndarray, names: np.ndarray, ra
         raise DataError("no 'ctrl' cells: GEARS' non-dropout genes need the control mean")
     ctrl_zero = means[code_of[CTRL]] == 0
     name_to_condition = dict(zip(np.asarray(names, dtype=object), conditions))
-    position = {n: i for i, n in enumerate(np.asarray(var_names).tolist())}
+    lookup = _NameLookup({n: i for i, n in enumerate(np.asarray(var_names).tolist())})
     out: dict[str, dict[str, np.ndarray]] = {k: {} for k in GEARS_UNS_FIELDS[1:]}
     for group, ranked_names in ranking.items():
         mean = means[code_of[name_to_condition[group]]]
         non_zero = mean != 0
         non_dropout = non_zero | ctrl_zero
-        ranked = np.array([position[n] for n in ranked_names], dtype=np.int64)
+        ranked = lookup(ranked_names)
         out["non_zeros_gene_idx"][group] = np.flatnonzero(non_zero)
         out["non_dropout_gene_idx"][group] = np.flatnonzero(non_dropout)
         out["top_non_dropout_de_20"][group] = np.asarray(var_names)[ranked[non_dropout[ranked]][:NUM_DE_GENES]]
@@ -298,12 +462,14 @@ def dropout_fields(X: sp.spmatrix, conditions: np.ndarray, names: np.ndarray, ra
     return out
 
 
-def add_gears_fields(adata: anndata.AnnData, recompute: bool = False) -> Counter:
+def add_gears_fields(adata: anndata.AnnData, recompute: bool = False, X: Any = None) -> Counter:
     """GEARS' processing of `adata` in place: obs dose_val/control/condition_name and the uns DE fields.
 
     Fields already present are kept unless `recompute`. Returns the counts of groups that could not
-    be ranked (see `rank_genes_by_cell_type`), also logged.
+    be ranked (see `rank_genes_by_cell_type`), also logged. `X` (default `adata.X`) is read in row blocks
+    only, so it may be a backed matrix (`RowBlocks`).
     """
+    X = adata.X if X is None else X
     obs = adata.obs
     condition = obs["condition"].astype(str)
     if recompute or "dose_val" not in obs:
@@ -317,13 +483,13 @@ def add_gears_fields(adata: anndata.AnnData, recompute: bool = False) -> Counter
     skipped: Counter = Counter()
     ranking_missing = recompute or "rank_genes_groups_cov_all" not in adata.uns
     if ranking_missing:
-        ranking, skipped = rank_genes_by_cell_type(adata.X, names, obs["cell_type"].astype(str).to_numpy(), var_names)
+        ranking, skipped = rank_genes_by_cell_type(X, names, obs["cell_type"].astype(str).to_numpy(), var_names)
         adata.uns["rank_genes_groups_cov_all"] = ranking
         if sum(skipped.values()):
             logger.warning("DE ranking: skipped %s (scanpy needs 2 cells per group and 2 control cells per cell type)",
                            ", ".join(f"{k}={v}" for k, v in sorted(skipped.items()) if v))
     if ranking_missing or any(k not in adata.uns for k in GEARS_UNS_FIELDS[1:]):
-        adata.uns.update(dropout_fields(adata.X, condition.to_numpy(), names,
+        adata.uns.update(dropout_fields(X, condition.to_numpy(), names,
                                         adata.uns["rank_genes_groups_cov_all"], var_names))
     return skipped
 
@@ -332,7 +498,117 @@ def add_gears_fields(adata: anndata.AnnData, recompute: bool = False) -> Counter
 # reading
 
 
-def _load(source: str | Path | anndata.AnnData) -> tuple[anndata.AnnData, str]:
+class RowBlocks:
+    """Some rows (increasing) of a matrix that may stay on disk (an h5py-backed AnnData X), read in row blocks.
+
+    `block[a:b]` reads the stretch of source rows from the a-th to the (b-1)-th selected row once and keeps the
+    selected ones: what `group_sums` and the X conversion need, without holding the matrix.
+    """
+
+    def __init__(self, source: Any, rows: np.ndarray):
+        self.source = source
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.shape = (len(self.rows), int(source.shape[1]))
+
+    def __getitem__(self, key: slice) -> sp.csr_matrix:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("RowBlocks reads contiguous row slices only")
+        wanted = self.rows[key]
+        if not len(wanted):
+            return sp.csr_matrix((0, self.shape[1]), dtype=np.float32)
+        first, last = int(wanted[0]), int(wanted[-1]) + 1
+        part = self.source[first:last]
+        part = sp.csr_matrix(part) if not sp.issparse(part) else sp.csr_matrix(part.tocsr())
+        if last - first != len(wanted):
+            part = part[wanted - first]
+        return part
+
+
+X_BLOCK_ROWS = 8192
+"""Rows per block when X is read from a file (DE, group sums, the conversion to CSR)."""
+X_CACHE_FORMAT = 1
+
+
+def _x_cache_key(path: Path, rows: np.ndarray) -> str:
+    """The file's identity (resolved path, size, mtime, inode) and the kept rows: no read of X."""
+    st = path.stat()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{X_CACHE_FORMAT}:{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}".encode())
+    h.update(np.ascontiguousarray(rows, dtype=np.int64).view(np.uint8))
+    return h.hexdigest()
+
+
+def _check_finite(part: sp.csr_matrix, offset: int, rows: np.ndarray, obs_names: Any, where: str) -> None:
+    bad = np.flatnonzero(~np.isfinite(part.data))
+    if len(bad):
+        local = int(np.searchsorted(part.indptr, bad[0], side="right") - 1)
+        row = int(rows[offset + local])
+        raise DataError(f"{where}: X has a non-finite value in cell {obs_names[row]!r} (row {row})")
+
+
+def read_x_rows(source: Any, rows: np.ndarray, obs_names: Any, where: str, cache_dir: str | Path | None = None,
+                key: str | None = None, block: int = X_BLOCK_ROWS) -> sp.csr_matrix:
+    """The given rows of a (backed) X as one CSR float32 matrix, read `block` rows at a time.
+
+    With `cache_dir` and `key`, the CSR buffers are written there once (`x_<key>/`, renamed into place
+    whole, so concurrent processes agree) and memory-mapped: every process of a node then shares one copy in the
+    page cache instead of holding X privately. A non-finite value is a DataError naming the cell.
+    """
+    blocks = RowBlocks(source, rows)
+    n, num_genes = blocks.shape
+    target = Path(cache_dir) / f"x_{key}" if cache_dir is not None and key else None
+    if target is not None and (target / "done").is_file():
+        return _mapped_csr(target, (n, num_genes))
+    if target is None:
+        parts = []
+        for start in range(0, n, block):
+            part = blocks[start:start + block]
+            _check_finite(part, start, blocks.rows, obs_names, where)
+            parts.append(sp.csr_matrix(part, dtype=np.float32))
+        if not parts:
+            return sp.csr_matrix((0, num_genes), dtype=np.float32)
+        return sp.csr_matrix(sp.vstack(parts, format="csr"), dtype=np.float32)
+    import os
+    import tempfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".x_{key}.", dir=target.parent))
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    with open(tmp / "data.f32", "wb") as fd, open(tmp / "indices.i32", "wb") as fi:
+        for start in range(0, n, block):
+            part = blocks[start:start + block]
+            _check_finite(part, start, blocks.rows, obs_names, where)
+            np.asarray(part.data, dtype=np.float32).tofile(fd)
+            np.asarray(part.indices, dtype=np.int32).tofile(fi)
+            indptr[start + 1:start + part.shape[0] + 1] = indptr[start] + np.asarray(part.indptr[1:], dtype=np.int64)
+    np.save(tmp / "indptr.npy", indptr)
+    (tmp / "done").write_text(json.dumps({"shape": [n, num_genes], "nnz": int(indptr[-1])}))
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process published it first: the same content, use theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _mapped_csr(target, (n, num_genes))
+
+
+def _mapped_csr(folder: Path, shape: tuple[int, int]) -> sp.csr_matrix:
+    """The CSR of `read_x_rows`' folder: values and columns memory-mapped, row offsets (small) in memory, all of
+    one index dtype as scipy wants (int32 up to 2^31 non-zeros; above, the columns are copied to int64)."""
+    indptr = np.load(folder / "indptr.npy")
+    nnz = int(indptr[-1])
+    data = np.memmap(folder / "data.f32", dtype=np.float32, mode="r", shape=(nnz,)) if nnz else np.zeros(0, np.float32)
+    indices = np.memmap(folder / "indices.i32", dtype=np.int32, mode="r", shape=(nnz,)) if nnz else np.zeros(0, np.int32)
+    if nnz < 2**31:
+        indptr = indptr.astype(np.int32)
+    else:
+        indices = np.asarray(indices, dtype=np.int64)
+    X = sp.csr_matrix(shape, dtype=np.float32)
+    X.data, X.indices, X.indptr = data, indices, indptr  # set, not passed: the constructor would copy a memmap
+    return X
+
+
+def _load(source: str | Path | anndata.AnnData, backed: bool = False) -> tuple[anndata.AnnData, str]:
     import anndata
 
     if isinstance(source, anndata.AnnData):
@@ -345,7 +621,7 @@ def _load(source: str | Path | anndata.AnnData) -> tuple[anndata.AnnData, str]:
     if not path.is_file():
         raise DataError(f"{path}: perturbation data not found (a GEARS folder with {DATA_FILE} or an .h5ad file)")
     try:
-        return anndata.read_h5ad(path), str(path)
+        return anndata.read_h5ad(path, backed="r" if backed else None), str(path)
     except (OSError, KeyError, ValueError) as e:
         raise DataError(f"{path}: not a readable .h5ad file ({type(e).__name__}: {e})") from e
 
@@ -431,8 +707,13 @@ def _index_conditions(adata: anndata.AnnData):
 
 def read_perturbation_data(source: str | Path | anndata.AnnData, gene2go: str | Path | Mapping | None = None, *,
                            on_invalid: str = "drop", require_genes_in_var: bool = True, pert_gene_set: str = "var",
-                           recompute_de: bool = False) -> PerturbationData:
+                           recompute_de: bool = False, x_cache_dir: str | Path | None = None) -> PerturbationData:
     """Read a GEARS `perturb_processed.h5ad` (a file, its folder or an AnnData) into `PerturbationData`.
+
+    A file is opened backed: obs/var/uns are read, X only in row blocks (`X_BLOCK_ROWS`) for the DE fields and
+    then once more for the kept cells' CSR, so X is never held twice nor densified. With `x_cache_dir`, that CSR
+    is written there once per (file identity, kept cells) and memory-mapped (`read_x_rows`): the processes
+    of a node share it.
 
     gene2go: a gene -> GO terms mapping (path or dict); conditions with a gene outside it are dropped.
     on_invalid: "drop" (count and log unusable conditions) or "error" (DataError naming the first).
@@ -441,12 +722,29 @@ def read_perturbation_data(source: str | Path | anndata.AnnData, gene2go: str | 
         gene (with GO terms, given a mapping; GEARS' `default_pert_graph=False`), "conditions" = the
         perturbed genes only.
     recompute_de: recompute GEARS' obs/uns fields even if the file has them.
+    x_cache_dir: where a file's X is kept as memory-mapped CSR (None: X in this process's memory).
     """
     if on_invalid not in ("drop", "error"):
         raise ConfigError(f"on_invalid must be 'drop' or 'error', got {on_invalid!r}")
     if pert_gene_set not in ("var", "conditions"):
         raise ConfigError(f"pert_gene_set must be 'var' or 'conditions', got {pert_gene_set!r}")
-    adata, where = _load(source)
+    import anndata
+
+    backed = not isinstance(source, anndata.AnnData)
+    adata, where = _load(source, backed=backed)
+    try:
+        return _read(adata, where, backed, gene2go, on_invalid, require_genes_in_var, pert_gene_set, recompute_de,
+                     x_cache_dir)
+    finally:
+        if backed:
+            adata.file.close()
+
+
+def _read(adata: anndata.AnnData, where: str, backed: bool, gene2go: str | Path | Mapping | None, on_invalid: str,
+          require_genes_in_var: bool, pert_gene_set: str, recompute_de: bool, x_cache_dir: str | Path | None
+          ) -> PerturbationData:
+    import anndata
+
     _check_columns(adata, where)
     go = _as_gene2go(gene2go)
     gene_names = adata.var["gene_name"].astype(str).to_numpy()
@@ -478,9 +776,15 @@ def read_perturbation_data(source: str | Path | anndata.AnnData, gene2go: str | 
         raise DataError(f"{where}: no 'ctrl' cells: GEARS pairs every perturbed cell with a control cell")
     keep = np.zeros(len(codes), dtype=bool)
     keep[codes >= 0] = usable[codes[codes >= 0]]
-    if not keep.all():
-        adata = adata[keep].copy()
-    add_gears_fields(adata, recompute=recompute_de)
+    kept = np.flatnonzero(keep)
+    if backed:  # X stays in the file: an in-memory AnnData of obs/var/uns, X read through `RowBlocks`
+        file_x, file_obs_names = adata.X, adata.obs_names
+        adata = anndata.AnnData(obs=adata.obs.iloc[kept].copy(), var=adata.var.copy(), uns=dict(adata.uns))
+        add_gears_fields(adata, recompute=recompute_de, X=RowBlocks(file_x, kept))
+    else:
+        if not keep.all():
+            adata = adata[keep].copy()
+        add_gears_fields(adata, recompute=recompute_de)
 
     # canonical conditions; the DE fields of each condition are those of its first cell's condition_name
     uniq_text, canon_of_text, text_codes, first_of, names = _index_conditions(adata)
@@ -491,7 +795,9 @@ def read_perturbation_data(source: str | Path | anndata.AnnData, gene2go: str | 
         drops.add(uniq_text[k], "no_de_ranking", f"no DE ranking for {key!r} (fewer than 2 cells, or fewer than 2 "
                   "control cells in its cell type)", int((text_codes == k).sum()))
     if unranked:
-        adata = adata[~np.isin(text_codes, unranked)].copy()
+        ranked_cells = ~np.isin(text_codes, unranked)
+        kept = kept[ranked_cells]
+        adata = adata[ranked_cells].copy()
         uniq_text, canon_of_text, text_codes, first_of, names = _index_conditions(adata)
     drops.log(len(categories))
     if len(first_of) < len(uniq_text):
@@ -508,7 +814,17 @@ def read_perturbation_data(source: str | Path | anndata.AnnData, gene2go: str | 
     for i, g in enumerate(gene_names.tolist()):
         position.setdefault(g, i)
 
+    lookup = _NameLookup(position)
+
     def positions(field_name: str, key: str, values: Any) -> np.ndarray:
+        values = np.asarray(values)
+        if values.dtype.kind in "iu":
+            return np.asarray(values, dtype=np.int64)  # no copy when the field is int64 already
+        if values.dtype.kind in "UO" and len(values):
+            try:
+                return lookup(values)
+            except KeyError:  # a name not in var, or ints among names: the loop below says which
+                pass
         out = []
         for v in np.asarray(values).tolist():
             if isinstance(v, (int, np.integer)):
@@ -534,16 +850,20 @@ def read_perturbation_data(source: str | Path | anndata.AnnData, gene2go: str | 
                 values = values[:NUM_DE_GENES]
             per_condition[field_name][cond] = positions(field_name, key, values)
 
-    X = adata.X
-    if not sp.issparse(X):
-        X = sp.csr_matrix(np.asarray(X, dtype=np.float32))
-    elif X.format == "csr" and X.dtype == np.float32:
-        X = sp.csr_matrix(X)  # a csr_array becomes a csr_matrix sharing its buffers (no copy)
+    if backed:
+        X = read_x_rows(file_x, kept, file_obs_names, where, x_cache_dir,
+                        _x_cache_key(Path(where), kept) if x_cache_dir is not None else None)
     else:
-        X = sp.csr_matrix(X, dtype=np.float32)
-    if not np.isfinite(X.data).all():
-        bad = int(np.searchsorted(X.indptr, np.flatnonzero(~np.isfinite(X.data))[0], side="right") - 1)
-        raise DataError(f"{where}: X has a non-finite value in cell {adata.obs_names[bad]!r} (row {bad})")
+        X = adata.X
+        if not sp.issparse(X):
+            X = sp.csr_matrix(np.asarray(X, dtype=np.float32))
+        elif X.format == "csr" and X.dtype == np.float32:
+            X = sp.csr_matrix(X)  # a csr_array becomes a csr_matrix sharing its buffers (no copy)
+        else:
+            X = sp.csr_matrix(X, dtype=np.float32)
+        if not np.isfinite(X.data).all():
+            bad = int(np.searchsorted(X.indptr, np.flatnonzero(~np.isfinite(X.data))[0], side="right") - 1)
+            raise DataError(f"{where}: X has a non-finite value in cell {adata.obs_names[bad]!r} (row {bad})")
 
     ctrl_rows = np.flatnonzero(cell_condition == index[()]).astype(np.int64)
     ctrl_mean = mean_of_rows(X, ctrl_rows).astype(np.float32)

@@ -126,12 +126,17 @@ def find_gene2go(data_path: str | Path) -> Path:
 
 
 def load_perturbation_data(cfg: PerturbationGearsConfig) -> tuple[PerturbationData, Mapping[str, frozenset[str]]]:
-    """Read the configured data and GO mapping (the bundled set when data_path is empty)."""
+    """Read the configured data and GO mapping (the bundled set when data_path is empty).
+
+    The file's X is read in row blocks and kept as memory-mapped CSR under the cache folder (the graphs'), which
+    the processes of a node share instead of each holding its own copy."""
     data_path = Path(cfg.data_path) if cfg.data_path else bundled_perturbation_path()
     gene2go_path = Path(cfg.gene2go_path) if cfg.gene2go_path else find_gene2go(data_path)
     gene2go = read_gene2go(gene2go_path)
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     data = read_perturbation_data(data_path, gene2go, on_invalid="error" if cfg.on_invalid == "error" else "drop",
-                                  pert_gene_set=cfg.pert_gene_set, recompute_de=cfg.recompute_de)
+                                  pert_gene_set=cfg.pert_gene_set, recompute_de=cfg.recompute_de,
+                                  x_cache_dir=cache / "expression")
     return data, gene2go
 
 

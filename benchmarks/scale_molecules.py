@@ -1,0 +1,239 @@
+"""The molecules (EDM) data path at GEOM-Drugs-like sizes: what the build and a rank cost as N conformers and the
+number of processes W grow. Shares `scale.py`'s process watcher, table and extrapolation.
+
+For each N (`--sizes`, conformers): a GEOM-like `drugs_crude.msgpack` (`write_geom_like`: 25-50 heavy atoms with
+their hydrogens, `--per-molecule` conformers each, maps of 1,000 molecules as the public file), then
+
+  build         `build_geom_dataset` in a fresh process with num_proc = 1 (`--serial-sizes` only: one process's
+                rate) and num_proc = the cores: wall time, conformers/s, the peak RSS of any of its processes
+  cached load   the same call again (a cache hit): what every later start pays
+
+and for each W (`--worlds`), real launches of `trainer train CONFIG --nproc W` (gloo on CPU, the `tiny` EGNN, the
+16 GEOM-Drugs elements, the cache built): launch to the first step's record in metrics.jsonl, each rank's peak RSS
+(VmHWM) and peak private memory (RssAnon: without the page-cache pages of the memory-mapped shards).
+
+Then the cost per doubling of N and a power-law extrapolation to GEOM-Drugs' ~9 M conformers (EDM's 30 per molecule;
+extrapolated, not measured). Prints markdown; `--out FILE` files it (`bench_report`).
+
+    .venv/bin/python benchmarks/scale_molecules.py --sizes 100000 200000 400000 --worlds 1 2 --workdir /tmp/scale54/molecules
+    .venv/bin/python benchmarks/scale_molecules.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_report import command_line, cpu_model, publish_section, utc_now  # noqa: E402
+from scale import TRAINER, check, doubling_ratios, first_step_s, log, power_law, table, watch  # noqa: E402
+
+TOPIC = "Data ingest and streaming"
+"""The `## ` topic of BENCHMARKS.md this benchmark's sections go under (`bench_report.write_section`)."""
+GEOM_DRUGS_CONFORMERS = 9_000_000
+"""EDM's GEOM-Drugs rows: ~304 k molecules x up to 30 conformers (the upper bound; est.)."""
+HEAVY = np.array([6, 7, 8, 9, 16, 17, 35])
+"""Heavy elements of the generator: C N O F S Cl Br."""
+HEAVY_P = np.array([0.72, 0.12, 0.11, 0.02, 0.015, 0.01, 0.005])
+VALENCE_H = {6: 1.3, 7: 0.7, 8: 0.3, 9: 0.0, 16: 0.2, 17: 0.0, 35: 0.0}
+"""Mean hydrogens per heavy atom of each element (drug-like molecules)."""
+
+
+def write_geom_like(path: str | Path, conformers: int, *, per_molecule: int = 30, seed: int = 0,
+                    molecules_per_map: int = 1000) -> Path:
+    """A `drugs_crude.msgpack`-shaped file of `conformers` conformers: molecules of 25-50 heavy atoms (C N O F S
+    Cl Br, drug-like shares) with their hydrogens, `per_molecule` conformers each (a chain of bonded heavy atoms,
+    H 1.1 Angstrom from their atom, each conformer the molecule's geometry with 0.05 Angstrom noise), a
+    `totalenergy` and `boltzmannweight` per conformer, maps of `molecules_per_map` molecules."""
+    import msgpack
+
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    molecules = max(1, conformers // per_molecule)
+    with open(path, "wb") as f:
+        block: dict[str, Any] = {}
+        for m in range(molecules):
+            heavy = rng.choice(HEAVY, size=int(rng.integers(25, 51)), p=HEAVY_P)
+            steps = rng.normal(size=(len(heavy), 3))
+            steps *= 1.5 / np.linalg.norm(steps, axis=1, keepdims=True)
+            xyz_heavy = np.cumsum(steps, axis=0)
+            nh = rng.poisson([VALENCE_H[int(z)] for z in heavy])
+            owner = np.repeat(np.arange(len(heavy)), nh)
+            d = rng.normal(size=(len(owner), 3))
+            xyz_h = xyz_heavy[owner] + 1.1 * d / np.linalg.norm(d, axis=1, keepdims=True)
+            z = np.concatenate([heavy, np.ones(len(owner), dtype=np.int64)]).astype(np.float64)
+            base = np.vstack([xyz_heavy, xyz_h])
+            count = per_molecule if m < molecules - 1 else conformers - per_molecule * (molecules - 1)
+            energies = rng.normal(-1000.0, 1.0, size=max(count, 1))
+            weights = np.exp(-(energies - energies.min()))
+            confs = []
+            for k in range(max(count, 1)):
+                xyz = np.column_stack([z, base + rng.normal(0, 0.05, size=base.shape)])
+                confs.append({"xyz": xyz.round(4).tolist(), "totalenergy": float(energies[k]),
+                              "boltzmannweight": float(weights[k] / weights.sum()), "setsize": count})
+            block[f"GEOMLIKE{m}"] = {"conformers": confs, "totalconfs": count, "charge": 0}
+            if len(block) == molecules_per_map:
+                f.write(msgpack.packb(block, use_bin_type=True))
+                block = {}
+        if block:
+            f.write(msgpack.packb(block, use_bin_type=True))
+    return path
+
+
+BUILD_CHILD = r"""
+import json, sys, time
+from trainer.families.molecules_edm.geom import build_geom_dataset
+from trainer.families.molecules_edm.dataset import MoleculeRows
+path, cache, num_proc = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    ds = build_geom_dataset(path, cache_dir=cache, num_proc=num_proc)
+    took = time.perf_counter() - t0
+    print(json.dumps({"seconds": took, "rows": len(ds), "hit": ds.cache_hit, "molecules": ds.geom_molecules,
+                      "atoms": int(MoleculeRows(ds).num_atoms.sum())}))
+"""
+
+
+def build(path: Path, cache: Path, num_proc: int) -> dict[str, Any]:
+    """One `build_geom_dataset` call in a fresh process: its own timing, and the peak RSS of its processes."""
+    w = check(watch([sys.executable, "-c", BUILD_CHILD, str(path), str(cache), str(num_proc)],
+                    env={"OMP_NUM_THREADS": "1"}), f"build_geom_dataset(num_proc={num_proc})")
+    out = json.loads(w.output.strip().splitlines()[-1])
+    return {**out, "wall_s": w.wall_s, "peak_MiB": w.any_peak_mib}
+
+
+def overrides(a: argparse.Namespace, data: Path) -> list[str]:
+    from trainer.families.molecules_edm.geom import GEOM_DRUGS_ELEMENTS
+
+    return [f"task.data_path={data}", f"task.cache_dir={a.workdir / 'cache'}",
+            f"task.elements=[{','.join(GEOM_DRUGS_ELEMENTS)}]", "task.model_preset=tiny",
+            f"train.per_device_batch_size={a.batch}", "train.grad_accum_steps=1", "train.mixed_precision=no",
+            "task.test_fraction=0.0", "optim.warmup_steps=1", f"data.num_workers={a.num_workers}",
+            "eval.max_samples=64", "eval.batch_size=32", "eval.sample_every=0", "log.every_steps=1",
+            "log.progress_bar=false", "log.tensorboard=false"]
+
+
+def measure_size(a: argparse.Namespace, n: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    data = a.workdir / f"geom_like_{n}.msgpack"
+    t0 = time.perf_counter()
+    write_geom_like(data, n, per_molecule=a.per_molecule)
+    row: dict[str, Any] = {"N": n, "gen_s": time.perf_counter() - t0, "MiB": data.stat().st_size / 2**20}
+    cores = len(os.sched_getaffinity(0))
+    if n in a.serial_sizes:
+        one = build(data, a.workdir / "cache_serial", 1)
+        row["serial_s"], row["serial_rate"] = one["seconds"], one["rows"] / one["seconds"]
+        shutil.rmtree(a.workdir / "cache_serial", ignore_errors=True)
+    par = build(data, a.workdir / "cache", cores)
+    again = build(data, a.workdir / "cache", cores)
+    row.update({"rows": par["rows"], "atoms": par["atoms"], "build_s": par["seconds"],
+                "build_rate": par["rows"] / par["seconds"], "build_peak_MiB": par["peak_MiB"],
+                "cached_s": again["seconds"], "cores": cores})
+    if "serial_rate" in row:
+        row["speedup"] = row["build_rate"] / row["serial_rate"]
+    log(f"N={n:,}: {row}")
+    worlds = []
+    for world in a.worlds:
+        run_dir = a.workdir / f"run_w{world}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cmd = [*TRAINER, "train", str(a.config), *(["--nproc", str(world)] if world > 1 else []),
+               *overrides(a, data), f"train.max_steps={a.steps}", f"eval.every_steps={10**9}",
+               f"ckpt.every_steps={10**9}", f"run.output_dir={run_dir}"]
+        w = check(watch(cmd, run_dir / "metrics.jsonl", env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}),
+                  f"trainer train (W={world})")
+        wr = {"N": n, "W": world, "first_step_s": first_step_s(w),
+              "rank_peak_MiB": max(w.rank_peak_mib.values(), default=float("nan")),
+              "rank_private_MiB": max(w.rank_anon_mib.values(), default=float("nan")),
+              "ranks_seen": len(w.rank_peak_mib)}
+        worlds.append(wr)
+        log(f"N={n:,} W={world}: {wr}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if not a.keep:
+        data.unlink()
+        shutil.rmtree(a.workdir / "cache", ignore_errors=True)
+    return row, worlds
+
+
+SIZE_COLS = [("N", "conformers"), ("atoms", "atoms"), ("MiB", "msgpack MiB"), ("gen_s", "generate s"),
+             ("serial_s", "build s, 1 process"), ("serial_rate", "conformers/s, 1 process"),
+             ("build_s", "build s, all cores"), ("build_rate", "conformers/s, all cores"), ("cores", "cores"),
+             ("speedup", "speed-up"), ("build_peak_MiB", "build peak RSS MiB (any process)"),
+             ("cached_s", "cached load s")]
+WORLD_COLS = [("N", "conformers"), ("W", "W"), ("first_step_s", "launch to 1st step s"),
+              ("rank_peak_MiB", "rank peak RSS MiB"), ("rank_private_MiB", "rank peak private (anon) MiB"),
+              ("ranks_seen", "ranks seen")]
+SCALED = ["build_s", "build_peak_MiB", "cached_s", "first_step_s", "rank_peak_MiB", "rank_private_MiB"]
+
+
+def merged_rows(sizes: list[dict[str, Any]], worlds: list[dict[str, Any]], world: int) -> list[dict[str, Any]]:
+    return [{**s, **next(r for r in worlds if r["N"] == s["N"] and r["W"] == world)} for s in sizes]
+
+
+def run(a: argparse.Namespace) -> None:
+    a.workdir = a.workdir.resolve()
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    sizes, worlds = [], []
+    for n in a.sizes:
+        row, w = measure_size(a, n)
+        sizes.append(row)
+        worlds += w
+    parts = [f"## Molecules scale benchmark (GEOM-Drugs-like), {utc_now()}", "",
+             f"Machine: {cpu_model()}. Command: `{command_line()}`. "
+             f"{a.per_molecule} conformers per molecule of 25-50 heavy atoms with H; the `tiny` EGNN, {a.batch} per "
+             f"device, data.num_workers={a.num_workers}, gloo on CPU.", "",
+             "Build (`build_geom_dataset`: parse, EDM's conformer rule, SMILES perception, Arrow shards):", "",
+             table(sizes, SIZE_COLS), "", "Per size and number of processes W (the cache built):", "",
+             table(worlds, WORLD_COLS)]
+    for world in a.worlds:
+        rows = merged_rows(sizes, worlds, world)
+        if len(rows) > 1:
+            ext = [{"quantity": k, f"N={GEOM_DRUGS_CONFORMERS:,}":
+                    power_law([(r["N"], r[k]) for r in rows if r.get(k, 0) > 0], GEOM_DRUGS_CONFORMERS)}
+                   for k in SCALED]
+            parts += ["", f"W = {world}: cost per doubling of N (1.0 flat, 2.0 linear in N):", "",
+                      table(doubling_ratios(rows, SCALED), [("N", "N")] + [(k, k) for k in SCALED]), "",
+                      f"W = {world}: extrapolated (not measured) to GEOM-Drugs' ~{GEOM_DRUGS_CONFORMERS:,} conformers "
+                      "(a power law in N through the sizes above):", "", table(ext, [(k, k) for k in ext[0]])]
+    publish_section("\n".join(parts) + "\n", a.out, a.smoke, topic=TOPIC)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[100_000, 200_000, 400_000], help="conformers")
+    p.add_argument("--serial-sizes", type=int, nargs="*", default=None,
+                   help="sizes also built with one process (default: the smallest)")
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--per-molecule", type=int, default=30)
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/scale_molecules"))
+    p.add_argument("--keep", action="store_true", help="keep each size's file and cache (default: removed)")
+    p.add_argument("--config", type=Path, default=ROOT / "configs/molecules_edm/edm_tiny.yaml")
+    p.add_argument("--batch", type=int, default=16, help="per-device batch of the runs")
+    p.add_argument("--steps", type=int, default=3, help="training steps of each launch")
+    p.add_argument("--num-workers", type=int, default=0, help="data.num_workers of the runs")
+    p.add_argument("--out", type=Path, help="file the section into this markdown file (BENCHMARKS.md)")
+    p.add_argument("--smoke", action="store_true", help="600 conformers, W = 1, 2 steps: checks the script runs")
+    a = p.parse_args()
+    if a.smoke:
+        import tempfile
+
+        a.sizes, a.worlds, a.steps, a.out, a.serial_sizes = [600], [1], 2, None, [600]
+        with tempfile.TemporaryDirectory(prefix="scale-mol-") as tmp:
+            a.workdir = Path(tmp)
+            run(a)
+        return
+    if a.serial_sizes is None:
+        a.serial_sizes = [min(a.sizes)]
+    run(a)
+
+
+if __name__ == "__main__":
+    main()

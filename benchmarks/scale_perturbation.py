@@ -1,0 +1,217 @@
+"""The GEARS data path at Replogle-like sizes: what the set-up costs as the cells (N) grow.
+
+For each N (`--sizes`): a Replogle-shaped sparse AnnData (`write_replogle_like`: CSR float32 log1p(CP10k)-like
+values, `--genes` genes, `--groups` single-gene perturbation groups plus controls, uncompressed .h5ad and a
+gene<TAB>GO TSV), then, in a fresh process per size (its peak RSS is the set-up's):
+
+  read + DE     `read_perturbation_data` on the raw file: X read, GEARS' DE fields (the vectorised Welch t-test
+                over every group) and the dropout fields computed
+  DE alone      `rank_genes_by_cell_type` again on the loaded X (one pass over X)
+  group means   `group_means` over every condition (the baselines' fit)
+  fingerprint   `PerturbationData.fingerprint` (the graph cache key)
+  split         `split_conditions` (simulation mode)
+  graphs        `cached_graphs`: the GO and co-expression graphs, built into the runs' cache
+
+and for each W (`--worlds`), `trainer train gears_tiny.yaml --nproc W` on the file with those caches built (X's
+memory-mapped CSR and the graphs; GEARS' DE fields are recomputed at each start): launch to the first step's
+record, and each rank's peak RSS and peak private (anonymous) memory (`scale.watch`).
+
+Then the cost per doubling of N and a power law fitted to the measured sizes, extrapolated (not measured) to
+Replogle K562 essential (308,646 cells) and genome-wide (2.5 M cells). Tables in benchmarks/scale.py's format.
+
+    .venv/bin/python benchmarks/scale_perturbation.py --sizes 37500 75000 150000 --workdir /tmp/scale54/perturbation
+    .venv/bin/python benchmarks/scale_perturbation.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+from scale import doubling_ratios, power_law, table  # noqa: E402
+
+REPLOGLE_K562 = 308_646
+GENOME_WIDE = 2_500_000
+COLS = [("N", "N"), ("nnz_M", "nnz M"), ("file_MiB", "h5ad MiB"), ("gen_s", "generate s"), ("read_s", "read + DE s"),
+        ("de_s", "DE alone s"), ("means_s", "group means s"), ("fingerprint_s", "fingerprint s"),
+        ("split_s", "split s"), ("graphs_s", "graphs s"), ("setup_s", "set-up s (read+split+graphs)"),
+        ("peak_MiB", "set-up peak RSS MiB"), ("x_MiB", "X in memory MiB")]
+WORLD_COLS = [("N", "N"), ("W", "W"), ("first_step_s", "launch to 1st step s"), ("rank_peak_MiB", "rank peak RSS MiB"),
+              ("rank_private_MiB", "rank peak private (anon) MiB"), ("ranks_seen", "ranks seen")]
+SCALED = ["read_s", "de_s", "means_s", "fingerprint_s", "graphs_s", "setup_s", "peak_MiB"]
+
+
+def write_replogle_like(path: Path, num_cells: int, num_genes: int = 8000, num_groups: int = 2000,
+                        control_fraction: float = 0.05, density: float = 0.1, seed: int = 0,
+                        chunk: int = 8192) -> dict[str, Any]:
+    """A Replogle-shaped raw AnnData at `path` (X/obs/var only: the reader computes GEARS' fields) and a gene2go.tsv
+    beside it. Cells: `control_fraction` controls, the rest spread evenly over `num_groups` single perturbations
+    of the first `num_groups` genes; each group shifts its own gene down and 20 other genes up or down."""
+    import anndata
+    import pandas as pd
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(seed)
+    genes = [f"G{i:05d}" for i in range(num_genes)]
+    num_ctrl = max(2, int(num_cells * control_fraction))
+    labels = np.concatenate([np.full(num_ctrl, -1), np.arange(num_cells - num_ctrl) % num_groups])
+    rng.shuffle(labels)
+    base = rng.gamma(1.0, 1.0, num_genes)  # per-gene scale: a few highly, most lowly expressed
+    effect_genes = rng.integers(0, num_genes, (num_groups, 20))
+    effect_sign = rng.choice([-0.5, 0.5], (num_groups, 20))
+    blocks = []
+    for start in range(0, num_cells, chunk):
+        lab = labels[start:start + chunk]
+        n = len(lab)
+        nnz_row = rng.binomial(num_genes, density, n)
+        indptr = np.concatenate([[0], np.cumsum(nnz_row)])
+        cols = np.concatenate([np.sort(rng.choice(num_genes, k, replace=False)) for k in nnz_row]) if n else []
+        vals = np.log1p(rng.gamma(2.0, base[cols])).astype(np.float32)
+        block = sp.csr_matrix((vals, cols, indptr), shape=(n, num_genes))
+        row_of = np.repeat(np.arange(n), nnz_row)
+        pert = lab[row_of]
+        hit = pert >= 0
+        shift = np.zeros(len(vals), dtype=np.float32)
+        for k in range(20):  # the group's own effects
+            m = hit & (effect_genes[np.maximum(pert, 0), k] == cols)
+            shift[m] += effect_sign[pert[m], k]
+        own = hit & (cols == pert)  # the knocked-down gene
+        shift[own] -= 1.0
+        block.data = np.maximum(block.data + shift, 0).astype(np.float32)
+        block.eliminate_zeros()
+        blocks.append(block)
+    X = sp.vstack(blocks, format="csr")
+    del blocks
+    condition = np.where(labels < 0, "ctrl", np.array([f"{g}+ctrl" for g in genes[:num_groups]] + [""])[labels])
+    obs = pd.DataFrame({"condition": pd.Categorical(condition), "cell_type": pd.Categorical(["K562"] * num_cells)},
+                       index=pd.Index([f"cell{i}" for i in range(num_cells)]))
+    var = pd.DataFrame({"gene_name": genes}, index=pd.Index([f"ID{i:05d}" for i in range(num_genes)]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    anndata.AnnData(X=X, obs=obs, var=var).write_h5ad(path)
+    terms = rng.integers(0, num_genes // 10, (num_genes, 3))
+    lines = [f"{g}\tGO:{t:07d}" for g, row in zip(genes, terms) for t in row]
+    (path.parent / "gene2go.tsv").write_text("\n".join(lines) + "\n")
+    return {"nnz_M": X.nnz / 1e6, "x_MiB": (X.data.nbytes + X.indices.nbytes + X.indptr.nbytes) / 2**20,
+            "file_MiB": path.stat().st_size / 2**20}
+
+
+def setup_stage(path: Path, cache: Path) -> dict[str, Any]:
+    """The task's set-up in this process, stage by stage, into the runs' cache: seconds and the peak RSS (MiB)."""
+    from trainer.families.perturbation_gears.anndata_reader import group_means, rank_genes_by_cell_type
+    from trainer.families.perturbation_gears.gene_graphs import cached_graphs
+    from trainer.families.perturbation_gears.spec import PerturbationGearsConfig
+    from trainer.families.perturbation_gears.task import PerturbationGearsTask, load_perturbation_data
+
+    cfg = PerturbationGearsConfig(data_path=str(path), gene2go_path=str(path.parent / "gene2go.tsv"),
+                                  cache_dir=str(cache), split="simulation", split_seed=1)
+    out: dict[str, Any] = {}
+    t = time.perf_counter()
+    data, gene2go = load_perturbation_data(cfg)
+    out["read_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    rank_genes_by_cell_type(data.X, np.asarray(data.condition_names)[data.cell_condition], data.cell_type,
+                            data.var_names)
+    out["de_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    group_means(data.X, data.cell_condition, len(data.conditions))
+    out["means_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    _ = data.fingerprint
+    out["fingerprint_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    split = PerturbationGearsTask(cfg).split(data)
+    out["split_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    cached_graphs(data, split, gene2go, cache, go_threshold=cfg.go_threshold, go_top_k=cfg.go_top_k,
+                  coexpression_threshold=cfg.coexpression_threshold, coexpression_top_k=cfg.coexpression_top_k)
+    out["graphs_s"] = time.perf_counter() - t
+    out["setup_s"] = out["read_s"] + out["split_s"] + out["graphs_s"]
+    out["peak_MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def launch_row(path: Path, cache: Path, world: int, run_dir: Path, steps: int) -> dict[str, Any]:
+    """`trainer train gears_tiny.yaml` on the file (its caches built), watched: launch to the first step, rank RSS."""
+    from scale import TRAINER, check, first_step_s, watch
+
+    cmd = [*TRAINER, "train", str(ROOT / "configs/perturbation_gears/gears_tiny.yaml"),
+           *(["--nproc", str(world)] if world > 1 else []), f"task.data_path={path}",
+           f"task.gene2go_path={path.parent / 'gene2go.tsv'}", f"task.cache_dir={cache}", "train.epochs=0",
+           f"train.max_steps={steps}", f"train.per_device_batch_size={64 // world}", "train.global_batch_size=64",
+           "eval.max_samples=2", "task.eval_max_cells=2", "log.every_steps=1", "log.progress_bar=false",
+           "log.tensorboard=false", "run.resume=none", f"run.output_dir={run_dir}"]
+    w = check(watch(cmd, run_dir / "metrics.jsonl"), f"trainer train (W={world})")
+    return {"W": world, "first_step_s": first_step_s(w), "rank_peak_MiB": max(w.rank_peak_mib.values()),
+            "rank_private_MiB": max(w.rank_anon_mib.values()), "ranks_seen": len(w.rank_peak_mib)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[37_500, 75_000, 150_000])
+    ap.add_argument("--genes", type=int, default=8000)
+    ap.add_argument("--groups", type=int, default=2000)
+    ap.add_argument("--density", type=float, default=0.1)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/scale54/perturbation"))
+    ap.add_argument("--keep", action="store_true", help="keep the generated files")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script runs")
+    ap.add_argument("--worlds", type=int, nargs="*", default=[1, 2])
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per launch")
+    ap.add_argument("--stage-setup", type=Path, nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.stage_setup:
+        print(json.dumps(setup_stage(*a.stage_setup)))
+        return
+    if a.smoke:
+        import tempfile
+
+        a.sizes, a.genes, a.groups, a.worlds, a.steps = [2000, 4000], 300, 50, [1, 2], 2
+        a.workdir = Path(tempfile.mkdtemp(prefix="scale_perturbation_smoke."))
+    rows: list[dict[str, Any]] = []
+    worlds: list[dict[str, Any]] = []
+    for n in a.sizes:
+        path = a.workdir / f"n{n}" / "perturb_raw.h5ad"
+        t = time.perf_counter()
+        row: dict[str, Any] = {"N": n, **write_replogle_like(path, n, a.genes, a.groups, density=a.density)}
+        row["gen_s"] = time.perf_counter() - t
+        cache = a.workdir / f"n{n}" / "cache"
+        res = subprocess.run([sys.executable, __file__, "--stage-setup", str(path), str(cache)], capture_output=True,
+                             text=True, check=True)
+        row.update(json.loads(res.stdout.strip().splitlines()[-1]))
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        for world in a.worlds:
+            launched = {"N": n, **launch_row(path, cache, world, a.workdir / f"n{n}" / f"run_w{world}", a.steps)}
+            worlds.append(launched)
+            print(json.dumps(launched), file=sys.stderr, flush=True)
+        shutil.rmtree(cache / "expression", ignore_errors=True)
+        if not a.keep:
+            path.unlink()
+    print(f"GEARS set-up, {a.genes:,} genes, {a.groups:,} groups, density {a.density}\n")
+    print(table(rows, COLS) + "\n")
+    print(f"Launches (gears_tiny, hidden 32, global batch 64, caches built)\n\n{table(worlds, WORLD_COLS)}\n")
+    print("Per doubling of N\n\n" + table(doubling_ratios(rows, SCALED), [("N", "N"), *[(k, k) for k in SCALED]]) + "\n")
+    if len(rows) >= 2:
+        extra = [{"N": target, **{k: power_law([(r["N"], r[k]) for r in rows], target) for k in SCALED}}
+                 for target in (REPLOGLE_K562, GENOME_WIDE)]
+        print("Extrapolated (a power law in N over the measured sizes; not measured)\n\n"
+              + table(extra, [("N", "N"), *[(k, k) for k in SCALED]]))
+    if a.smoke:
+        shutil.rmtree(a.workdir, ignore_errors=True)
+        print("smoke run: nothing written")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""GEOM-Drugs (`drugs_crude.msgpack`) into the molecules cache, read in parallel, with EDM's conformer rule and split.
+
+The public file is a stream of msgpack maps {smiles: {"conformers": [{"xyz": [[Z, x, y, z], ...],
+"totalenergy": ..., "boltzmannweight": ..., ...}, ...], ...}, ...}. EDM (`build_geom_dataset.py`) keeps, per
+molecule, the `conformations` (30) conformers of lowest `totalenergy` (numpy's `argsort` of the energies, so ties
+fall as EDM's), hydrogens included unless `remove_h`, in file order; each kept conformer is one training row.
+
+`build_geom_dataset` scans the file once for the byte offset of each molecule (msgpack `skip`, nothing is
+decoded), cuts it into shards of `molecules_per_shard` molecules, and converts the shards in a spawn pool
+(`arrow_cache.build_shards`): each worker decodes only its own molecules, one at a time, applies the rule and
+perceives each conformer's SMILES (`metrics.molecule_smiles`, the function generated molecules are scored with), so
+the SMILES are computed in parallel once and cached with the shards. The rows are in file order whatever
+`num_proc` is. Columns: those of `dataset.build_molecule_dataset` (`id` = "<molecule>/<rank by energy>", `numbers`,
+`positions`, `num_atoms`, `edm_smiles`) plus `smiles` (GEOM's key), `molecule` (its index in the file),
+`conformer` (its rank by energy), `totalenergy` and `boltzmannweight`.
+
+`geom_split` is EDM's split: a permutation of the conformers (seeded here; EDM's own `geom_permutation.npy` can be
+given instead), the first `val_fraction` of it validation, the next `test_fraction` test, the rest training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+
+from trainer.data.arrow_cache import (
+    arrow_writer,
+    build_shards,
+    cache_root,
+    digest,
+    file_keys,
+    list_array,
+    load_arrow,
+    read_meta,
+    write_meta,
+)
+from trainer.families.molecules_edm.readers import MoleculeDataError, ReadReport, element_numbers, log_skips
+
+logger = logging.getLogger(__name__)
+
+GEOM_FORMAT_VERSION = "geom-drugs-v1"
+"""Bump when the conversion or the columns change, so that old caches are not reused."""
+GEOM_DRUGS_ELEMENTS = ("H", "B", "C", "N", "O", "F", "Al", "Si", "P", "S", "Cl", "As", "Br", "I", "Hg", "Bi")
+"""EDM's GEOM-Drugs atom vocabulary (its `geom_with_h` dataset info), in its order."""
+GEOM_CONFORMATIONS = 30
+"""Conformers kept per molecule (EDM's `--conformations` default)."""
+MOLECULES_PER_SHARD = 2000
+"""Molecules per shard: the unit of parallel work (up to 30 conformers each)."""
+GEOM_ROWS_PER_BATCH = 1 << 14
+"""Rows per Arrow record batch of a shard: few batch headers for a process to map when it opens the data set."""
+
+
+def _cores() -> int:
+    return max(1, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _features(compute_smiles: bool) -> datasets.Features:
+    feats: dict[str, Any] = {
+        "id": datasets.Value("string"),
+        "numbers": datasets.List(datasets.Value("int8")),
+        "positions": datasets.List(datasets.List(datasets.Value("float32"), length=3)),
+        "num_atoms": datasets.Value("int32"),
+    }
+    if compute_smiles:
+        feats["edm_smiles"] = datasets.Value("string")
+    feats.update({"smiles": datasets.Value("string"), "molecule": datasets.Value("int64"),
+                  "conformer": datasets.Value("int32"), "totalenergy": datasets.Value("float64"),
+                  "boltzmannweight": datasets.Value("float64")})
+    return datasets.Features(feats)
+
+
+def _shard_segments(path: str | Path, molecules_per_shard: int) -> Iterator[tuple[int, list[tuple[int, int]]]]:
+    """(first molecule index, [(byte offset, molecules), ...]) per shard of at most `molecules_per_shard`
+    molecules, in file order: one pass over the file with msgpack's `skip` (nothing is decoded)."""
+    import msgpack
+
+    first = index = size = 0
+    segments: list[tuple[int, int]] = []
+    with open(path, "rb") as f:
+        unpacker = msgpack.Unpacker(f, raw=False)
+        while True:
+            at = unpacker.tell()
+            try:
+                n = unpacker.read_map_header()
+            except msgpack.OutOfData:
+                break
+            except Exception as exc:  # msgpack's errors for a wrong type or bad bytes differ by version
+                raise MoleculeDataError(str(path), index, None, "not_geom_msgpack",
+                                        f"expected a msgpack map {{smiles: molecule}} at byte {at}: {exc}") from exc
+            start, count = unpacker.tell(), 0
+            for _ in range(n):
+                if size == molecules_per_shard:
+                    if count:
+                        segments.append((start, count))
+                    yield first, segments
+                    first, segments, size, start, count = index, [], 0, unpacker.tell(), 0
+                try:
+                    unpacker.skip()
+                    unpacker.skip()
+                except msgpack.OutOfData as exc:
+                    raise MoleculeDataError(str(path), index, None, "truncated",
+                                            f"the file ends inside molecule {index} (byte {unpacker.tell()})") from exc
+                count, size, index = count + 1, size + 1, index + 1
+            if count:
+                segments.append((start, count))
+    if segments:
+        yield first, segments
+
+
+def _conformer_problem(xyz: Any, allowed: np.ndarray) -> tuple[str, str] | None:
+    if not isinstance(xyz, np.ndarray) or xyz.ndim != 2 or xyz.shape[1] != 4 or len(xyz) == 0:
+        return "bad_xyz", f"xyz must be a non-empty [n, 4] list of [Z, x, y, z], got shape {np.shape(xyz)}"
+    if not np.isfinite(xyz).all():
+        return "non_finite", "xyz holds NaN or inf"
+    z = xyz[:, 0]
+    if (z != np.round(z)).any() or not np.isin(z.astype(np.int64), allowed).all():
+        bad = z[~np.isin(z, allowed)]
+        return "unknown_element", f"atomic number {bad[0]:g} is not in the element vocabulary"
+    return None
+
+
+def _write_geom_shard(path: str, segments: list[tuple[int, int]], first: int, settings: dict[str, Any],
+                      tmp: str) -> dict[str, Any]:
+    """Convert the molecules of `segments` (molecule indices from `first`) into the Arrow shard `tmp`."""
+    import msgpack
+
+    allowed = np.array(element_numbers(settings["elements"]), dtype=np.int64)
+    keep, remove_h, policy = settings["conformations"], settings["remove_h"], settings["on_invalid"]
+    compute_smiles = settings["compute_smiles"]
+    if compute_smiles:
+        from trainer.families.molecules_edm.metrics import molecule_smiles
+    cols: dict[str, list[Any]] = {k: [] for k in ("id", "numbers", "positions", "edm_smiles", "smiles", "molecule",
+                                                  "conformer", "totalenergy", "boltzmannweight")}
+    skipped: Counter = Counter()
+    index = first
+    with open(path, "rb") as f:
+        for offset, count in segments:
+            f.seek(offset)
+            unpacker = msgpack.Unpacker(f, raw=False)
+            for _ in range(count):
+                smiles, info = unpacker.unpack(), unpacker.unpack()
+                conformers = info.get("conformers") if isinstance(info, dict) else None
+                if not conformers:
+                    if policy == "error":
+                        raise MoleculeDataError(path, index, str(smiles), "no_conformers",
+                                                "the molecule has no 'conformers' list")
+                    skipped["no_conformers"] += 1
+                    index += 1
+                    continue
+                try:
+                    energies = np.array([c["totalenergy"] for c in conformers], dtype=np.float64)
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise MoleculeDataError(path, index, str(smiles), "bad_totalenergy",
+                                            f"every conformer needs a numeric 'totalenergy' to rank it: {exc!r}") from exc
+                for rank, k in enumerate(np.argsort(energies)[:keep]):  # EDM's call: ties fall as in EDM
+                    conformer = conformers[int(k)]
+                    try:
+                        xyz = np.asarray(conformer.get("xyz"), dtype=np.float64)
+                    except (TypeError, ValueError):
+                        xyz = None
+                    problem = _conformer_problem(xyz, allowed)
+                    if problem is not None:
+                        if policy == "error":
+                            raise MoleculeDataError(path, index, f"{index}/{rank}", problem[0],
+                                                    f"field 'xyz' of conformer {int(k)}: {problem[1]}")
+                        skipped[problem[0]] += 1
+                        continue
+                    if remove_h:
+                        xyz = xyz[xyz[:, 0] != 1.0]
+                    numbers = xyz[:, 0].astype(np.int8)
+                    positions = xyz[:, 1:].astype(np.float32)
+                    cols["id"].append(f"{index}/{rank}")
+                    cols["numbers"].append(numbers)
+                    cols["positions"].append(positions)
+                    cols["smiles"].append(str(smiles))
+                    cols["molecule"].append(index)
+                    cols["conformer"].append(rank)
+                    cols["totalenergy"].append(float(energies[k]))
+                    weight = conformer.get("boltzmannweight")
+                    cols["boltzmannweight"].append(None if weight is None else float(weight))
+                    if compute_smiles:
+                        try:
+                            cols["edm_smiles"].append(molecule_smiles(numbers, positions.astype(np.float64)))
+                        except Exception:  # a geometry RDKit cannot take is an invalid molecule, not a failed build
+                            cols["edm_smiles"].append(None)
+                index += 1
+    features = _features(compute_smiles)
+    rows = len(cols["id"])
+    with arrow_writer(features, tmp) as writer:
+        for a in range(0, max(rows, 1), GEOM_ROWS_PER_BATCH):
+            b = min(rows, a + GEOM_ROWS_PER_BATCH)
+            arrays = {
+                "id": pa.array(cols["id"][a:b], pa.string()),
+                "numbers": list_array(cols["numbers"][a:b], np.int8, None),
+                "positions": list_array(cols["positions"][a:b], np.float32, 3),
+                "num_atoms": pa.array([len(x) for x in cols["numbers"][a:b]], pa.int32()),
+                "edm_smiles": pa.array(cols["edm_smiles"][a:b], pa.string()),
+                "smiles": pa.array(cols["smiles"][a:b], pa.string()),
+                "molecule": pa.array(cols["molecule"][a:b], pa.int64()),
+                "conformer": pa.array(cols["conformer"][a:b], pa.int32()),
+                "totalenergy": pa.array(cols["totalenergy"][a:b], pa.float64()),
+                "boltzmannweight": pa.array(cols["boltzmannweight"][a:b], pa.float64()),
+            }
+            writer.write_table(pa.Table.from_arrays([arrays[n] for n in features], schema=features.arrow_schema))
+        writer.finalize()
+    return {"molecules": index - first, "conformers": rows, "skipped": dict(skipped)}
+
+
+def build_geom_dataset(path: str | Path, elements: Sequence[str] = GEOM_DRUGS_ELEMENTS,
+                       cache_dir: str | Path | None = None, *, conformations: int = GEOM_CONFORMATIONS,
+                       remove_h: bool = False, on_invalid: str = "error", compute_smiles: bool = True,
+                       num_proc: int | None = None, molecules_per_shard: int = MOLECULES_PER_SHARD) -> datasets.Dataset:
+    """GEOM's `drugs_crude.msgpack` (or any file of its layout) as a memory-mapped molecule dataset (see the module).
+
+    Cached by the file's content fingerprint and the settings (`elements`, `conformations`, `remove_h`,
+    `on_invalid`, `compute_smiles`, `molecules_per_shard`; not `num_proc`, which changes neither rows nor
+    shards). `on_invalid="skip"` drops a molecule without conformers or a conformer whose `xyz` is malformed or
+    holds an element outside `elements`, counted by reason (`molecule_report.skipped`, in conformers; a
+    molecule without any counts once); "error" raises on the first, naming the file, the molecule, the conformer
+    and the field. `num_proc` (default: the cores this process may use) workers convert the shards. The result has
+    `molecule_report` (`readers.ReadReport` of conformers), `geom_molecules` and `cache_hit`.
+    """
+    if on_invalid not in ("error", "skip"):
+        raise ValueError(f"on_invalid must be 'error' or 'skip', got {on_invalid!r}")
+    if conformations < 1 or molecules_per_shard < 1:
+        raise ValueError("conformations and molecules_per_shard must be >= 1")
+    path = Path(path)
+    if not path.is_file():
+        raise MoleculeDataError(str(path), None, None, "missing_file", "no such file")
+    elements = tuple(str(e) for e in elements)
+    element_numbers(elements)  # an unknown symbol fails here, before any parsing
+    settings = {"version": GEOM_FORMAT_VERSION, "elements": list(elements), "conformations": int(conformations),
+                "remove_h": bool(remove_h), "on_invalid": on_invalid, "compute_smiles": bool(compute_smiles),
+                "molecules_per_shard": int(molecules_per_shard)}
+    inputs = file_keys(path)
+    fingerprint = digest({"inputs": inputs, "settings": settings})
+    root = cache_root(cache_dir, "molecules_edm")
+    sidecar = root / f"{fingerprint}.json"
+    meta = read_meta(sidecar)
+    hit = bool(meta and meta.get("shards") and all((root / s).exists() for s in meta["shards"]))
+    if not hit:
+        workers = _cores() if num_proc is None else max(1, int(num_proc))
+        shards: list[str] = []
+
+        def jobs() -> Iterator[tuple[Any, tuple, Path]]:
+            for k, (first, segments) in enumerate(_shard_segments(path, molecules_per_shard)):
+                shards.append(f"{fingerprint}-{k:05d}.arrow")
+                yield _write_geom_shard, (str(path.resolve()), segments, first, settings), root / shards[-1]
+
+        results = build_shards(jobs(), workers, max_in_flight=workers + 2)
+        if not results:
+            raise MoleculeDataError(str(path), None, None, "no_records", "no molecules in the file")
+        skipped = Counter()
+        for r in results:
+            skipped.update(r["skipped"])
+        kept = sum(r["conformers"] for r in results)
+        if kept == 0:
+            raise MoleculeDataError(str(path), None, None, "no_records", f"no valid conformers ({dict(skipped)} skipped)")
+        meta = {"fingerprint": fingerprint, "shards": shards, "records": kept + sum(skipped.values()), "kept": kept,
+                "skipped": dict(skipped), "molecules": sum(r["molecules"] for r in results), "settings": settings,
+                "inputs": inputs}
+        write_meta(sidecar, meta)
+        log_skips(skipped, meta["records"], f"GEOM dataset {fingerprint[:8]}")
+    assert meta is not None
+    ds = load_arrow([root / s for s in meta["shards"]], fingerprint)
+    ds.molecule_report = ReadReport(meta["records"], meta["kept"], dict(meta["skipped"]))
+    ds.geom_molecules = meta["molecules"]
+    ds.cache_hit = hit
+    return ds
+
+
+def geom_split(num_conformers: int, seed: int = 0, val_fraction: float = 0.1, test_fraction: float = 0.1,
+               permutation: str | Path | np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """EDM's GEOM split of rows 0..num_conformers-1: {"train", "validation", "test"} row indices.
+
+    The rows are permuted (`numpy.random.default_rng(seed)`, or `permutation`: EDM's `geom_permutation.npy` or an
+    array), then the first int(n * val_fraction) are validation, the next int(n * test_fraction) test and the rest
+    training, as EDM's `load_split_data`. Conformers of one molecule can fall in different splits, as in EDM.
+    """
+    n = int(num_conformers)
+    if permutation is None:
+        perm = np.random.default_rng(seed).permutation(n)
+    else:
+        perm = np.load(permutation, allow_pickle=False) if isinstance(permutation, (str, Path)) else permutation
+        perm = np.asarray(perm).astype(np.int64).reshape(-1)
+        if len(perm) != n or not np.array_equal(np.sort(perm), np.arange(n)):
+            raise ValueError(f"the permutation must hold each of 0..{n - 1} once ({len(perm)} values given)")
+    val, test = int(n * val_fraction), int(n * test_fraction)
+    return {"train": perm[val + test:], "validation": perm[:val], "test": perm[val:val + test]}
