@@ -1,4 +1,5 @@
-"""`trainer` console script: train, align, export, sample, plot, tasks, config-help, new-family, run-experiments (sweep).
+"""`trainer` console script: train, align, export, import, sample, plot, tasks, config-help, new-family, run-experiments
+(sweep).
 
 Torch-heavy modules are imported inside the commands that need them, and only once the config is
 checked: `trainer --help`, `trainer tasks`, `trainer config-help`, `trainer sample RUN_DIR --help` and a
@@ -99,6 +100,17 @@ _STOP_CODES = {"completed": 0, "already_complete": 0, "preempted": 75, "interrup
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.format == "reference":
+        from trainer.core.reference_checkpoints import export_reference
+
+        if args.weights != "auto":
+            raise ConfigError("--weights is for --format safetensors; the reference layouts hold the model and the "
+                              "EMA as the reference keeps them")
+        folder, notes = export_reference(args.run_dir, out=args.out, checkpoint=args.checkpoint)
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+        print(folder)
+        return 0
     from trainer.core.checkpoint.export import export_run
 
     out = export_run(args.run_dir, out=args.out, checkpoint=args.checkpoint, weights=args.weights)
@@ -110,6 +122,21 @@ def _export(args: argparse.Namespace) -> int:
     print(f"exported the {meta.get('weights', '?')} weights of {meta.get('checkpoint', '?')} (step {meta.get('step', '?')})",
           file=sys.stderr)
     print(out)
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from trainer.reference_formats import get_reference_format
+
+    get_reference_format(args.format)  # an unknown name lists the known ones before torch is imported
+    from trainer.core.reference_checkpoints import import_reference
+
+    result = import_reference(args.format, args.source, args.run_dir, args.overrides, config=args.config)
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"imported {args.source} as {result.checkpoint} (step {result.step}): `trainer train "
+          f"{result.run_dir}/config.yaml` continues it", file=sys.stderr)
+    print(result.run_dir)
     return 0
 
 
@@ -259,7 +286,22 @@ def build_parser(sweep_arguments: bool = True) -> argparse.ArgumentParser:
     export.add_argument("--checkpoint", default="latest", help="latest, best, or a checkpoint directory")
     export.add_argument("--weights", choices=["auto", "ema", "model"], default="auto",
                         help="auto: EMA weights when the run kept an EMA")
+    export.add_argument("--format", choices=["safetensors", "reference"], default="safetensors",
+                        help="reference: the task's reference implementation's checkpoint layout, into the folder "
+                             "--out (default RUN_DIR/export/reference)")
     export.set_defaults(func=_export)
+
+    imp = sub.add_parser("import", help="a reference implementation's checkpoint as a run folder: "
+                                        "trainer import FORMAT SOURCE RUN_DIR [key=value ...]")
+    from trainer.reference_formats import reference_format_names
+
+    imp.add_argument("format", help=f"the reference's layout: {', '.join(reference_format_names())}")
+    imp.add_argument("source", help="the reference's checkpoint file or folder")
+    imp.add_argument("run_dir", help="the new run folder (config.yaml and a checkpoint at the source's step)")
+    imp.add_argument("overrides", nargs="*", help="section.key=value over what the source's config gives, e.g. "
+                                                  "task.data_path=... train.max_steps=...")
+    imp.add_argument("--config", default=None, help="YAML under the source's config (default: the task's defaults)")
+    imp.set_defaults(func=_import)
 
     sample = sub.add_parser("sample", add_help=False,
                             help="draw samples from a run: trainer sample RUN_DIR key=value ... (--help lists the task's keys)")

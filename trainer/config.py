@@ -110,13 +110,20 @@ class OptimConfig:
     weight_decay=...)` and GEARS; default false exempts them (common practice)."""
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     """Adam betas."""
+    amsgrad: bool = False
+    """Adam/AdamW: the AMSGrad variant (the running maximum of the second moment divides the step), as EDM's
+    `AdamW(amsgrad=True)`."""
     eps: float = 1e-8
     """Adam epsilon."""
     momentum: float = 0.9
     """SGD momentum."""
     scheduler: str = "constant_with_warmup"
-    """Any `transformers.get_scheduler` name (linear, cosine, constant, constant_with_warmup, ...) or `step`
-    (warm-up, then the lr times decay_gamma every decay_every_steps: torch's StepLR, e.g. GEARS' per epoch)."""
+    """Any `transformers.get_scheduler` name (linear, cosine, constant, constant_with_warmup, ...), `step`
+    (warm-up, then the lr times decay_gamma every decay_every_steps: torch's StepLR, e.g. GEARS' per epoch) or
+    `onecycle` (torch's OneCycleLR over the run's steps with max_lr = lr and its defaults, as ComFormer; no
+    warm-up: onecycle_pct_start sets its rise)."""
+    onecycle_pct_start: float = 0.3
+    """scheduler=onecycle: the share of the steps over which the lr rises to its peak (OneCycleLR's pct_start)."""
     decay_every_steps: int = 0
     """scheduler=step: optimizer steps between two lr decays."""
     decay_every_epochs: float = 0.0
@@ -125,6 +132,11 @@ class OptimConfig:
     """scheduler=step: factor applied to the lr at every decay."""
     warmup_steps: int = 0
     """Warm-up optimizer steps for `base_world_size` processes (scaled with lr when scale_warmup)."""
+    warmup_counts_current_step: bool = False
+    """Count the step being taken in the warm-up: optimizer step k (from 1) has lr peak x k / warmup_steps, so the
+    first already moves the weights (SEDD's rule); false: step k has peak x (k - 1) / warmup_steps (transformers'
+    schedules: the first step's lr is 0). constant(_with_warmup), linear and cosine are then taken one step later
+throughout; `step` keeps its decay steps. Not with the other schedulers."""
     scale_lr: str = "none"
     """Scale lr with world size relative to base_world_size: `none`, `linear` or `sqrt`."""
     scale_warmup: bool = True
@@ -151,6 +163,15 @@ class TrainConfig:
     """`no`, `bf16` or `fp16` autocast (fp16 adds a dynamic loss scaler)."""
     grad_clip_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    grad_clip_mode: str = "norm"
+    """`norm`: clip to grad_clip_norm. `adaptive` (EDM's rule; grad_clip_norm is then unused): clip to 1.5 x mean
+    + 2 x std (population) of the last adaptive_clip_history clipped norms, a queue seeded with
+    adaptive_clip_initial; each step adds its norm, or the limit when clipped. The queue is checkpointed; it
+    follows the global norm, the same on every rank. Plain, DDP and fp16 runs (not DeepSpeed or FSDP)."""
+    adaptive_clip_history: int = 50
+    """grad_clip_mode=adaptive: how many recent norms the limit is computed from (EDM: 50)."""
+    adaptive_clip_initial: float = 3000.0
+    """grad_clip_mode=adaptive: the value the queue starts with (EDM: 3000, a large value flushed as norms come)."""
     grad_clip_value: float = 0.0
     """Also clip every gradient component to [-v, v] after the norm clip (0: off), as torch's clip_grad_value_.
     Not under DeepSpeed, whose engine clips by norm only."""
@@ -160,6 +181,10 @@ class TrainConfig:
     and DDP only (not DeepSpeed/FSDP). Checkpoints and parameter names are unchanged."""
     ema_decay: float = 0.0
     """EMA decay of the weights (0 disables); warm-up min(decay, (1+n)/(10+n)). EMA weights are used for eval and export."""
+    ema_warmup: str = "standard"
+    """How the EMA's decay warms up: `standard` min(decay, (1+n)/(10+n)) with n the updates before this one (the
+    first decay 1/10); `sedd` the same with n counting this one (first 2/11, SEDD's ExponentialMovingAverage);
+    `none` decay from the first update (EDM's)."""
     skip_nonfinite: bool = True
     """Skip (and count) optimizer steps whose loss or gradient is not finite; a few tensor ops a step."""
     max_nonfinite_in_row: int = 10
@@ -249,6 +274,8 @@ class Config:
 _CHOICES = {
     ("optim", "name"): ("adamw", "adam", "sgd"),
     ("optim", "scale_lr"): ("none", "linear", "sqrt"),
+    ("train", "grad_clip_mode"): ("norm", "adaptive"),
+    ("train", "ema_warmup"): ("standard", "sedd", "none"),
     ("train", "mixed_precision"): ("no", "bf16", "fp16"),
     ("eval", "mode"): ("min", "max"),
     ("eval", "test_weights"): ("final", "best"),
@@ -446,9 +473,9 @@ def _check_sections(layer: dict, source: str) -> None:
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
-              "warmup_stable_decay", "greedy", "step")
+              "warmup_stable_decay", "greedy", "step", "onecycle")
 """optim.scheduler values: `transformers.SchedulerType`'s (a test checks the list against the installed
-transformers; kept here so a config is checked without importing it) and our `step`."""
+transformers; kept here so a config is checked without importing it), our `step` and torch's `onecycle`."""
 
 
 def _check_scheduler(name: str) -> None:
@@ -500,6 +527,11 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"config key '{section}.{key}' must be >= 0")
     if cfg.data.batching == "budget" and cfg.data.max_units_per_batch < 1:
         raise ConfigError("data.batching=budget needs data.max_units_per_batch >= 1 (units per rank and micro-batch)")
+    if cfg.train.adaptive_clip_history < 1 or not cfg.train.adaptive_clip_initial > 0:
+        raise ConfigError("config keys 'train.adaptive_clip_history' and 'train.adaptive_clip_initial' must be "
+                          f"> 0, got {cfg.train.adaptive_clip_history} and {cfg.train.adaptive_clip_initial}")
+    if not 0.0 < cfg.optim.onecycle_pct_start < 1.0:
+        raise ConfigError(f"config key 'optim.onecycle_pct_start' must be in (0, 1), got {cfg.optim.onecycle_pct_start}")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         raise ConfigError("config key 'train.ema_decay' must be in [0, 1)")
     if not 0.0 < cfg.ckpt.async_cpu_share <= 1.0:

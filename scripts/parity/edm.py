@@ -17,6 +17,10 @@ mapped both ways with ``strict=True`` (the round trip exact), and then compared:
     TRAINER_REFERENCE_EDM=/tmp/ref_edm python scripts/parity/edm.py            # compare, exit 1 on a failure
     TRAINER_REFERENCE_EDM=/tmp/ref_edm python scripts/parity/edm.py --write-golden tests/families/molecules_edm/golden
 
+``--ten-steps`` compares ten optimizer steps of our ``task.preset=paper`` (through ``Trainer.train_step``) with
+ten steps of the reference's ``train_epoch`` body (its ``get_optim``, ``Queue`` + ``gradient_clipping`` and
+``EMA``) on ten pinned batches; its golden files are ``ten_steps.safetensors`` and ``ten_steps.json``.
+
 ``--write-golden DIR`` writes what ``tests/families/molecules_edm/test_edm_parity.py`` checks without the reference:
 ``weights.safetensors`` (the randomised reference state dict, schedule and buffer included), ``io.safetensors``
 (inputs and the reference's outputs) and ``meta.json`` (repository, commit, licence, config); ``--check-golden
@@ -28,8 +32,8 @@ beyond torch and numpy for these modules (``egnn/``, ``equivariant_diffusion/``)
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
-import json
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -41,15 +45,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import parity_common  # noqa: E402
-from parity_common import (  # noqa: E402
-    close,
-    parse_arguments,
-    read_golden_files,
-    reference_commit,
-    report,
-    round_trip_exact,
-    stale_golden,
-)
+from parity_common import add_prefix, close, report  # noqa: E402
 
 REPO = "ehoogeboom/e3_diffusion_for_molecules"
 LICENSE = "MIT"
@@ -350,7 +346,7 @@ def round_trip_into_reference(ref: Mapping[str, Any], state: Mapping[str, torch.
         reference_state_dict,
     )
 
-    return round_trip_exact(state, build_ours(config), build_reference(ref, config), from_reference_state_dict,
+    return parity_common.round_trip_exact(state, build_ours(config), build_reference(ref, config), from_reference_state_dict,
                             reference_state_dict)
 
 
@@ -363,13 +359,11 @@ def schedule_matches(ref: Mapping[str, Any], config: Mapping[str, Any] = CONFIG)
 def write_golden(out_dir: Path, state: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor],
                  ref_out: Mapping[str, Any], commit: str) -> None:
     """The golden files: weights.safetensors, io.safetensors and meta.json."""
-    from safetensors.torch import save_file
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "weights.safetensors"))
+    parity_common.save_tensors(out_dir / "weights.safetensors", state)
     names = sorted(ref_out["grads"])
     dyn_names = sorted(ref_out["dyn_grads"])
-    tensors = {**{f"input.{k}": v for k, v in inputs.items()},
+    tensors = {**add_prefix("input.", inputs),
           **{k: ref_out[k] for k in ("dyn_eval", "dyn_train", "loss_per_mol", "loss")},
           "dyn_grad_norms": torch.stack([ref_out["dyn_grads"][n].norm() for n in dyn_names]),
           "grad_norms": torch.stack([ref_out["grads"][n].norm() for n in names]),
@@ -377,17 +371,17 @@ def write_golden(out_dir: Path, state: Mapping[str, torch.Tensor], inputs: Mappi
           **{f"grad.{n}": ref_out["grads"][n] for n in GOLDEN_TENSORS},
           **{f"sgd.{n}": ref_out["sgd"][n] for n in GOLDEN_TENSORS},
           **{f"adam.{n}": ref_out["adam"][n] for n in GOLDEN_TENSORS}}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "io.safetensors"))
-    meta = {"reference": {"repository": f"https://github.com/{REPO}", "commit": commit, "license": LICENSE},
+    parity_common.save_tensors(out_dir / "io.safetensors", tensors)
+    meta = {"reference": parity_common.reference_meta(REPO, commit, LICENSE),
             "config": CONFIG, "t_int": T_INT, "grad_names": names, "dyn_grad_names": dyn_names,
             "written_by": "scripts/parity/edm.py --write-golden",
             "loss": "per molecule: EnVariationalDiffusion.forward in train mode (l2), = our training_loss"}
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    parity_common.save_json(out_dir / "meta.json", meta)
 
 
 def load_golden(golden_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any], dict]:
     """(reference weights, inputs, the reference's outputs in ``compare``'s layout, meta) from golden files."""
-    state, saved, meta, inputs = read_golden_files(golden_dir, "edm.py")
+    state, saved, meta, inputs = parity_common.read_golden_files(golden_dir, "edm.py")
     ref: dict[str, Any] = {k: saved[k] for k in ("dyn_eval", "dyn_train", "loss_per_mol", "loss")}
     for kind in ("dyn_grad", "grad", "sgd", "adam"):
         ref[kind + "s" if kind.endswith("grad") else kind] = {
@@ -398,25 +392,239 @@ def load_golden(golden_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, to
     return state, inputs, ref, meta
 
 
-def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> int:
-    args = parse_arguments(__doc__.split("\n\n")[0], ENV, argv)
-    torch.set_num_threads(1)  # one reduction order on every machine the golden files are checked on
-    ref = load_reference(args.reference)
-    commit = reference_commit(args.reference)
+# ----------------------------------------------------------------------------------------------------------
+# Ten optimizer steps of the `paper` recipe (--ten-steps)
+# ----------------------------------------------------------------------------------------------------------
+
+# The paper preset's rules at a scale where ten steps move the weights and clip: the small model above, lr 1e-3
+# (the preset's 1e-4 moves them ten times less), EMA decay 0.9 (0.9999 would leave the EMA at its start), and the
+# adaptive clipping queue seeded with 1 instead of 3000 (which no norm reaches in ten steps). Everything else is
+# the preset's: AdamW with amsgrad and weight decay 1e-12 on every parameter, a constant lr, EDM's adaptive
+# clipping rule over 50 norms, an EMA without warm-up.
+TEN_STEPS: dict[str, Any] = {"steps": 10, "lr": 1e-3, "ema": 0.9, "clip_initial": 1.0, "clip_history": 50,
+                             "seed": 4321}
+TEN_OVERRIDES = ["task.name=molecules_edm", "task.preset=paper", "train.epochs=0",
+                 f"train.max_steps={TEN_STEPS['steps']}", f"train.per_device_batch_size={CONFIG['batch_size']}",
+                 f"optim.lr={TEN_STEPS['lr']}", f"train.ema_decay={TEN_STEPS['ema']}",
+                 f"train.adaptive_clip_initial={TEN_STEPS['clip_initial']}"]
+"""The command-line overrides on top of `task.preset=paper` (each one a scale, not a rule, of the recipe)."""
+TOL_TEN = {"rtol": 1e-5, "atol": 1e-5}  # float32 weights after ten steps
+TOL_TEN_LOSS_REL = 1e-5
+
+
+def ten_step_inputs(config: Mapping[str, Any] = CONFIG) -> dict[str, torch.Tensor]:
+    """Ten seeded padded batches (positions centred over the real atoms), their times (1..T: the float32 L_0
+    branch's gradients agree to 1e-3 of a tensor's max only, see GRAD_F32) and noise as our task draws it (the
+    standard normals, masked and centred: `noise_from_normals`)."""
+    g = torch.Generator().manual_seed(TEN_STEPS["seed"] + 1)
+    one = make_inputs(config)  # the mask and layout of the one-step comparison
+    mask, m = one["node_mask"], one["node_mask"][..., None]
+    n, (b, nodes), k = TEN_STEPS["steps"], mask.shape, len(config["elements"])
+    x = torch.randn((n, b, nodes, 3), generator=g) * 1.5 * m
+    x = (x - x.sum(2, keepdim=True) / m.sum(1, keepdim=True)) * m
+    types = torch.randint(0, k, (n, b, nodes), generator=g)
+    one_hot = torch.nn.functional.one_hot(types, k).float() * m
+    charges = torch.tensor([1.0, 6.0, 7.0, 8.0, 9.0])[types] * mask
+    normals = torch.randn((n, b, nodes, 3 + num_features(config)), generator=g)
+    diffusion = build_ours(config)
+    eps = torch.stack([diffusion.noise_from_normals(normals[i], mask) for i in range(n)])
+    t_int = torch.randint(1, config["timesteps"] + 1, (n, b), generator=g)
+    return {"x": x, "one_hot": one_hot, "charges": charges, "node_mask": mask, "t_int": t_int, "normals": normals,
+            "eps": eps}
+
+
+class _PinnedDraws:
+    """A micro-batch's random streams with the "time" and "noise" draws given."""
+
+    def __init__(self, t_int: torch.Tensor, normals: torch.Tensor):
+        self.t_int, self.normals = t_int, normals
+
+    def randint(self, name: str, low: int, high: int, *shape: int, device: Any = None) -> torch.Tensor:
+        if name != "time":
+            raise KeyError(f"the ten-step comparison pins 'time' and 'noise' only, not {name!r}")
+        return self.t_int.to(device)
+
+    def randn(self, name: str, *shape: int, device: Any = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name != "noise":
+            raise KeyError(f"the ten-step comparison pins 'time' and 'noise' only, not {name!r}")
+        return self.normals.to(device)
+
+
+def paper_config(overrides: list[str] = TEN_OVERRIDES) -> Any:
+    """Our config: `task.preset=paper` with the ten steps' scale overrides."""
+    from trainer.config import load_config
+
+    return load_config(None, [*overrides, "log.progress_bar=false", "log.tensorboard=false"])
+
+
+def ours_ten_steps(ref_state: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor],
+                   config: Mapping[str, Any] = CONFIG, overrides: list[str] = TEN_OVERRIDES) -> dict[str, Any]:
+    """Ten optimizer steps by our loop's own step (`Trainer.train_step`: the task's loss, the engine's backward,
+    adaptive clipping and optimizer step, the scheduler, the EMA) from the reference's weights, on the pinned
+    batches; names are ours. Needs a fresh accelerate state (it creates an Accelerator)."""
+    from trainer.core.loaders import MicroBatch
+    from trainer.core.trainer import Trainer
+    from trainer.families.molecules_edm.reference import from_reference_state_dict
+    from trainer.families.molecules_edm.task import EDMModel, MoleculesEDMTask
+
+    cfg = paper_config(overrides)
+    task = MoleculesEDMTask(cfg.task, seed=cfg.run.seed)
+    diffusion = build_ours(config)
+    diffusion.load_state_dict(from_reference_state_dict(ref_state), strict=True)
+    model = EDMModel(diffusion)
+    loop = parity_common.stand_in_loop(cfg, task, model)
+    model, engine, ema = loop.model, loop.engine, loop.ema
+    losses, norms = [], []
+    for i in range(inputs["x"].shape[0]):
+        batch = {"positions": inputs["x"][i], "one_hot": inputs["one_hot"][i], "charges": inputs["charges"][i],
+                 "node_mask": inputs["node_mask"]}
+        draws = _PinnedDraws(inputs["t_int"][i], inputs["normals"][i])
+        stats = Trainer.train_step(loop, [MicroBatch(batch, draws)])  # type: ignore[arg-type]
+        losses.append(stats["loss"].detach())
+        norms.append(stats["grad_norm"])
+        loop.state.step += 1
+    strip = "diffusion."
+    params = {n.removeprefix(strip): p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    shadow = {n.removeprefix(strip): s.clone() for n, s in zip(ema.names, ema.shadow)}
+    return {"losses": torch.stack(losses), "grad_norms": torch.stack(norms), "params": params, "ema": shadow,
+            "cfg": cfg, "clip_queue": engine.adaptive_clip.state_dict() if engine.adaptive_clip else None}
+
+
+def reference_ten_steps(ref: Mapping[str, Any], inputs: Mapping[str, torch.Tensor],
+                        config: Mapping[str, Any] = CONFIG) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(the randomised initial reference state dict, the reference's ten steps, names mapped to ours): the body
+    of its train_epoch with its own `get_optim` (qm9/models.py), `utils.Queue` + `utils.gradient_clipping` and
+    `EMA` on a deep copy of the model, as main_qm9.py builds them; only its draws of t and noise are pinned.
+    The loss is the batch mean of the l2 loss (its -log p(N) term has no parameters)."""
+    import copy
+    import importlib.util
+
+    root = Path(ref["en_diffusion"].__file__).resolve().parents[1]
+
+    def module(name: str, rel: str) -> Any:
+        spec = importlib.util.spec_from_file_location(name, root / rel)
+        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        return mod
+
+    utils = module("edm_reference_utils", "utils.py")
+    qm9_models = module("edm_reference_qm9_models", "qm9/models.py")
+    flow_utils = module("edm_reference_flow_utils", "equivariant_diffusion/utils.py")
+    torch.manual_seed(config["seed"])
+    model = build_reference(ref, config)
+    randomise_(model, TEN_STEPS["seed"])
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    optim = qm9_models.get_optim(types_namespace(lr=TEN_STEPS["lr"]), model)
+    gradnorm_queue = utils.Queue(max_len=TEN_STEPS["clip_history"])
+    gradnorm_queue.add(TEN_STEPS["clip_initial"])  # main_qm9.py: 3000
+    model_ema = copy.deepcopy(model)
+    ema = flow_utils.EMA(TEN_STEPS["ema"])
+    mask = inputs["node_mask"]
+    pinned: dict[str, torch.Tensor] = {}
+    model.sample_combined_position_feature_noise = lambda n_samples, n_nodes, node_mask: pinned["eps"].clone()
+    losses, norms = [], []
+    randint = torch.randint
+    torch.randint = lambda *a, **k: pinned["t"].clone()  # type: ignore[assignment]
+    try:
+        model.train()
+        for i in range(inputs["x"].shape[0]):
+            pinned["t"], pinned["eps"] = inputs["t_int"][i].view(-1, 1), inputs["eps"][i]
+            h = {"categorical": inputs["one_hot"][i], "integer": inputs["charges"][i].unsqueeze(-1)}
+            optim.zero_grad()
+            loss = model(inputs["x"][i], h, mask.unsqueeze(-1), _edge_mask(mask), None).mean()
+            loss.backward()
+            with contextlib.redirect_stdout(io.StringIO()):  # it prints every clipped step
+                norms.append(utils.gradient_clipping(model, gradnorm_queue).detach())
+            optim.step()
+            ema.update_model_average(model_ema, model)
+            losses.append(loss.detach())
+    finally:
+        torch.randint = randint  # type: ignore[assignment]
+    params = _to_ours({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+    shadow = _to_ours({n: p.detach().clone() for n, p in model_ema.named_parameters() if p.requires_grad})
+    return state, {"losses": torch.stack(losses), "grad_norms": torch.stack(norms), "params": params, "ema": shadow,
+                   "clip_queue": list(gradnorm_queue.items)}
+
+
+def types_namespace(**kwargs: Any) -> Any:
+    """An argparse-like namespace (what the reference's functions read their settings from)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**kwargs)
+
+
+def compare_ten_steps(ours: Mapping[str, Any], ref: Mapping[str, Any]) -> list[str]:
+    """Differences of our ten steps from the reference's beyond the tolerances (empty: parity)."""
+    failures: list[str] = []
+    close("ten steps: loss per step", ours["losses"], ref["losses"], rtol=TOL_TEN_LOSS_REL, atol=0.0,
+          failures=failures)
+    close("ten steps: gradient norm per step", ours["grad_norms"], ref["grad_norms"], rtol=1e-4, atol=0.0,
+          failures=failures)
+    for kind in ("params", "ema"):
+        parity_common.close_each(f"ten steps: {kind}", ours[kind], ref[kind], **TOL_TEN, failures=failures)
+    if ours.get("clip_queue") is None:
+        failures.append("ten steps: our run has no adaptive clipping queue (train.grad_clip_mode is not adaptive)")
+    elif ref.get("clip_queue") is not None:  # the same norms in the queue (ours a ring, the reference's newest first)
+        close("ten steps: adaptive clipping queue", _queue_values(ours["clip_queue"]),
+              _queue_values(ref["clip_queue"]), rtol=1e-4, atol=0.0, failures=failures)
+    return failures
+
+
+def _queue_values(queue: Any) -> torch.Tensor:
+    """The sorted norms of a clipping queue: our `AdaptiveClip.state_dict()` or the reference's `Queue.items`."""
+    if isinstance(queue, dict):
+        queue = [v for v, ok in zip(queue["norms"], queue["valid"]) if ok]
+    return torch.tensor(sorted(queue), dtype=torch.float64)
+
+
+TEN_STEP_LAYOUT = (("losses", "grad_norms"), ("params", "ema"))
+"""What ten_steps.safetensors keeps of the reference's ten steps: (tensors, dicts of tensors)."""
+
+
+def write_ten_step_golden(out_dir: Path, state: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor],
+                          ref_out: Mapping[str, Any], commit: str) -> None:
+    """ten_steps.safetensors (initial weights, inputs, the reference's losses, norms, weights and EMA after ten
+    steps) and ten_steps.json."""
+    meta = {"reference": parity_common.reference_meta(REPO, commit, LICENSE),
+            "config": CONFIG, "ten_steps": TEN_STEPS, "overrides": TEN_OVERRIDES,
+            "clip_queue": ref_out["clip_queue"], "written_by": "scripts/parity/edm.py --ten-steps --write-golden",
+            "recipe": "reference: train_epoch's body with get_optim, Queue + gradient_clipping and EMA; "
+                      "ours: Trainer.train_step with task.preset=paper"}
+    parity_common.write_ten_step_files(out_dir, state, inputs, ref_out, TEN_STEP_LAYOUT, meta)
+
+
+def load_ten_step_golden(golden_dir: Path) -> parity_common.Golden:
+    """(initial reference weights, inputs, the reference's ten steps in `compare_ten_steps`' layout, meta)."""
+    return parity_common.read_ten_step_files(golden_dir, "edm.py", TEN_STEP_LAYOUT, from_meta={"clip_queue": "clip_queue"})
+
+
+def main_ten_steps(args: Any, ref: Mapping[str, Any], commit: str, log: Callable[[str], None]) -> int:
+    """--ten-steps: the reference's ten steps against ours (and the golden files written or checked)."""
+    inputs = ten_step_inputs()
+    state, ref_out, ours, failures = parity_common.run_both(inputs, lambda x: reference_ten_steps(ref, x),
+                                                            ours_ten_steps, compare_ten_steps)
+    failures += parity_common.check_golden(args, load_ten_step_golden, state, inputs, ref_out, compare_ten_steps)
+    log(f"reference {REPO}@{commit[:7]}; ten steps of the paper recipe ({' '.join(TEN_OVERRIDES[2:])})")
+    parity_common.log_losses(log, ref_out["losses"], ours["losses"])
+    log("gradient norms (reference, before clipping): " + " ".join(f"{v:.4g}" for v in ref_out["grad_norms"].tolist()))
+    log(f"max |weight diff| after ten steps {parity_common.max_abs_diff(ours['params'], ref_out['params']):.3g}, "
+        f"EMA {parity_common.max_abs_diff(ours['ema'], ref_out['ema']):.3g}")
+    return report(failures, "ten steps: loss, gradient norms, weights and EMA within tolerance", args,
+                  lambda out: write_ten_step_golden(out, state, inputs, ref_out, commit), log)
+
+
+def main_parity(args: Any, ref: Mapping[str, Any], commit: str, log: Callable[[str], None]) -> int:
+    """One forward and backward of the reference's against ours (and the golden files written or checked)."""
     inputs = make_inputs()
-    state, ref_out = reference_outputs(ref, inputs)
-    ours = ours_outputs(state, inputs)
-    failures = compare(ours, ref_out)
-    if not round_trip_into_reference(ref, state):
-        failures.append("state dict round trip into a fresh reference model (strict) is not exact")
+    state, ref_out, ours, failures = parity_common.run_both(
+        inputs, lambda x: reference_outputs(ref, x), ours_outputs, compare,
+        lambda st: round_trip_into_reference(ref, st))
     sched = schedule_matches(ref)
     if sched > 0:
         failures.append(f"noise schedule: ours differs from the reference's by up to {sched:.3g}")
-    if args.check_golden:
-        # The committed golden files must still be what this checkout computes (not stale, same inputs).
-        g_state, g_inputs, g_ref, _ = load_golden(args.check_golden)
-        failures += stale_golden(args.check_golden, g_state, g_inputs, state, inputs)
-        failures += [f"golden {f}" for f in compare({**ref_out, "round_trip": True}, g_ref)]
+    # The committed golden files must still be what this checkout computes (not stale, same inputs).
+    failures += parity_common.check_golden(args, load_golden, state, inputs, {**ref_out, "round_trip": True},
+                                           compare)
     log(f"reference {REPO}@{commit[:7]}; hidden {CONFIG['hidden']}, {CONFIG['layers']} blocks x "
         f"{CONFIG['inv_sublayers']} GCLs, batch {CONFIG['batch_size']}x{CONFIG['nodes']} atoms {CONFIG['atoms']}")
     dmax = max((ours["dyn_eval"] - ref_out["dyn_eval"]).abs().max().item(),
@@ -432,6 +640,10 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     return report(failures, "parity: state dict round trip exact; float64 dynamics forward (eval, train) and "
                   "gradients, loss, gradients, SGD and Adam steps within tolerance", args,
                   lambda out: write_golden(out, state, inputs, ref_out, commit), log)
+
+
+main = functools.partial(parity_common.main, __doc__, ENV, load_reference, main_parity, main_ten_steps)
+"""main(argv=None, log=print) -> exit status."""
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""What the parity scripts (`sedd.py`, `edm.py`) share: the command line, the reference's commit, tolerance checks,
-the golden files' reading and staleness check, and the report."""
+"""What the parity scripts (`sedd.py`, `edm.py`, `comformer.py`, `gears.py`) share: the command line, the
+reference's commit, tolerance checks, the golden files' writing, reading and staleness check, and the report."""
 
 from __future__ import annotations
 
@@ -7,13 +7,19 @@ import argparse
 import json
 import os
 import subprocess
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+Golden = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]
+"""What a script's golden files hold: (reference weights, inputs, the reference's outputs, meta)."""
 GOLDEN_FILES = ("weights.safetensors", "io.safetensors", "meta.json")
+TEN_STEP_FILES = ("ten_steps.safetensors", "ten_steps.json")
+ROUND_TRIP_FAILURE = "state dict round trip into a fresh reference model (strict) is not exact"
 
 
 def parse_arguments(description: str, env: str, argv: list[str] | None) -> argparse.Namespace:
@@ -27,6 +33,27 @@ def parse_arguments(description: str, env: str, argv: list[str] | None) -> argpa
     if not args.reference:
         p.error(f"name the reference checkout with {env}=/path or --reference")
     return args
+
+
+def start(doc: str, env: str, argv: list[str] | None,
+          load_reference: Callable[[str], Any]) -> tuple[argparse.Namespace, Any, str]:
+    """(the arguments, `load_reference`'s reference, its commit) of a parity script whose description is the first
+    paragraph of `doc`: the shared options plus ``--ten-steps`` (``args.ten_steps``); torch on one thread, for one
+    reduction order on every machine the golden files are checked on."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ten_steps = "--ten-steps" in argv  # the scripts' own flag, beside the shared ones
+    args = parse_arguments(doc.split("\n\n")[0], env, [a for a in argv if a != "--ten-steps"])
+    args.ten_steps = ten_steps
+    torch.set_num_threads(1)
+    return args, load_reference(args.reference), reference_commit(args.reference)
+
+
+def main(doc: str, env: str, load_reference: Callable[[str], Any], check: Callable[..., int],
+         check_ten_steps: Callable[..., int], argv: list[str] | None = None, log: Callable[[str], None] = print) -> int:
+    """A parity script's main (see `start`; the script binds the arguments before `argv`): with --ten-steps
+    ``check_ten_steps(args, reference, commit, log)``, else ``check(...)`` alike; returns its exit status."""
+    args, ref, commit = start(doc, env, argv, load_reference)
+    return (check_ten_steps if args.ten_steps else check)(args, ref, commit, log)
 
 
 def reference_commit(path: str | os.PathLike[str]) -> str:
@@ -73,6 +100,17 @@ def close(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: f
         failures.append(f"{name}: " + "; ".join([lines[0]] + [ln for ln in lines[1:] if ln.startswith("Greatest")]))
 
 
+def close_each(label: str, got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], rtol: float,
+               atol: float, failures: list[str]) -> None:
+    """`close` for each of `want`'s tensors against `got`'s of the same name (as ``<label> <name>``); names that
+    differ are one failure instead."""
+    if set(got) != set(want):
+        failures.append(f"{label} names differ: {sorted(set(got) ^ set(want))}")
+        return
+    for name, w in want.items():
+        close(f"{label} {name}", got[name], w, rtol, atol, failures)
+
+
 def read_golden_files(golden_dir: Path, script: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
                                                                dict[str, Any], dict[str, torch.Tensor]]:
     """(reference weights, the saved tensors, meta, the inputs) of the golden files in `golden_dir`; a missing file
@@ -113,3 +151,137 @@ def report(failures: list[str], passed: str, args: argparse.Namespace, write: Ca
         write(args.write_golden)
         log(f"golden files written to {args.write_golden}")
     return 0
+
+
+def reference_meta(repo: str, commit: str, license: str, **extra: str) -> dict[str, str]:
+    """The golden files' ``reference`` entry: the repository's address, `extra` (e.g. a subfolder), commit and
+    licence."""
+    return {"repository": f"https://github.com/{repo}", **extra, "commit": commit, "license": license}
+
+
+def add_prefix(prefix: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with `prefix` before every key (one part of a golden .safetensors file)."""
+    return {f"{prefix}{k}": v for k, v in tensors.items()}
+
+
+def strip_prefix(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The part of `tensors` whose keys start with `prefix`, without it (undoes `add_prefix`)."""
+    return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """`tensors` (made contiguous) as the safetensors file `path`."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+
+
+def save_json(path: Path, meta: Mapping[str, Any]) -> None:
+    """`meta` as the indented JSON file `path`."""
+    path.write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def write_ten_step_files(out_dir: Path, state: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor],
+                         ref_out: Mapping[str, Any], layout: tuple[Sequence[str], Sequence[str]],
+                         meta: Mapping[str, Any]) -> None:
+    """ten_steps.safetensors and ten_steps.json (`meta`) in `out_dir`. The tensors: the initial weights as
+    ``init.*``, the inputs as ``input.*``, then of the reference's `ref_out` per `layout` (tensor names, names of
+    tensor dicts): each named tensor, and each named dict's tensors as ``<name>.*``."""
+    tensors, parts = layout
+    saved = {**add_prefix("init.", state), **add_prefix("input.", inputs), **{k: ref_out[k] for k in tensors}}
+    for part in parts:
+        saved.update(add_prefix(f"{part}.", ref_out[part]))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_tensors(out_dir / TEN_STEP_FILES[0], saved)
+    save_json(out_dir / TEN_STEP_FILES[1], meta)
+
+
+def read_ten_step_files(golden_dir: Path, script: str, layout: tuple[Sequence[str], Sequence[str]],
+                        write_dir: Path | None = None, from_meta: Mapping[str, str] | None = None) -> Golden:
+    """(initial weights, inputs, the reference's ten steps as `layout` names them plus the entries of meta that
+    `from_meta` names (key: meta's key), meta) of the files `write_ten_step_files` wrote into `golden_dir`; a
+    missing file names the `script` that writes it (``--ten-steps --write-golden`` into `write_dir`, default
+    `golden_dir`)."""
+    from safetensors.torch import load_file
+
+    for name in TEN_STEP_FILES:
+        if not (golden_dir / name).is_file():
+            raise FileNotFoundError(f"{golden_dir / name}: golden file missing (scripts/parity/{script} --ten-steps "
+                                    f"--write-golden {write_dir or golden_dir} writes it)")
+    saved = load_file(str(golden_dir / TEN_STEP_FILES[0]))
+    tensors, parts = layout
+    ref = {**{k: saved[k] for k in tensors}, **{part: strip_prefix(saved, f"{part}.") for part in parts}}
+    meta = json.loads((golden_dir / TEN_STEP_FILES[1]).read_text())
+    ref.update({k: meta[m] for k, m in (from_meta or {}).items()})
+    return strip_prefix(saved, "init."), strip_prefix(saved, "input."), ref, meta
+
+
+def golden_failures(golden_dir: Path, golden: tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor], Any, Any],
+                    state: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor], ref_out: Any,
+                    compare: Callable[[Any, Any], list[str]]) -> list[str]:
+    """What is wrong with the committed golden files in `golden_dir` (`golden`: their (weights, inputs, reference
+    outputs, meta)): weights or inputs not this checkout's and script's (stale), and what ``compare(ref_out, saved
+    reference outputs)`` says, each prefixed ``golden``."""
+    g_state, g_inputs, g_ref, _ = golden
+    return stale_golden(golden_dir, g_state, g_inputs, state, inputs) + [f"golden {f}" for f in compare(ref_out, g_ref)]
+
+
+def log_losses(log: Callable[[str], None], ref: torch.Tensor, ours: torch.Tensor, prefix: str = "") -> None:
+    """Log the reference's and our loss per step, one line each."""
+    log(f"{prefix}losses: reference " + " ".join(f"{v:.6g}" for v in ref.tolist()))
+    log(f"{prefix}losses: ours      " + " ".join(f"{v:.6g}" for v in ours.tolist()))
+
+
+def max_abs_diff(ours: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> float:
+    """The largest absolute difference between `ours` and `ref`, over `ref`'s tensors."""
+    return max((ours[n] - w).abs().max().item() for n, w in ref.items())
+
+
+def stand_in_loop(cfg: Any, task: Any, model: torch.nn.Module, plan: Any = None) -> SimpleNamespace:
+    """What `Trainer.train_step` reads of a Trainer, built from `cfg` as a one-process CPU run builds it: an
+    Accelerator, `model` prepared with the optimizer (at the plan's lr) and its scheduler, the engine, and the EMA
+    where ``cfg.train.ema_decay`` > 0; ``loop.optimizer`` and ``loop.plan`` ride along. `plan` defaults to cfg's
+    steps and warm-up, no step decay, at ``cfg.optim.lr``. Needs a fresh accelerate state."""
+    from accelerate import Accelerator
+
+    from trainer.core.ema import EMA
+    from trainer.core.engine import build_engine
+    from trainer.core.optim import build_optimizer, build_scheduler
+
+    plan = plan or SimpleNamespace(max_steps=cfg.train.max_steps, warmup_steps=cfg.optim.warmup_steps,
+                                   decay_every_steps=0, lr=cfg.optim.lr)
+    acc = Accelerator(cpu=True)
+    optimizer = build_optimizer(cfg, model, plan.lr)
+    scheduler = build_scheduler(cfg, optimizer, plan)
+    model, optimizer = acc.prepare(model, optimizer)
+    engine = build_engine(acc, model, optimizer, cfg, 1)
+    ema = EMA(model, cfg.train.ema_decay, engine, cfg.train.ema_warmup) if cfg.train.ema_decay > 0 else None
+    return SimpleNamespace(accelerator=acc, stateful_task=None, task=task, model=model.train(), engine=engine,
+                           scheduler=scheduler, ema=ema, state=SimpleNamespace(step=0), optimizer=optimizer, plan=plan)
+
+
+def run_both(inputs: Mapping[str, torch.Tensor], reference: Callable[[Mapping[str, torch.Tensor]], tuple[Any, Any]],
+             ours: Callable[[Any, Mapping[str, torch.Tensor]], Any], compare: Callable[[Any, Any], list[str]],
+             round_trip: Callable[[Any], bool] | None = None) -> tuple[Any, Any, Any, list[str]]:
+    """(the reference's randomised state, its outputs, our outputs, failures): ``reference(inputs)`` gives the
+    first two, ``ours(state, inputs)`` ours from that state; the failures are what ``compare(ours, reference's)``
+    says and, where `round_trip` is given and ``round_trip(state)`` is false, `ROUND_TRIP_FAILURE`."""
+    state, ref_out = reference(inputs)
+    ours_out = ours(state, inputs)
+    failures = compare(ours_out, ref_out)
+    if round_trip is not None and not round_trip(state):
+        failures.append(ROUND_TRIP_FAILURE)
+    return state, ref_out, ours_out, failures
+
+
+def check_golden(args: argparse.Namespace, load: Callable[..., tuple], state: Mapping[str, torch.Tensor],
+                 inputs: Mapping[str, torch.Tensor], ref_out: Any, compare: Callable[[Any, Any], list[str]],
+                 variant: str | None = None) -> list[str]:
+    """With --check-golden DIR: `golden_failures` of the golden files ``load(DIR)`` reads (``load(DIR, variant)``
+    from ``DIR/variant`` where the script keeps one folder per variant); without it, none."""
+    if not args.check_golden:
+        return []
+    if variant is None:
+        return golden_failures(args.check_golden, load(args.check_golden), state, inputs, ref_out, compare)
+    return golden_failures(args.check_golden / variant, load(args.check_golden, variant), state, inputs, ref_out,
+                           compare)

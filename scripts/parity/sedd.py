@@ -22,6 +22,11 @@ outputs) and ``meta.json`` (repository, commit, licence, config); ``--check-gold
 golden files are what this checkout computes. The commit is ``git rev-parse HEAD`` of the checkout, or the
 ``REFERENCE_COMMIT`` file in it (for a ``git archive`` copy).
 
+``--ten-steps`` compares ten optimizer steps of our ``task.preset=paper`` (through ``Trainer.train_step``) with
+ten steps of the reference's own ``get_step_fn`` / ``get_optimizer`` / ``optimization_manager`` /
+``ExponentialMovingAverage`` on ten pinned batches; its golden files are ``ten_steps.safetensors`` and
+``ten_steps.json`` (``--ten-steps --write-golden DIR``, ``--ten-steps --check-golden DIR``).
+
 The reference imports flash-attn at module level; on CPU a stub in ``sys.modules`` computes
 ``flash_attn_varlen_qkvpacked_func`` with ``F.scaled_dot_product_attention`` (default scale, the same as
 flash-attn's), which is exact here because every row has the full length. Its rotary falls back to the
@@ -31,7 +36,7 @@ without CUDA. Importing the reference changes global TorchScript flags, so run i
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import sys
 import types
@@ -46,15 +51,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import parity_common  # noqa: E402
-from parity_common import (  # noqa: E402
-    close,
-    parse_arguments,
-    read_golden_files,
-    reference_commit,
-    report,
-    round_trip_exact,
-    stale_golden,
-)
+from parity_common import add_prefix, close, report  # noqa: E402
 
 REPO = "louaaron/Score-Entropy-Discrete-Diffusion"
 LICENSE = "MIT"
@@ -275,15 +272,23 @@ def load_reference(path: str | os.PathLike[str]) -> dict[str, Any]:
     return {"SEDD": SEDD, "losses": losses, "graph_lib": graph_lib, "noise_lib": noise_lib}
 
 
-def reference_outputs(ref: Mapping[str, Any], inputs: Mapping[str, torch.Tensor],
-                      config: Mapping[str, Any] = CONFIG) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(the randomised reference state dict, the reference's outputs) for ``inputs``."""
+def _randomised_reference(ref: Mapping[str, Any], config: Mapping[str, Any]
+                          ) -> tuple[nn.Module, dict[str, torch.Tensor], Any, Any]:
+    """The reference's SEDD of `config`, randomised from its seed, a copy of its state dict, and the reference's
+    log-linear noise and absorbing graph."""
     torch.manual_seed(config["seed"])
     model = ref["SEDD"]({k: v for k, v in config.items() if k in ("tokens", "graph", "model")})
     randomise_(model, config["seed"])
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     noise = ref["noise_lib"].LogLinearNoise()
     graph = ref["graph_lib"].Absorbing(config["tokens"])
+    return model, state, noise, graph
+
+
+def reference_outputs(ref: Mapping[str, Any], inputs: Mapping[str, torch.Tensor],
+                      config: Mapping[str, Any] = CONFIG) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(the randomised reference state dict, the reference's outputs) for ``inputs``."""
+    model, state, noise, graph = _randomised_reference(ref, config)
     x0, t, perturbed = inputs["x0"], inputs["t"], inputs["perturbed"]
     sigma = noise(t)[0].detach()
     with torch.no_grad():
@@ -309,7 +314,7 @@ def round_trip_into_reference(ref: Mapping[str, Any], state: Mapping[str, torch.
     )
 
     fresh = ref["SEDD"]({k: v for k, v in config.items() if k in ("tokens", "graph", "model")})
-    return round_trip_exact(state, build_ours(config), fresh, from_reference_state_dict,
+    return parity_common.round_trip_exact(state, build_ours(config), fresh, from_reference_state_dict,
                             lambda sd: reference_state_dict(sd, config["model"]["n_heads"]))
 
 
@@ -336,27 +341,25 @@ def dropout_parity(ref: Mapping[str, Any], inputs: Mapping[str, torch.Tensor], p
 def write_golden(out_dir: Path, state: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor],
                  ref_out: Mapping[str, Any], commit: str) -> None:
     """The golden files: weights.safetensors, io.safetensors and meta.json."""
-    from safetensors.torch import save_file
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "weights.safetensors"))
+    parity_common.save_tensors(out_dir / "weights.safetensors", state)
     names = sorted(ref_out["grads"])
-    io = {**{f"input.{k}": v for k, v in inputs.items()},
+    io = {**add_prefix("input.", inputs),
           **{k: ref_out[k] for k in ("logits_eval", "logits_train", "loss_per_seq", "loss")},
           "grad_norms": torch.stack([ref_out["grads"][n].norm() for n in names]),
           **{f"grad.{n}": ref_out["grads"][n] for n in GOLDEN_TENSORS},
           **{f"sgd.{n}": ref_out["sgd"][n] for n in GOLDEN_TENSORS}}
-    save_file({k: v.contiguous() for k, v in io.items()}, str(out_dir / "io.safetensors"))
-    meta = {"reference": {"repository": f"https://github.com/{REPO}", "commit": commit, "license": LICENSE},
+    parity_common.save_tensors(out_dir / "io.safetensors", io)
+    meta = {"reference": parity_common.reference_meta(REPO, commit, LICENSE),
             "config": CONFIG, "times": TIMES, "grad_names": names,
             "written_by": "scripts/parity/sedd.py --write-golden",
             "loss": "reference: batch mean of per-sequence sums; ours: total over token count (x L to compare)"}
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    parity_common.save_json(out_dir / "meta.json", meta)
 
 
 def load_golden(golden_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any], dict]:
     """(reference weights, inputs, the reference's outputs in ``compare``'s layout, meta) from golden files."""
-    state, io, meta, inputs = read_golden_files(golden_dir, "sedd.py")
+    state, io, meta, inputs = parity_common.read_golden_files(golden_dir, "sedd.py")
     ref = {k: io[k] for k in ("logits_eval", "logits_train", "loss_per_seq", "loss")}
     ref["grads"] = {k.removeprefix("grad."): v for k, v in io.items() if k.startswith("grad.")}
     ref["grad_norms"], ref["grad_names"] = io["grad_norms"], meta["grad_names"]
@@ -364,25 +367,217 @@ def load_golden(golden_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, to
     return state, inputs, ref, meta
 
 
-def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> int:
-    args = parse_arguments(__doc__.split("\n\n")[0], ENV, argv)
-    torch.set_num_threads(1)  # one reduction order on every machine the golden files are checked on
-    ref = load_reference(args.reference)
-    commit = reference_commit(args.reference)
+# ----------------------------------------------------------------------------------------------------------
+# Ten optimizer steps of the `paper` recipe (--ten-steps)
+# ----------------------------------------------------------------------------------------------------------
+
+# The paper preset's rules at a scale where ten steps move the weights: the small model above, warm-up shortened
+# to 4 steps and a larger lr (the preset's 2,500 steps at 3e-4 would leave ten steps' updates near 1e-7), dropout
+# off. Everything else is the preset's: AdamW, the loss as a batch mean of per-sequence sums, norm clip 1, SEDD's
+# warm-up and EMA counting, EMA 0.9999.
+TEN_STEPS: dict[str, Any] = {"steps": 10, "lr": 3e-3, "warmup": 4, "ema": 0.9999, "grad_clip": 1.0,
+                             "batch_size": 4, "length": 12, "seed": 4321}
+TEN_OVERRIDES = ["task.name=protein_sedd", "task.preset=paper", "task.dropout=0.0", "train.global_batch_size=0",
+                 "train.grad_accum_steps=1", f"train.per_device_batch_size={TEN_STEPS['batch_size']}",
+                 f"train.max_steps={TEN_STEPS['steps']}", f"optim.lr={TEN_STEPS['lr']}",
+                 f"optim.warmup_steps={TEN_STEPS['warmup']}", f"train.ema_decay={TEN_STEPS['ema']}",
+                 f"train.grad_clip_norm={TEN_STEPS['grad_clip']}"]
+"""The command-line overrides on top of `task.preset=paper` (each one a scale, not a rule, of the recipe)."""
+TOL_TEN = {"rtol": 1e-5, "atol": 1e-5}  # float32 weights after ten steps
+TOL_TEN_LOSS_REL = 1e-5  # the later steps' losses carry the earlier steps' rounding
+
+
+def ten_step_config() -> dict[str, Any]:
+    """The model config of the ten steps: our task's vocabulary (residues and pad; the absorbing graph adds the
+    mask), so that the task's own loss runs on it."""
+    from trainer.families.protein_sedd.task import NUM_RESIDUES
+
+    return {**CONFIG, "tokens": NUM_RESIDUES + 1, "seed": TEN_STEPS["seed"]}
+
+
+def ten_step_inputs(config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Ten seeded full-length batches, their uniform draws `u` (t = eps + (1 - eps) u, as our task draws it) and
+    perturbed batches with masked and unmasked positions in every row."""
+    from trainer.families.protein_sedd.sedd import LogLinearNoise
+    from trainer.families.protein_sedd.task import NUM_RESIDUES
+
+    g = torch.Generator().manual_seed(TEN_STEPS["seed"] + 1)
+    n, b, length, mask = TEN_STEPS["steps"], TEN_STEPS["batch_size"], TEN_STEPS["length"], config["tokens"]
+    x0 = torch.randint(0, NUM_RESIDUES, (n, b, length), generator=g)
+    u = torch.rand((n, b), generator=g)
+    t = ten_step_times(u)
+    sigma = LogLinearNoise()(t.flatten())[0].view(n, b)
+    masked = torch.rand((n, b, length), generator=g) < -torch.expm1(-sigma)[..., None]
+    masked[..., 0], masked[..., 1] = True, False
+    return {"x0": x0, "u": u, "perturbed": torch.where(masked, mask, x0)}
+
+
+def ten_step_times(u: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
+    """Our task's diffusion time from its uniform draw (task.loss), in float32: both sides use these times."""
+    return eps + (1 - eps) * u
+
+
+class _PinnedTimes:
+    """A micro-batch's random streams with the "time" draws given (the corruption is pinned by `_PinnedGraph`)."""
+
+    def __init__(self, u: torch.Tensor):
+        self.u = u
+
+    def rand(self, name: str, device: Any = None) -> torch.Tensor:
+        if name != "time":
+            raise KeyError(f"the ten-step comparison pins the 'time' draws only, not {name!r}")
+        return self.u.to(device)
+
+    def generators(self, name: str) -> None:
+        return None
+
+
+def paper_config(overrides: list[str] = TEN_OVERRIDES) -> Any:
+    """Our config: `task.preset=paper` with the ten steps' scale overrides."""
+    from trainer.config import load_config
+
+    return load_config(None, [*overrides, "log.progress_bar=false", "log.tensorboard=false"])
+
+
+def ours_ten_steps(ref_state: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor],
+                   config: Mapping[str, Any] | None = None, overrides: list[str] = TEN_OVERRIDES) -> dict[str, Any]:
+    """Ten optimizer steps by our loop's own step (`Trainer.train_step`: the task's loss, the engine's backward,
+    clipping and optimizer step, the scheduler, the EMA), from the reference's weights, on the pinned batches.
+    Needs a fresh accelerate state (it creates an Accelerator)."""
+    from trainer.core.loaders import MicroBatch
+    from trainer.core.trainer import Trainer
+    from trainer.families.protein_sedd.reference import from_reference_state_dict
+    from trainer.families.protein_sedd.task import ProteinSEDDTask
+
+    config = config or ten_step_config()
+    cfg = paper_config(overrides)
+    task = ProteinSEDDTask(cfg.task, seed=cfg.run.seed)
+    graph = task.graph
+    model = build_ours(config)
+    if model.vocab_size != graph.dim:
+        raise ValueError(f"model vocabulary {model.vocab_size} is not the task graph's {graph.dim}")
+    model.load_state_dict(from_reference_state_dict(ref_state), strict=True)
+    loop = parity_common.stand_in_loop(cfg, task, model)
+    model, optimizer, ema = loop.model, loop.optimizer, loop.ema
+    losses, lrs = [], []
+    for i in range(inputs["x0"].shape[0]):
+        x0 = inputs["x0"][i]
+        task.graph = _PinnedGraph(graph, inputs["perturbed"][i])  # type: ignore[assignment]
+        batch = {"states": x0, "mask": torch.ones_like(x0, dtype=torch.bool), "index": torch.arange(x0.shape[0]),
+                 "num_tokens": x0.numel()}
+        lrs.append(optimizer.param_groups[0]["lr"])
+        stats = Trainer.train_step(loop, [MicroBatch(batch, _PinnedTimes(inputs["u"][i]))])  # type: ignore[arg-type]
+        losses.append(stats["loss"].detach())
+        loop.state.step += 1
+    task.graph = graph
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": torch.stack(losses), "lrs": torch.tensor(lrs, dtype=torch.float64), "params": params,
+            "ema": dict(zip(ema.names, [s.clone() for s in ema.shadow])), "cfg": cfg}
+
+
+def reference_ten_steps(ref: Mapping[str, Any], inputs: Mapping[str, torch.Tensor],
+                        config: Mapping[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(the randomised initial reference state dict, the reference's ten steps): its own `get_step_fn` with its
+    `get_optimizer`, `optimization_manager` (warm-up, clipping), GradScaler (disabled on CPU) and
+    ExponentialMovingAverage, as run_train.py builds them; only its loss draws are pinned to the inputs'."""
+    import importlib
+
+    config = config or ten_step_config()
+    losses_mod = ref["losses"]
+    ema_mod = importlib.import_module("model.ema")
+    model, state, noise, graph = _randomised_reference(ref, config)
+    optim_cfg = types.SimpleNamespace(optimizer="AdamW", lr=TEN_STEPS["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
+                                      weight_decay=0.0, warmup=TEN_STEPS["warmup"], grad_clip=TEN_STEPS["grad_clip"])
+    rcfg = types.SimpleNamespace(optim=optim_cfg)
+    optimizer = losses_mod.get_optimizer(rcfg, list(model.parameters()) + list(noise.parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scaler = torch.cuda.amp.GradScaler()  # as run_train.py; disabled without CUDA
+    ema = ema_mod.ExponentialMovingAverage(model.parameters(), decay=TEN_STEPS["ema"])
+    pinned: dict[str, torch.Tensor] = {}
+    original = losses_mod.get_loss_fn
+
+    def pinned_loss_fn(noise: Any, graph: Any, train: bool, *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        inner = original(noise, graph, train, *args, **kwargs)
+        return lambda model, batch, cond=None: inner(model, batch, cond=cond, t=pinned["t"],
+                                                     perturbed_batch=pinned["perturbed"])
+
+    losses_mod.get_loss_fn = pinned_loss_fn
+    try:
+        step_fn = losses_mod.get_step_fn(noise, graph, True, losses_mod.optimization_manager(rcfg), 1)
+    finally:
+        losses_mod.get_loss_fn = original
+    train_state = {"optimizer": optimizer, "scaler": scaler, "model": model, "noise": noise, "ema": ema, "step": 0}
+    losses, lrs = [], []
+    for i in range(inputs["x0"].shape[0]):
+        pinned["t"], pinned["perturbed"] = ten_step_times(inputs["u"][i]), inputs["perturbed"][i]
+        losses.append(step_fn(train_state, inputs["x0"][i]).detach())
+        lrs.append(optimizer.param_groups[0]["lr"])  # set by optimize_fn before its step
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    out = {"losses": torch.stack(losses), "lrs": torch.tensor(lrs, dtype=torch.float64),
+           "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+           "ema": {n: s.detach().clone() for n, s in zip(names, ema.shadow_params)}}
+    return state, out
+
+
+def compare_ten_steps(ours: Mapping[str, Any], ref: Mapping[str, Any]) -> list[str]:
+    """Differences of our ten steps from the reference's beyond the tolerances (empty: parity)."""
+    failures: list[str] = []
+    close("ten steps: lr per step", ours["lrs"], ref["lrs"], rtol=1e-12, atol=0.0, failures=failures)
+    close("ten steps: loss per step", ours["losses"], ref["losses"], rtol=TOL_TEN_LOSS_REL, atol=0.0,
+          failures=failures)
+    for kind in ("params", "ema"):
+        parity_common.close_each(f"ten steps: {kind}", ours[kind], ref[kind], **TOL_TEN, failures=failures)
+    return failures
+
+
+TEN_STEP_LAYOUT = (("losses", "lrs"), ("params", "ema"))
+"""What ten_steps.safetensors keeps of the reference's ten steps: (tensors, dicts of tensors)."""
+
+
+def write_ten_step_golden(out_dir: Path, state: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor],
+                          ref_out: Mapping[str, Any], commit: str) -> None:
+    """ten_steps.safetensors (initial weights, inputs, the reference's losses, lrs, weights and EMA after ten
+    steps) and ten_steps.json."""
+    meta = {"reference": parity_common.reference_meta(REPO, commit, LICENSE),
+            "config": ten_step_config(), "ten_steps": TEN_STEPS, "overrides": TEN_OVERRIDES,
+            "written_by": "scripts/parity/sedd.py --ten-steps --write-golden",
+            "recipe": "reference: get_step_fn + get_optimizer + optimization_manager + ExponentialMovingAverage; "
+                      "ours: Trainer.train_step with task.preset=paper"}
+    parity_common.write_ten_step_files(out_dir, state, inputs, ref_out, TEN_STEP_LAYOUT, meta)
+
+
+def load_ten_step_golden(golden_dir: Path) -> parity_common.Golden:
+    """(initial reference weights, inputs, the reference's ten steps in `compare_ten_steps`' layout, meta)."""
+    return parity_common.read_ten_step_files(golden_dir, "sedd.py", TEN_STEP_LAYOUT)
+
+
+def main_ten_steps(args: Any, ref: Mapping[str, Any], commit: str, log: Callable[[str], None]) -> int:
+    """--ten-steps: the reference's ten steps against ours (and the golden files written or checked)."""
+    inputs = ten_step_inputs(ten_step_config())
+    state, ref_out, ours, failures = parity_common.run_both(inputs, lambda x: reference_ten_steps(ref, x),
+                                                            ours_ten_steps, compare_ten_steps)
+    failures += parity_common.check_golden(args, load_ten_step_golden, state, inputs, ref_out, compare_ten_steps)
+    log(f"reference {REPO}@{commit[:7]}; ten steps of the paper recipe ({' '.join(TEN_OVERRIDES[2:])})")
+    parity_common.log_losses(log, ref_out["losses"], ours["losses"])
+    log(f"max |weight diff| after ten steps {parity_common.max_abs_diff(ours['params'], ref_out['params']):.3g}, "
+        f"EMA {parity_common.max_abs_diff(ours['ema'], ref_out['ema']):.3g}")
+    return report(failures, "ten steps: lr, loss, weights and EMA within tolerance", args,
+                  lambda out: write_ten_step_golden(out, state, inputs, ref_out, commit), log)
+
+
+def main_parity(args: Any, ref: Mapping[str, Any], commit: str, log: Callable[[str], None]) -> int:
+    """One forward and backward of the reference's against ours (and the golden files written or checked)."""
     inputs = make_inputs()
-    state, ref_out = reference_outputs(ref, inputs)
-    ours = ours_outputs(state, **inputs)
-    failures = compare(ours, ref_out, CONFIG["length"])
-    if not round_trip_into_reference(ref, state):
-        failures.append("state dict round trip into a fresh reference model (strict) is not exact")
+    state, ref_out, ours, failures = parity_common.run_both(
+        inputs, lambda x: reference_outputs(ref, x), lambda st, x: ours_outputs(st, **x),
+        lambda got, want: compare(got, want, CONFIG["length"]), lambda st: round_trip_into_reference(ref, st))
     drop = dropout_parity(ref, inputs)
     if drop > TOL_OUT["atol"]:
         failures.append(f"forward (train, dropout 0.1, same seed): max |difference| {drop:.3g}")
-    if args.check_golden:
-        # The committed golden files must still be what this checkout computes (not stale, same inputs).
-        g_state, g_inputs, g_ref, _ = load_golden(args.check_golden)
-        failures += stale_golden(args.check_golden, g_state, g_inputs, state, inputs)
-        failures += [f"golden {f}" for f in compare({**ref_out, "round_trip": True}, g_ref, length=1)]
+    # The committed golden files must still be what this checkout computes (not stale, same inputs).
+    failures += parity_common.check_golden(args, load_golden, state, inputs, {**ref_out, "round_trip": True},
+                                           lambda got, want: compare(got, want, length=1))
     length = CONFIG["length"]
     log(f"reference {REPO}@{commit[:7]}; config {CONFIG['model']}, batch {CONFIG['batch_size']}x{length}")
     log(f"loss: reference mean {ref_out['loss'].item():.8g}, ours {ours['loss'].item():.8g} x L={length} "
@@ -396,6 +591,10 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     return report(failures, "parity: state dict round trip exact; forward (eval, train, train with dropout), loss, "
                   "gradients, SGD and Adam steps within tolerance", args,
                   lambda out: write_golden(out, state, inputs, ref_out, commit), log)
+
+
+main = functools.partial(parity_common.main, __doc__, ENV, load_reference, main_parity, main_ten_steps)
+"""main(argv=None, log=print) -> exit status."""
 
 
 if __name__ == "__main__":

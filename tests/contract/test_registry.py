@@ -193,7 +193,7 @@ def test_the_front_ends_sit_above_the_core_and_the_families():
 
 FAMILY_MAY_IMPORT = ("trainer.task", "trainer.config", "trainer.errors", "trainer.atomic_io", "trainer.rundir",
                      "trainer.seeding", "trainer.sample_random", "trainer.data", "trainer.registry",
-                     "trainer.state_dicts")
+                     "trainer.state_dicts", "trainer.reference_formats")
 """The shared modules a family builds on (each also as a package prefix: `trainer.data.splits`); never the core
 or its `trainer.api` facade (FAMILY_MUST_NOT_IMPORT)."""
 
@@ -235,7 +235,8 @@ def _family_may_import(module: str, family: str | None) -> bool:
 
 def test_families_import_only_the_contract_and_shared_modules():
     """A family is single-device model code on the task contract: it imports the shared leaf modules
-    (trainer.task, config, errors, atomic_io, rundir, seeding, data, registry, state_dicts) and its own package, never
+    (trainer.task, config, errors, atomic_io, rundir, seeding, data, registry, state_dicts, reference_formats) and its
+    own package, never
     `trainer.core` or its `trainer.api` facade, the front ends, the sweep, the CLI or another family."""
     offenders = []
     for path in sorted((ROOT / "trainer" / "families").rglob("*.py")):

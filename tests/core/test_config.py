@@ -146,7 +146,7 @@ def test_scheduler_names_are_transformers_and_step():
 
     from trainer.config import SCHEDULERS
 
-    assert set(SCHEDULERS) == {s.value for s in SchedulerType} | {"step"}
+    assert set(SCHEDULERS) == {s.value for s in SchedulerType} | {"step", "onecycle"}
 
 
 def test_step_scheduler_decays_every_epoch_like_steplr():

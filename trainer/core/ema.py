@@ -27,16 +27,22 @@ class ParamLayout(Protocol):
     def reshard(self, model: torch.nn.Module) -> None: ...
 
 
-def ema_decay(decay: float, num_updates: int) -> float:
-    """Decay with warm-up: min(decay, (1 + n) / (10 + n))."""
-    return min(decay, (1.0 + num_updates) / (10.0 + num_updates))
+def ema_decay(decay: float, num_updates: int, warmup: str = "standard") -> float:
+    """The decay of the update after `num_updates` others (`train.ema_warmup`): min(decay, (1 + n) / (10 + n))
+    with n = num_updates (`standard`) or num_updates + 1 (`sedd`: its ExponentialMovingAverage counts the update
+    being made), or `decay` itself (`none`)."""
+    if warmup == "none":
+        return decay
+    n = num_updates + (1 if warmup == "sedd" else 0)
+    return min(decay, (1.0 + n) / (10.0 + n))
 
 
 class EMA:
     """An fp32 copy of this rank's part of each trainable parameter, as `layout` (the engine) says it holds them."""
 
-    def __init__(self, model: torch.nn.Module, decay: float, layout: ParamLayout):
+    def __init__(self, model: torch.nn.Module, decay: float, layout: ParamLayout, warmup: str = "standard"):
         self.decay = decay
+        self.warmup = warmup
         self.num_updates = 0
         self.layout = layout
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -51,7 +57,7 @@ class EMA:
     def update(self, model: torch.nn.Module, skipped: torch.Tensor | None = None) -> None:
         """Move the average towards the weights. `skipped` (0/1 tensor) freezes it on skipped steps
         without a host synchronisation."""
-        d = ema_decay(self.decay, self.num_updates)
+        d = ema_decay(self.decay, self.num_updates, self.warmup)
         self.num_updates += 1
         current = [self.layout.local_tensor(p).float() for _, p in self._params(model)]
         weight = 1.0 - d if skipped is None else (1.0 - d) * (1.0 - skipped.to(self.shadow[0].device, torch.float32))

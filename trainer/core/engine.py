@@ -36,6 +36,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from trainer.config import Config, ConfigError
+from trainer.core.adaptive_clip import AdaptiveClip
 from trainer.core.checkpoint.writer import StagedFile
 from trainer.core.step_guard import StepGuard, nonfinite_advice
 
@@ -53,6 +54,10 @@ def check_backend_supports(cfg: Config, distributed_type: DistributedType) -> No
         raise ConfigError(f"train.grad_clip_value={t.grad_clip_value:g} (from the command line, the config{preset}) is "
                           f"not supported under DeepSpeed, whose engine clips by norm only: add train.grad_clip_value=0 "
                           f"train.grad_clip_norm={t.grad_clip_value:g} (or another norm; a norm clip changes the steps)")
+    if t.grad_clip_mode == "adaptive" and distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        raise ConfigError(f"train.grad_clip_mode=adaptive is supported in single-process, DDP and fp16 runs, not "
+                          f"under {distributed_type.value} (its gradients are clipped by the backend or sharded): "
+                          f"use train.grad_clip_mode=norm")
     if t.compile and distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         raise ConfigError(f"train.compile is supported in single-process and DDP runs, not under {distributed_type.value}")
 
@@ -65,6 +70,8 @@ class Engine:
     zero_stage = 0
     """The DeepSpeed ZeRO stage (0: not DeepSpeed)."""
     guard: StepGuard
+    adaptive_clip: AdaptiveClip | None = None
+    """With train.grad_clip_mode=adaptive: the queue of recent norms (a checkpoint part)."""
 
     def __init__(self, accelerator: Accelerator, model: Any, optimizer: Any, cfg: Config,
                  grad_accum_steps: int | None = None):
@@ -127,9 +134,13 @@ class Engine:
         """Read a checkpoint this backend's own loader can read (checkpoint/convert.py: `needs_conversion`)."""
         from trainer.core.checkpoint.safe_load import weights_only_loading
 
+        # accelerate's safetensors save keeps one of the tensors it takes for shared, and takes every empty one
+        # for shared (e3nn's weightless tensor products), which safetensors' loader then misses: such a model is
+        # loaded non-strictly, its names and shapes checked before (convert.check_same_model) but for the empties
+        empties = self.checks_same_model and any(t.numel() == 0 for t in self.unwrapped.state_dict().values())
         # DeepSpeed unpickles its own files with weights_only=False, DCP its metadata with pickle
         with weights_only_loading():
-            self.accelerator.load_state(str(path))
+            self.accelerator.load_state(str(path), **({"strict": False} if empties else {}))
 
     def load_universal(self, folder: Path, saved: dict[str, Any], param_names: list[list[str]]) -> None:
         """Fill the model and optimizer from the topology-free form in `folder` (another layout's checkpoint)."""
@@ -177,6 +188,10 @@ class TorchEngine(Engine):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.max_norm = t.grad_clip_norm if t.grad_clip_norm > 0 else math.inf  # 0: no clipping, norm still logged
         self.clip_value = t.grad_clip_value  # > 0: then every component is clipped to [-clip_value, clip_value]
+        if t.grad_clip_mode == "adaptive":  # the norm is measured unclipped, then scaled to the queue's limit
+            self.max_norm = math.inf
+            self.adaptive_clip = AdaptiveClip(t.adaptive_clip_history, t.adaptive_clip_initial,
+                                              getattr(accelerator, "device", "cpu"))
         # The GradScaler owns found_inf and skips by itself; an fp16 loss scale overflows on purpose now and then.
         self.guard = StepGuard(None if accelerator.scaler is not None else self.torch_optimizer,
                                active=t.skip_nonfinite, max_in_row=t.max_nonfinite_in_row,
@@ -197,11 +212,13 @@ class TorchEngine(Engine):
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
         else:
             norm = self.accelerator.clip_grad_norm_(self.params, self.max_norm)
-        if self.clip_value > 0:  # the gradients are unscaled now (accelerate did it for the norm)
-            torch.nn.utils.clip_grad_value_(self.params, self.clip_value, foreach=True)
         norm = norm.detach()
         if hasattr(norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a (replicated) DTensor
             norm = norm.full_tensor()
+        if self.adaptive_clip is not None:  # the gradients are unscaled now (accelerate did it for the norm)
+            self.adaptive_clip.clip_([p.grad for p in self.params if p.grad is not None], norm)
+        if self.clip_value > 0:
+            torch.nn.utils.clip_grad_value_(self.params, self.clip_value, foreach=True)
         skipped = self.guard.flag(norm)
         optimizer = self.torch_optimizer if self.plain else self.optimizer
         optimizer.step()

@@ -30,20 +30,24 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.opt
     if o.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=o.momentum, fused=True)
     cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    return cls(groups, lr=lr, betas=tuple(o.betas), eps=o.eps, fused=True)
+    return cls(groups, lr=lr, betas=tuple(o.betas), eps=o.eps, amsgrad=o.amsgrad, fused=True)
 
 
-def native_schedule(name: str, warmup_steps: int, total_steps: int) -> Callable[[int], float] | None:
+def native_schedule(name: str, warmup_steps: int, total_steps: int,
+                    counts_current: bool = False) -> Callable[[int], float] | None:
     """The LR factor of a step for the common schedules, with transformers' formulas (a test checks them
     against `transformers.get_scheduler`); None for the others. Importing transformers for these would add
-    about a second to every process start."""
+    about a second to every process start. `counts_current`: the warm-up counts the step being taken
+    (`optim.warmup_counts_current_step`): the whole schedule is taken one step later, so it stays continuous."""
     if name not in ("constant", "constant_with_warmup", "linear", "cosine"):
         return None
     span = max(1, total_steps - warmup_steps)
+    offset = int(counts_current)
 
     def factor(step: int) -> float:
         if name == "constant":  # transformers' `constant` has no warm-up
             return 1.0
+        step += offset
         if step < warmup_steps:
             return step / max(1, warmup_steps)
         if name == "linear":
@@ -56,13 +60,26 @@ def native_schedule(name: str, warmup_steps: int, total_steps: int) -> Callable[
 
 
 def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, plan: RunPlan) -> Any:
-    """LambdaLR of linear/cosine/constant(_with_warmup), another `transformers.get_scheduler` schedule, or
-    `step`: linear warm-up, then StepLR's decay. Steps, warm-up and decay interval are the run plan's."""
+    """LambdaLR of linear/cosine/constant(_with_warmup), another `transformers.get_scheduler` schedule,
+    `step` (linear warm-up, then StepLR's decay) or `onecycle` (torch's OneCycleLR). Steps, warm-up and decay
+    interval are the run plan's."""
     o, warmup_steps, decay_every = cfg.optim, plan.warmup_steps, plan.decay_every_steps
+    offset = int(o.warmup_counts_current_step)
+    if o.scheduler == "onecycle":
+        if warmup_steps:
+            raise ConfigError("optim.scheduler=onecycle has its own rise (optim.onecycle_pct_start): set "
+                              "optim.warmup_steps=0")
+        # Its defaults otherwise (cosine annealing, div_factor 25, final_div_factor 1e4, momentum cycled
+        # between 0.85 and 0.95 in Adam's beta1), as ComFormer calls it.
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[g["lr"] for g in optimizer.param_groups],
+                                                   total_steps=max(1, plan.max_steps), pct_start=o.onecycle_pct_start)
     if o.scheduler != "step":
-        factor = native_schedule(o.scheduler, warmup_steps, plan.max_steps)
+        factor = native_schedule(o.scheduler, warmup_steps, plan.max_steps, bool(offset))
         if factor is not None:
             return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        if offset and warmup_steps:
+            raise ConfigError(f"optim.warmup_counts_current_step is supported with the constant, "
+                              f"constant_with_warmup, linear, cosine and step schedulers, not {o.scheduler!r}")
         from transformers import get_scheduler
 
         return get_scheduler(o.scheduler, optimizer, num_warmup_steps=warmup_steps,
@@ -71,7 +88,7 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, plan: RunPlan
         raise ConfigError("optim.scheduler=step needs optim.decay_every_steps (or decay_every_epochs) > 0")
 
     def factor(step: int) -> float:
-        warm = step / warmup_steps if step < warmup_steps else 1.0
+        warm = (step + offset) / warmup_steps if step + offset < warmup_steps else 1.0
         return warm * o.decay_gamma ** (step // decay_every)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

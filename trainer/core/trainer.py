@@ -113,7 +113,8 @@ class Trainer:
             self.test_loader = acc.prepare(build_eval_loader(cfg, self.task, data.test, plan.per_device_batch_size, "test"))
         set_seed(cfg.run.seed + acc.process_index)  # dropout's stream per rank (loss noise: MicroBatch.rng, per sample)
 
-        self.ema = EMA(unwrap_model(acc, self.model), t.ema_decay, self.engine) if t.ema_decay > 0 else None
+        self.ema = (EMA(unwrap_model(acc, self.model), t.ema_decay, self.engine, t.ema_warmup) if t.ema_decay > 0
+                    else None)
         self.state = TrainState(world_size=world, backend=str(acc.distributed_type.value),
                                 grad_accum_steps=batch.grad_accum_steps, per_device_batch_size=batch.per_device_batch_size,
                                 global_batch_size=batch.global_batch, lr_world_size=batch.lr_world_size,
@@ -129,6 +130,8 @@ class Trainer:
                  "backend": BackendState(acc, self.engine, param_names, self.state, self.run_dir.checkpoints),
                  "data": DataPosition(self.data, acc), "scheduler": self.scheduler, "step_guard": self.engine.guard,
                  "task_stats": TaskStats(self.task, self.is_main)}
+        if self.engine.adaptive_clip is not None:
+            parts["grad_clip"] = self.engine.adaptive_clip
         if self.ema is not None:
             parts["ema"] = EMAState(self.ema, acc, self.model, self.state)
         self.stateful_task = self.task if isinstance(self.task, StatefulTask) else None

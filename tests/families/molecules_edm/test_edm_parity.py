@@ -6,14 +6,9 @@ reference checkout) without the reference; and live against a checkout named by 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import load_script
+from parity_support import assert_ten_steps_fail, live_parity_tests, parity_fixtures
 
 from trainer.families.molecules_edm.reference import (
     REFERENCE_BUFFER,
@@ -22,19 +17,7 @@ from trainer.families.molecules_edm.reference import (
     reference_state_dict,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
-SCRIPT = ROOT / "scripts" / "parity" / "edm.py"
-GOLDEN = Path(__file__).resolve().parent / "golden"
-
-
-@pytest.fixture(scope="module")
-def parity():
-    return load_script(SCRIPT, "edm_parity")
-
-
-@pytest.fixture(scope="module")
-def golden(parity):
-    return parity.load_golden(GOLDEN)
+parity, golden, ten_step_golden = parity_fixtures("edm", __file__)
 
 
 @pytest.mark.numerics
@@ -104,10 +87,33 @@ def test_our_model_loads_the_golden_weights_strictly(parity, golden):
     assert torch.equal(fresh_gamma, state[REFERENCE_GAMMA])
 
 
-@pytest.mark.skipif(not os.environ.get("TRAINER_REFERENCE_EDM"), reason="set TRAINER_REFERENCE_EDM to a checkout "
-                    "of ehoogeboom/e3_diffusion_for_molecules for the live comparison")
-def test_live_parity_with_reference():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--check-golden", str(GOLDEN)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "parity: state dict round trip exact" in proc.stdout and "golden files in" in proc.stdout
+@pytest.mark.numerics
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_ten_paper_steps_equal_the_references(parity, ten_step_golden):
+    """Ten optimizer steps of `task.preset=paper` by our loop's step (Trainer.train_step) equal ten steps of the
+    reference's loop body with its own AdamW(amsgrad), adaptive gradient clipping and EMA: loss, gradient norm,
+    weights, EMA and the clipping queue."""
+    state, inputs, ref, meta = ten_step_golden
+    assert meta["reference"]["license"] == "MIT" and meta["overrides"] == parity.TEN_OVERRIDES
+    ours = parity.ours_ten_steps(state, inputs, meta["config"])
+    o, t = ours["cfg"].optim, ours["cfg"].train
+    assert o.amsgrad and o.decay_all_parameters and t.grad_clip_mode == "adaptive" and t.ema_warmup == "none"
+    assert parity.compare_ten_steps(ours, ref) == []
+    # the clipping acted: the first step's norm is far above 1.5 x the queue's seed
+    assert ref["grad_norms"][0] > 10 * 1.5 * meta["ten_steps"]["clip_initial"]
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(("default", "fails"), [("train.grad_clip_mode=norm", "ten steps: params"),
+                                                ("train.ema_warmup=standard", "ten steps: ema")])
+def test_ten_steps_tell_each_rule_of_the_recipe(parity, ten_step_golden, default, fails, fresh_accelerate):
+    """The clipping and EMA rules the paper preset sets matter: our default in their place fails the comparison.
+    (AMSGrad's running maximum differs from Adam only once a gradient falls far below its history, which ten steps
+    do not reach; tests/core/test_reference_recipes.py checks it against torch's AdamW(amsgrad=True).)"""
+    assert_ten_steps_fail(parity, ten_step_golden, fails, default)
+
+
+test_live_parity_with_reference, test_live_ten_steps_with_reference = live_parity_tests(
+    "edm", __file__, "TRAINER_REFERENCE_EDM", "ehoogeboom/e3_diffusion_for_molecules",
+    parity_passed="parity: state dict round trip exact",
+    ten_steps_passed="ten steps: loss, gradient norms, weights and EMA within tolerance")

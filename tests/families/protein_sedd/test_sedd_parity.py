@@ -6,14 +6,9 @@ reference checkout) without the reference; and live against a checkout named by 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import load_script
+from parity_support import assert_ten_steps_fail, live_parity_tests, parity_fixtures
 
 from trainer.families.protein_sedd.reference import (
     ROTARY_KEY,
@@ -22,19 +17,7 @@ from trainer.families.protein_sedd.reference import (
     rotary_inv_freq,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
-SCRIPT = ROOT / "scripts" / "parity" / "sedd.py"
-GOLDEN = Path(__file__).resolve().parent / "golden"
-
-
-@pytest.fixture(scope="module")
-def parity():
-    return load_script(SCRIPT, "sedd_parity")
-
-
-@pytest.fixture(scope="module")
-def golden(parity):
-    return parity.load_golden(GOLDEN)
+parity, golden, ten_step_golden = parity_fixtures("sedd", __file__)
 
 
 @pytest.mark.numerics
@@ -83,11 +66,30 @@ def test_key_map_round_trip_and_errors(parity, golden):
         reference_state_dict(ours, n_heads=3)
 
 
-@pytest.mark.skipif(not os.environ.get("TRAINER_REFERENCE_SEDD"), reason="set TRAINER_REFERENCE_SEDD to a checkout "
-                    "of louaaron/Score-Entropy-Discrete-Diffusion for the live comparison")
-def test_live_parity_with_reference():
-    # A process of its own: importing the reference changes global TorchScript flags.
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--check-golden", str(GOLDEN)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "parity: state dict round trip exact" in proc.stdout and "golden files in" in proc.stdout
+@pytest.mark.numerics
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_ten_paper_steps_equal_the_references(parity, ten_step_golden):
+    """Ten optimizer steps of `task.preset=paper` by our loop's step (Trainer.train_step) equal ten steps of the
+    reference's own step function, optimizer, warm-up, clipping and EMA: lr, loss, weights and EMA."""
+    state, inputs, ref, meta = ten_step_golden
+    assert meta["reference"]["license"] == "MIT" and meta["overrides"] == parity.TEN_OVERRIDES
+    ours = parity.ours_ten_steps(state, inputs, meta["config"])
+    assert ours["cfg"].task.loss_reduction == "sequence_sum" and ours["cfg"].train.ema_warmup == "sedd"
+    assert parity.compare_ten_steps(ours, ref) == []
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("default", ["task.loss_reduction=token", "train.ema_warmup=standard",
+                                     "optim.warmup_counts_current_step=false"])
+def test_ten_steps_tell_each_rule_of_the_recipe(parity, ten_step_golden, default, fresh_accelerate):
+    """Each rule the paper preset sets matters: our default in its place fails the comparison."""
+    # the per-token loss is the reference's / L (Adam nearly undoes the scale in ten steps); the two counts
+    # change the lr of every warm-up step or the EMA of every step
+    want = "ten steps: loss" if default.startswith("task.") else "ten steps: ema"
+    assert_ten_steps_fail(parity, ten_step_golden, want, default)
+
+
+test_live_parity_with_reference, test_live_ten_steps_with_reference = live_parity_tests(
+    "sedd", __file__, "TRAINER_REFERENCE_SEDD", "louaaron/Score-Entropy-Discrete-Diffusion",
+    parity_passed="parity: state dict round trip exact",
+    ten_steps_passed="ten steps: lr, loss, weights and EMA within tolerance")

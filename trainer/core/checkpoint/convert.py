@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import shutil
 import sys
 from collections.abc import Iterator
@@ -130,12 +131,16 @@ def check_same_model(path: Path, saved: dict[str, Any], model: torch.nn.Module, 
     """Refuse a checkpoint of another model, naming the first differences (parameter names and shapes) and `hint`."""
     shapes, with_buffers = saved_param_shapes(path, saved)
     now = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
+    carried = set(getattr(model, "CHECKPOINT_SHAPED_BUFFERS", ()))  # the model takes these buffers' saved shapes
+    shapes = {n: s for n, s in shapes.items() if n not in carried}
     if with_buffers:  # the persistent ones: those a state dict holds
-        persistent = set(model.state_dict())
+        persistent = set(model.state_dict()) - carried
         now.update({n: tuple(b.shape) for n, b in model.named_buffers() if n in persistent})
     problems = [f"parameter '{n}' has shape {tuple(shapes[n])} there and {now[n]} here"
                 for n in now if n in shapes and tuple(shapes[n]) != now[n]]
-    problems += [f"'{n}' is not in the checkpoint" for n in now if n not in shapes]
+    # safetensors keeps one of tensors that share storage, and empty ones all do (e3nn's weightless tensor
+    # products): an empty tensor missing from the file holds nothing to restore
+    problems += [f"'{n}' is not in the checkpoint" for n in now if n not in shapes and math.prod(now[n]) > 0]
     problems += [f"'{n}' is not in this model" for n in shapes if n not in now]
     if problems:
         more = f" and {len(problems) - 3} more differences" if len(problems) > 3 else ""

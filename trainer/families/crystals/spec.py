@@ -96,9 +96,9 @@ PRESETS = {
              "train": {"per_device_batch_size": 16, "epochs": 30, "ema_decay": 0.0},
              "optim": {"lr": 2e-3, "scheduler": "cosine", "warmup_steps": 10},
              "eval": {"every_epochs": 5, "metric": "mae"}},
-    "paper": {"task": {"model_preset": "paper", "max_neighbors": 25},
-              "train": {"per_device_batch_size": 64, "epochs": 500},
-              "optim": {"lr": 1e-3, "weight_decay": 1e-5, "scheduler": "cosine"},
+    "paper": {"task": {"model_preset": "paper", "max_neighbors": 25, "loss": "mse"},
+              "train": {"per_device_batch_size": 64, "epochs": 500, "grad_clip_norm": 0.0},
+              "optim": {"lr": 1e-3, "weight_decay": 1e-5, "scheduler": "onecycle", "warmup_steps": 0},
               "eval": {"every_epochs": 1, "metric": "mae"}},
 }
 """Named config layers (`task.preset=NAME`)."""

@@ -22,7 +22,9 @@ class MoleculesEDMConfig(TaskConfig):
     name: str = "molecules_edm"
     """Registered task name."""
     data_path: str = ""
-    """Molecules: .extxyz/.xyz(.gz) or .sdf; empty: the bundled 3,000 QM9 molecules."""
+    """Molecules: .extxyz/.xyz(.gz) or .sdf; GEOM's drugs_crude .msgpack (EDM's 30 lowest-energy conformers per
+    molecule, converted in parallel, split by a seeded permutation of the conformers as EDM; set `elements` to
+    GEOM-Drugs' 16); empty: the bundled 3,000 QM9 molecules."""
     elements: list = field(default_factory=lambda: list(QM9_ELEMENTS))
     """Element vocabulary in one-hot order (QM9: H C N O F); another element in the data is an error."""
     on_invalid: str = "error"
@@ -293,9 +295,13 @@ PRESETS = {
              "train": {"per_device_batch_size": 64, "epochs": 20, "ema_decay": 0.999, "grad_clip_norm": 1.0},
              "optim": {"lr": 1e-3, "scheduler": "cosine", "warmup_steps": 20, "weight_decay": 1e-12},
              "eval": {"every_epochs": 5, "metric": "nll", "sample_every": 4, "num_samples": 32}},
+    # EDM's recipe (main_qm9.py): AdamW(amsgrad, weight decay 1e-12 on every parameter) at a constant lr, its
+    # adaptive gradient clipping, an EMA without warm-up.
     "paper": {"task": {"model_preset": "paper"},
-              "train": {"per_device_batch_size": 64, "epochs": 3000, "ema_decay": 0.9999, "grad_clip_norm": 1.0},
-              "optim": {"lr": 1e-4, "weight_decay": 1e-12},
+              "train": {"per_device_batch_size": 64, "epochs": 3000, "ema_decay": 0.9999, "ema_warmup": "none",
+                        "grad_clip_mode": "adaptive", "adaptive_clip_history": 50, "adaptive_clip_initial": 3000.0},
+              "optim": {"name": "adamw", "lr": 1e-4, "weight_decay": 1e-12, "decay_all_parameters": True,
+                        "amsgrad": True, "scheduler": "constant", "warmup_steps": 0},
               "eval": {"every_epochs": 20, "metric": "nll", "sample_every": 5, "num_samples": 500}},
 }
 """Named config layers (`task.preset=NAME`)."""

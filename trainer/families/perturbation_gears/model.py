@@ -210,6 +210,20 @@ class GEARSModel(nn.Module):
             self.uncertainty_w = GearsMLP([h, 2 * h, h, 1])
         self._compiled_decode = None
 
+    CHECKPOINT_SHAPED_BUFFERS = ("coexpress_edge_index", "coexpress_edge_weight", "go_edge_index", "go_edge_weight")
+    """Buffers whose shapes a state dict brings (a checkpoint carries its own graphs, e.g. one imported from GEARS'
+    config.pkl, whose edge count need not be the one this data set's graph builder gives)."""
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        # Resize the graph buffers to the incoming graphs so that the copy that follows takes them whole.
+        graphs = {name: state_dict[prefix + name] for name in self.CHECKPOINT_SHAPED_BUFFERS if prefix + name in state_dict}
+        for name, value in graphs.items():
+            if torch.is_tensor(value) and value.shape != getattr(self, name).shape:
+                if name.endswith("_edge_index") and (value.dim() != 2 or value.size(0) != 2):
+                    break  # not a graph: the copy reports the shape
+                setattr(self, name, torch.empty_like(getattr(self, name)).resize_(value.shape))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def _cache_adjacencies(self) -> None:
         """Both graphs' normalised adjacencies as (non-persistent) buffers: built once, not every forward."""
         with torch.no_grad():

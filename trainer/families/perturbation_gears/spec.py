@@ -136,7 +136,7 @@ PRESETS = {
     # StepLR(1 epoch, 0.5) and clip_grad_value_(1.0) as GEARS.
     "paper": {"task": {"hidden_size": 64, "num_go_gnn_layers": 1, "num_gene_gnn_layers": 1},
               "train": {"per_device_batch_size": 32, "epochs": 20, "grad_clip_norm": 0.0, "grad_clip_value": 1.0},
-              "optim": {"name": "adam", "lr": 1e-3, "weight_decay": 5e-4, "scheduler": "step",
+              "optim": {"name": "adam", "lr": 1e-3, "weight_decay": 5e-4, "decay_all_parameters": True, "scheduler": "step",
                         "decay_every_epochs": 1.0, "decay_gamma": 0.5, "warmup_steps": 0},
               "eval": {"every_epochs": 1, "metric": "mse_de", "mode": "min", "batch_size": 8,
                        "test_weights": "best"}},

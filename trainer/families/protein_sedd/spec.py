@@ -38,6 +38,11 @@ class ProteinSEDDConfig(TaskConfig):
     """Noise schedule: loglinear or geometric."""
     sampling_eps: float = 1e-3
     """Smallest diffusion time drawn for the loss."""
+    loss_reduction: str = "token"
+    """Training loss scale: `token`, the score entropy per token (over all tokens of the step); `sequence_sum`,
+    the mean over the step's sequences of each one's sum (SEDD's, the per-token loss x the length for full crops:
+    the same train.grad_clip_norm then clips other gradients). Micro-batches are then weighted by sequences, and
+    the logged tokens_per_s counts sequences. Evaluation is per token either way."""
     eval_seed: int = 1234
     """Seed of the per-sample eval generators (diffusion times and corruption)."""
     eval_draws: int = 8
@@ -53,6 +58,8 @@ class ProteinSEDDConfig(TaskConfig):
         super().validate()
         if not 0.0 <= self.start_crop_share <= 1.0:
             raise ValueError(f"task.start_crop_share must be in [0, 1], got {self.start_crop_share}")
+        if self.loss_reduction not in ("token", "sequence_sum"):
+            raise ValueError(f"task.loss_reduction must be 'token' or 'sequence_sum', got {self.loss_reduction!r}")
         if self.eval_draws < 1:
             raise ValueError(f"task.eval_draws must be >= 1, got {self.eval_draws}")
         if self.packing and self.streaming:
@@ -87,6 +94,15 @@ PRESETS = {
     "small": {"task": {"model_preset": "small", "max_length": 512},
               "train": {"per_device_batch_size": 32, "ema_decay": 0.9999},
               "optim": {"lr": 3e-4, "warmup_steps": 2500}},
+    # SEDD's own recipe (its configs/config.yaml, small model): the loss as a batch mean of per-sequence sums,
+    # which the norm clip of 1 acts on; warm-up and EMA counted as its optimization_manager and EMA count them.
+    "paper": {"task": {"model_preset": "small", "max_length": 1024, "dropout": 0.1, "graph": "absorb",
+                       "noise": "loglinear", "loss_reduction": "sequence_sum"},
+              "train": {"max_steps": 1_300_001, "global_batch_size": 512, "per_device_batch_size": 32,
+                        "ema_decay": 0.9999, "ema_warmup": "sedd", "grad_clip_norm": 1.0, "grad_clip_mode": "norm"},
+              "optim": {"name": "adamw", "lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
+                        "scheduler": "constant_with_warmup", "warmup_steps": 2500,
+                        "warmup_counts_current_step": True}},
 }
 """Named config layers (`task.preset=NAME`)."""
 

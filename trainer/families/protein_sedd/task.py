@@ -357,7 +357,8 @@ class ProteinSEDDTask(Task):
         return np.minimum(lengths, dataset.max_length)
 
     def batch_weight(self, batch: dict[str, Any]) -> int:
-        return batch["num_tokens"]
+        """Tokens, or sequences with task.loss_reduction=sequence_sum (the step's loss is then their mean)."""
+        return batch["num_tokens"] if self.cfg.loss_reduction == "token" else int(batch["states"].shape[0])
 
     def loss(self, model: nn.Module, batch: dict[str, Any], rng: SampleRandom) -> LossOutput:
         """The score-entropy loss at one diffusion time per sequence: t from the row's "time" stream, the
@@ -367,6 +368,8 @@ class ProteinSEDDTask(Task):
         per_seq, tokens = score_entropy_loss(model, self.graph, self.noise, states, t=t,
                                              loss_mask=batch["mask"], attention_mask=batch["mask"],
                                              sampling_eps=eps, generator=rng.generators("corrupt"))
+        if self.cfg.loss_reduction == "sequence_sum":
+            return LossOutput(loss=per_seq.mean())
         return LossOutput(loss=per_seq.sum() / tokens.sum())
 
     def eval_step(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
