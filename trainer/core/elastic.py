@@ -148,8 +148,8 @@ class PeerHeartbeat:
             try:
                 with self._lock:
                     self._store.add(self.key(self.rank), 1)
-            except Exception:  # noqa: BLE001 - the store is gone: so is the group; nothing left to tell
-                return
+            except Exception:  # noqa: BLE001 - a busy store's timeout: beat again; a store gone is all_alive's to see
+                pass
             self._stop.wait(self.interval_s)
 
     def _counts(self) -> list[int]:

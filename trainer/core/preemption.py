@@ -208,6 +208,7 @@ class PreemptionWatcher:
         self._stopping = agreed > 0
         if self._stopping:
             self.stop_signal = "SIGINT" if agreed >= 2 else (self.received if self.received != "SIGINT" else "SIGTERM")
+            self.received_at = self.received_at or time.monotonic()  # a rank told by its peers: from now
         return self._stopping
 
     def close(self) -> None:
@@ -236,9 +237,13 @@ class PreemptionWatcher:
 
 
 def stop_requested_at() -> float | None:
-    """When (time.monotonic()) the running `fit`'s watcher received its first stop signal; None without one."""
+    """When (time.monotonic()) the running `fit`'s stop began, for a stop a SIGKILL may follow: a SIGTERM received
+    here, or a stop learnt from the other ranks (their signal is not known here). None without a stop, and for a
+    Ctrl-C or another signal received here (SLURM's early warning, SIGUSR1): nothing kills the process then."""
     active = PreemptionWatcher._active
-    return None if active is None else active.received_at
+    if active is None or active.received_at is None or active.stop_signal == "SIGINT":
+        return None
+    return active.received_at if active.received in (None, "SIGTERM") else None
 
 
 def report_stop(cfg: Config, run_dir: RunDir, step: int, max_steps: int, watcher: PreemptionWatcher,

@@ -99,3 +99,23 @@ def test_a_completion_thread_stalled_at_a_stop_is_given_up_too(tmp_path, monkeyp
                                                              "written when the stop window ran out"), given_up
     finally:
         stalled.set()
+
+
+@pytest.mark.parametrize("received, agreed_signal, capped", [
+    ("SIGTERM", "SIGTERM", True),   # the launcher's or batch system's stop: a SIGKILL follows
+    (None, "SIGTERM", True),        # a stop learnt from the other ranks: theirs may be one
+    ("SIGINT", "SIGINT", False),    # Ctrl-C: nothing kills the process
+    ("SIGUSR1", "SIGUSR1", False),  # SLURM's early warning: the job has minutes
+    (None, None, False),            # no stop
+])
+def test_only_a_stop_a_sigkill_may_follow_caps_the_wait(monkeypatch, received, agreed_signal, capped):
+    from trainer.core import preemption
+
+    class Watcher:
+        pass
+
+    watcher = Watcher()
+    watcher.received, watcher.stop_signal = received, agreed_signal
+    watcher.received_at = 12.5 if agreed_signal else None
+    monkeypatch.setattr(preemption.PreemptionWatcher, "_active", watcher)
+    assert preemption.stop_requested_at() == (12.5 if capped else None)

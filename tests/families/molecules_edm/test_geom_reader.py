@@ -148,3 +148,15 @@ def test_task_reads_a_geom_file_with_edm_split(sample, tmp_path):
     with pytest.raises(MoleculeDataError, match="unknown_element"):  # N is outside this vocabulary
         MoleculesEDMTask(MoleculesEDMConfig(data_path=path, elements=["H", "C", "O"], cache_dir=str(tmp_path)),
                          seed=0).build_data()
+
+
+def test_a_failed_build_leaves_no_shards_without_their_sidecar(tmp_path):
+    """An error in a later shard fails the file as a whole: the shards before it are not left published."""
+    rng = np.random.default_rng(2)
+    bad = conformers(WATER, [0.1], rng)
+    bad[0]["xyz"] = [[8, 0.0, 0.0]]
+    maps = [{f"O{k}": {"conformers": conformers(WATER, [0.3], rng)} for k in range(4)} | {"bad": {"conformers": bad}}]
+    path = geom_file(tmp_path / "late.msgpack", maps)
+    with pytest.raises(MoleculeDataError, match="bad_xyz"):
+        build_geom_dataset(path, cache_dir=tmp_path / "c", num_proc=1, compute_smiles=False, molecules_per_shard=2)
+    assert not list((tmp_path / "c").rglob("*.arrow"))

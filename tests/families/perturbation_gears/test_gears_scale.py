@@ -222,6 +222,7 @@ def test_backed_reader_names_the_cell_with_a_non_finite_value(tmp_path):
     name = adata.obs_names[2000]
     with pytest.raises(AR.DataError, match=rf"bad.h5ad: X has a non-finite value in cell '{name}' \(row 2000\)"):
         read_perturbation_data(path, x_cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache").rglob(".x_*"))  # no partial copy of X left behind
 
 
 def test_row_blocks_read_selected_rows_only():

@@ -255,7 +255,13 @@ def build_geom_dataset(path: str | Path, elements: Sequence[str] = GEOM_DRUGS_EL
                 shards.append(f"{fingerprint}-{k:05d}.arrow")
                 yield _write_geom_shard, (str(path.resolve()), segments, first, settings), root / shards[-1]
 
-        results = build_shards(jobs(), workers, max_in_flight=workers + 2)
+        renamed: list[str] = []
+        try:
+            results = build_shards(jobs(), workers, max_in_flight=workers + 2, renamed=renamed)
+        except BaseException:  # the file fails as a whole: no shards of it are left without their sidecar
+            for final in renamed:
+                Path(final).unlink(missing_ok=True)
+            raise
         if not results:
             raise MoleculeDataError(str(path), None, None, "no_records", "no molecules in the file")
         skipped = Counter()

@@ -573,22 +573,29 @@ def read_x_rows(source: Any, rows: np.ndarray, obs_names: Any, where: str, cache
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".x_{key}.", dir=target.parent))
+    import shutil
+
     indptr = np.zeros(n + 1, dtype=np.int64)
-    with open(tmp / "data.f32", "wb") as fd, open(tmp / "indices.i32", "wb") as fi:
-        for start in range(0, n, block):
-            part = blocks[start:start + block]
-            _check_finite(part, start, blocks.rows, obs_names, where)
-            np.asarray(part.data, dtype=np.float32).tofile(fd)
-            np.asarray(part.indices, dtype=np.int32).tofile(fi)
-            indptr[start + 1:start + part.shape[0] + 1] = indptr[start] + np.asarray(part.indptr[1:], dtype=np.int64)
-    np.save(tmp / "indptr.npy", indptr)
-    (tmp / "done").write_text(json.dumps({"shape": [n, num_genes], "nnz": int(indptr[-1])}))
+    try:
+        with open(tmp / "data.f32", "wb") as fd, open(tmp / "indices.i32", "wb") as fi:
+            for start in range(0, n, block):
+                part = blocks[start:start + block]
+                _check_finite(part, start, blocks.rows, obs_names, where)
+                np.asarray(part.data, dtype=np.float32).tofile(fd)
+                np.asarray(part.indices, dtype=np.int32).tofile(fi)
+                indptr[start + 1:start + part.shape[0] + 1] = (indptr[start]
+                                                               + np.asarray(part.indptr[1:], dtype=np.int64))
+        np.save(tmp / "indptr.npy", indptr)
+        (tmp / "done").write_text(json.dumps({"shape": [n, num_genes], "nnz": int(indptr[-1])}))
+    except BaseException:  # a bad value, a full disk, Ctrl-C: no partial copy of X is left in the cache
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.rename(tmp, target)
-    except OSError:  # another process published it first: the same content, use theirs
-        import shutil
-
+    except OSError:  # another process published it first (the same content: use theirs), or the rename failed
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "done").is_file():
+            raise
     return _mapped_csr(target, (n, num_genes))
 
 
