@@ -215,3 +215,15 @@ def test_onecycle_in_the_loop_resumes_exactly(tmp_path):
     a = load_file(tmp_path / "a" / "checkpoints" / "step_00000006" / "model.safetensors")
     b = load_file(tmp_path / "b" / "checkpoints" / "step_00000006" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_onecycle_resumed_with_a_longer_run_follows_the_new_length(tmp_path):
+    """A checkpoint restores OneCycle's position, not its length: a run resumed with a larger train.max_steps
+    anneals over the new length (torch's OneCycleLR restored whole raises once it steps past its old total)."""
+    common = ["train.grad_clip_mode=norm", "optim.scheduler=onecycle", "optim.warmup_steps=0"]
+    _trainer(tmp_path / "a", *common, "ckpt.every_steps=3").fit()
+    longer = _trainer(tmp_path / "b", *common, "train.max_steps=9",
+                      f"run.resume={tmp_path / 'a' / 'checkpoints' / 'step_00000006'}")
+    assert longer.state.step == 6 and longer.scheduler.total_steps == 9
+    longer.fit()
+    assert longer.state.step == 9 and longer.optimizer.param_groups[0]["lr"] < 0.05 * 0.2

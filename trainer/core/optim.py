@@ -59,6 +59,17 @@ def native_schedule(name: str, warmup_steps: int, total_steps: int,
     return factor
 
 
+class RunLengthOneCycleLR(torch.optim.lr_scheduler.OneCycleLR):
+    """OneCycleLR over this run's steps: a checkpoint restores its position, not its length, so a run resumed with
+    another train.max_steps follows the new length (as the other schedules do) instead of stepping past the old one,
+    which torch's OneCycleLR refuses."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        own = {key: self.__dict__[key] for key in ("total_steps", "_schedule_phases")}
+        super().load_state_dict(state_dict)
+        self.__dict__.update(own)
+
+
 def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, plan: RunPlan) -> Any:
     """LambdaLR of linear/cosine/constant(_with_warmup), another `transformers.get_scheduler` schedule,
     `step` (linear warm-up, then StepLR's decay) or `onecycle` (torch's OneCycleLR). Steps, warm-up and decay
@@ -71,8 +82,8 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, plan: RunPlan
                               "optim.warmup_steps=0")
         # Its defaults otherwise (cosine annealing, div_factor 25, final_div_factor 1e4, momentum cycled
         # between 0.85 and 0.95 in Adam's beta1), as ComFormer calls it.
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[g["lr"] for g in optimizer.param_groups],
-                                                   total_steps=max(1, plan.max_steps), pct_start=o.onecycle_pct_start)
+        return RunLengthOneCycleLR(optimizer, max_lr=[g["lr"] for g in optimizer.param_groups],
+                                   total_steps=max(1, plan.max_steps), pct_start=o.onecycle_pct_start)
     if o.scheduler != "step":
         factor = native_schedule(o.scheduler, warmup_steps, plan.max_steps, bool(offset))
         if factor is not None:

@@ -79,7 +79,13 @@ def import_reference(name: str, source: str | Path, out_dir: str | Path, overrid
         raise ConfigError(f"a '{name}' checkpoint holds a {ckpt.task} model; the config's task is '{cfg.task.name}'")
     source_name = str(ckpt.files[0] if ckpt.files else source)
     created = not out_dir.exists()
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except BaseException:  # the run could not be built (its data, its model): no lock and no new folder left
+        release_run_lock(out_dir)
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
     acc = trainer.accelerator
     done = False
     try:

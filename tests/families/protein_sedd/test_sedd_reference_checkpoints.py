@@ -183,5 +183,15 @@ def test_a_checkpoint_of_another_size_names_keys_and_shapes(tmp_path):
     assert not (tmp_path / "run").exists()  # a config without its checkpoint would train from scratch
 
 
+def test_an_import_whose_run_cannot_be_built_leaves_nothing(tmp_path):
+    """The run itself fails to build (here its data file is missing): no run folder, no lock is left."""
+    from trainer.core.reference_checkpoints import import_reference
+
+    with pytest.raises(Exception, match="missing.fa"):
+        import_reference("sedd", GOLDEN, tmp_path / "run", [f"task.data_path={tmp_path / 'missing.fa'}",
+                                                            "log.progress_bar=false"])
+    assert not (tmp_path / "run").exists()
+
+
 test_live_reference_checkpoint_imports_and_exports_back = live_checkpoint_test(
     "sedd", "TRAINER_REFERENCE_SEDD", "louaaron/Score-Entropy-Discrete-Diffusion")
