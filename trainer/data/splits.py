@@ -62,3 +62,19 @@ def in_holdout(record_ids: Sequence[str], fraction: float, key: str | int = "") 
     if fraction >= 1.0:
         return np.ones(len(record_ids), dtype=bool)
     return assign_splits(record_ids, [fraction, 1.0 - fraction], key) == 0
+
+
+def repeated_hashes(parts: Sequence[np.ndarray], buckets: int = 16) -> np.ndarray:
+    """The uint64 values (e.g. `id_hashes`) that occur more than once over `parts`, sorted. Sorted bucket by
+    bucket (by the top bits; `buckets` a power of two), so that beside the parts only about 1/`buckets` of them is
+    copied at a time."""
+    bits = int(buckets).bit_length() - 1
+    if buckets < 1 or 1 << bits != buckets:
+        raise ValueError(f"buckets must be a power of two, got {buckets}")
+    found: list[np.ndarray] = []
+    for b in range(buckets):
+        values = np.concatenate([p if not bits else p[(p >> np.uint64(64 - bits)) == b] for p in parts]
+                                + [np.zeros(0, np.uint64)])
+        values.sort()
+        found.append(np.unique(values[1:][values[1:] == values[:-1]]))
+    return np.concatenate(found)

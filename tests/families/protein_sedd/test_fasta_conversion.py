@@ -16,8 +16,9 @@ import pyarrow.compute as pc
 import pytest
 
 from trainer.data import arrow_cache
+from trainer.data.splits import repeated_hashes
 from trainer.families.protein_sedd import dataset, fasta, fasta_arrow
-from trainer.families.protein_sedd.dataset import build_fasta_dataset, repeated_hashes, select_split, stream_fasta
+from trainer.families.protein_sedd.dataset import build_fasta_dataset, select_split, stream_fasta
 from trainer.families.protein_sedd.task import residue_counts, split_statistics
 from trainer.families.protein_sedd.tokenizer import AMINO_ACIDS, VOCAB_SIZE
 

@@ -38,7 +38,7 @@ from trainer.data.arrow_cache import (
     write_meta,
 )
 from trainer.data.graphs import collate_sparse_graphs
-from trainer.data.splits import id_hashes, split_indices
+from trainer.data.splits import id_hashes, repeated_hashes, split_indices
 from trainer.families.crystals.graphs import GraphSpec, build_crystal_graph
 from trainer.families.crystals.lattice import canonical_lattice_coeffs
 from trainer.families.crystals.readers import (
@@ -235,16 +235,11 @@ def _check_schemas(results: list[dict[str, Any]]) -> None:
                                    f"has columns {r['schema']}, the first record has {ref['schema']}")
 
 
-def _repeated(parts: list[np.ndarray]) -> np.ndarray:
-    values = np.sort(np.concatenate(parts + [np.zeros(0, np.uint64)]))
-    return np.unique(values[1:][values[1:] == values[:-1]])
-
-
 def _drop_duplicates_across(paths: list[Path], hashes: list[np.ndarray], on_invalid: str) -> int:
     """Ids repeated across shards (each worker saw only its own): the first record keeps its id; a later one is
     an error naming it, or (`on_invalid="skip"`) removed from its shard, which is rewritten. Only the rows
     whose 64-bit hash repeats have their ids read. Returns the number removed."""
-    repeated = _repeated(hashes)
+    repeated = repeated_hashes(hashes)
     if not len(repeated):
         return 0
     seen: set[str] = set()

@@ -33,6 +33,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from tqdm.auto import tqdm
 
 from trainer.data import arrow_cache
+from trainer.data.splits import repeated_hashes
 from trainer.families.protein_sedd.fasta import (
     FASTA_COLUMNS,
     ChunkSpan,
@@ -65,7 +66,6 @@ the number of workers. Not part of the cache key (the rows do not depend on it e
 
 SAMPLE_FASTA = "uniprot_sample_3k.fasta.gz"
 _DUPLICATE_EXAMPLES = 3
-_HASH_BUCKETS = 16
 
 
 def default_protein_fasta() -> Path:
@@ -319,21 +319,6 @@ def _convert(entries: list[dict[str, Any]], settings: dict[str, Any], shard: Cal
                 sum(c["stats"]["records"] for c in results), converted / 1e6, names, seconds, converted / 1e6 / seconds,
                 len(results), workers, "" if workers == 1 else "s")
     return out
-
-
-def repeated_hashes(parts: Sequence[np.ndarray], buckets: int = _HASH_BUCKETS) -> np.ndarray:
-    """The uint64 values that occur more than once over `parts`, sorted. Sorted bucket by bucket (by the top
-    bits; `buckets` a power of two), so that beside the parts only about 1/`buckets` of them is copied at a time."""
-    bits = int(buckets).bit_length() - 1
-    if buckets < 1 or 1 << bits != buckets:
-        raise ValueError(f"buckets must be a power of two, got {buckets}")
-    found: list[np.ndarray] = []
-    for b in range(buckets):
-        values = np.concatenate([p if not bits else p[(p >> np.uint64(64 - bits)) == b] for p in parts]
-                                + [np.zeros(0, np.uint64)])
-        values.sort()
-        found.append(np.unique(values[1:][values[1:] == values[:-1]]))
-    return np.concatenate(found)
 
 
 def _take_sorted(column: pa.ChunkedArray, rows: np.ndarray) -> pa.ChunkedArray:
