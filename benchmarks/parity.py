@@ -430,13 +430,10 @@ def time_our_trainer(trainer: Any, job: dict[str, Any],
 
 
 def _load_by_path(name: str, path: Path) -> Any:
-    import importlib.util
+    sys.path.insert(0, str(PARITY_SCRIPTS))
+    from parity_common import load_module
 
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[name] = module
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return load_module(path, name, register=True)
 
 
 def _comformer_reference_graphs(parity_comformer: Any, ref: dict[str, Any], job: dict[str, Any]) -> tuple[Any, list]:

@@ -635,9 +635,7 @@ def load_reference_training(ref: Mapping[str, Any]) -> types.ModuleType:
     sys.modules.update({name: _stub_module(name) for name in _TRAIN_IMPORTS})
     dtype = torch.get_default_dtype()
     try:
-        spec = importlib.util.spec_from_file_location("comformer_reference_train", path)
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        module = parity_common.load_module(path, "comformer_reference_train")
     finally:
         torch.set_default_dtype(dtype)
         for name, mod in saved.items():

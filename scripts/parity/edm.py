@@ -497,15 +497,11 @@ def reference_ten_steps(ref: Mapping[str, Any], inputs: Mapping[str, torch.Tenso
     `EMA` on a deep copy of the model, as main_qm9.py builds them; only its draws of t and noise are pinned.
     The loss is the batch mean of the l2 loss (its -log p(N) term has no parameters)."""
     import copy
-    import importlib.util
 
     root = Path(ref["en_diffusion"].__file__).resolve().parents[1]
 
     def module(name: str, rel: str) -> Any:
-        spec = importlib.util.spec_from_file_location(name, root / rel)
-        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(mod)  # type: ignore[union-attr]
-        return mod
+        return parity_common.load_module(root / rel, name)
 
     utils = module("edm_reference_utils", "utils.py")
     qm9_models = module("edm_reference_qm9_models", "qm9/models.py")

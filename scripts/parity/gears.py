@@ -364,14 +364,6 @@ def compare(ours: Mapping[str, Any], ref: Mapping[str, Any]) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _load_file(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_reference(path: str | os.PathLike[str]) -> dict[str, Any]:
     """``GEARS_Model`` and ``loss_fct`` from a checkout, loaded by file path (not ``import gears``: its package
     ``__init__`` imports scanpy and the training module seeds torch)."""
@@ -386,8 +378,8 @@ def load_reference(path: str | os.PathLike[str]) -> dict[str, Any]:
         sys.modules["dcor"] = stub
         stubbed.append("dcor")
     try:
-        model = _load_file("gears_reference_model", root / "gears" / "model.py")
-        utils = _load_file("gears_reference_utils", root / "gears" / "utils.py")
+        model = parity_common.load_module(root / "gears" / "model.py", "gears_reference_model")
+        utils = parity_common.load_module(root / "gears" / "utils.py", "gears_reference_utils")
     finally:
         for name in stubbed:
             sys.modules.pop(name, None)

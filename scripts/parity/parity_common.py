@@ -22,6 +22,20 @@ TEN_STEP_FILES = ("ten_steps.safetensors", "ten_steps.json")
 ROUND_TRIP_FAILURE = "state dict round trip into a fresh reference model (strict) is not exact"
 
 
+def load_module(path: str | Path, name: str, register: bool = False) -> Any:
+    """The module in file `path`, imported under `name` (put in sys.modules first when `register`, for a module
+    whose own imports or pickles look itself up there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def parse_arguments(description: str, env: str, argv: list[str] | None) -> argparse.Namespace:
     """--reference (default $`env`), --write-golden DIR, --check-golden DIR; a missing reference is an error."""
     p = argparse.ArgumentParser(description=description)

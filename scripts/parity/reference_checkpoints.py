@@ -82,21 +82,14 @@ SEED = 1234
 
 
 def _load_script(name: str) -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"_{name}_parity", HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return _load_file(HERE / f"{name}.py", f"_{name}_parity")
 
 
 def _load_file(path: Path, name: str) -> Any:
-    import importlib.util
+    sys.path.insert(0, str(HERE))
+    from parity_common import load_module
 
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return load_module(path, name)
 
 
 # ----------------------------------------------------------------------------------------------------------
