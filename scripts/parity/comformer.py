@@ -779,8 +779,8 @@ def main_parity(args: Any, ref: Mapping[str, Any], commit: str, log: Callable[[s
             results[variant] = (state, ref_out)
         dout = max((ours["out_eval"] - ref_out["out_eval"]).abs().max().item(),
                    (ours["out_train"] - ref_out["out_train"]).abs().max().item())
-        dg = max(((ours["grads"][n] - g).abs().max() / g.abs().max()).item()
-                 for n, g in ref_out["grads"].items() if not n.endswith(ZERO_GRADIENT_SUFFIX))
+        dg = parity_common.max_relative_diff(ours["grads"], ref_out["grads"],
+                                              keep=lambda n, g: not n.endswith(ZERO_GRADIENT_SUFFIX))
         log(f"{variant}: loss {ref_out['loss'].item():.6g}, |loss diff| "
             f"{(ours['loss'] - ref_out['loss']).abs().item():.3g}, max |output diff| {dout:.3g}, max gradient "
             f"diff / tensor max {dg:.3g}, {len(ref_out['grads'])} parameter tensors")

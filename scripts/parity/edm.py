@@ -625,11 +625,9 @@ def main_parity(args: Any, ref: Mapping[str, Any], commit: str, log: Callable[[s
         f"{CONFIG['inv_sublayers']} GCLs, batch {CONFIG['batch_size']}x{CONFIG['nodes']} atoms {CONFIG['atoms']}")
     dmax = max((ours["dyn_eval"] - ref_out["dyn_eval"]).abs().max().item(),
                (ours["dyn_train"] - ref_out["dyn_train"]).abs().max().item())
-    dg = max(((ours["dyn_grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-300)).item()
-             for n, g in ref_out["dyn_grads"].items())
+    dg = parity_common.max_relative_diff(ours["dyn_grads"], ref_out["dyn_grads"], floor=1e-300)
     lrel = ((ours["loss_per_mol"] - ref_out["loss_per_mol"]).abs() / ref_out["loss_per_mol"].abs()).max().item()
-    gmax = max(((ours["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
-               for n, g in ref_out["grads"].items())
+    gmax = parity_common.max_relative_diff(ours["grads"], ref_out["grads"], floor=1e-30)
     log(f"float64 dynamics: max |output diff| {dmax:.3g}, max gradient diff / tensor max {dg:.3g}")
     log(f"float32 loss per molecule: reference {ref_out['loss_per_mol'].tolist()}, max relative diff {lrel:.3g}; "
         f"max gradient diff / tensor max {gmax:.3g}")

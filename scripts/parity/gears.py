@@ -776,8 +776,8 @@ def main_parity(args: Any, ref: Mapping[str, Any], commit: str, log: Callable[[s
     dout = max((ours[k] - ref_out[k]).abs().max().item() for k in ("pred_eval", "pred_train", "pred_single",
                                                                      "pred_control"))
     lrel = ((ours["loss"] - ref_out["loss"]).abs() / ref_out["loss"].abs()).item()
-    gmax = max(((ours["grads"][n] - g).abs().max() / g.abs().max()).item()
-               for n, g in ref_out["grads"].items() if g.abs().max() > TOL_GRAD["atol"])
+    gmax = parity_common.max_relative_diff(ours["grads"], ref_out["grads"],
+                                            keep=lambda n, g: bool(g.abs().max() > TOL_GRAD["atol"]))
     d64 = max([(ours[k] - ref_out[k]).abs().max().item() for k in ("pred_train64", "unc_pred", "unc_logvar")]
               + [(ours["grads64"][n] - g).abs().max().item() for n, g in ref_out["grads64"].items()]
               + [(ours["unc_grads"][n] - g).abs().max().item() for n, g in ref_out["unc_grads"].items()])

@@ -251,6 +251,14 @@ def max_abs_diff(ours: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tenso
     return max((ours[n] - w).abs().max().item() for n, w in ref.items())
 
 
+def max_relative_diff(ours: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], floor: float = 0.0,
+                      keep: Callable[[str, torch.Tensor], bool] = lambda name, tensor: True) -> float:
+    """The largest `|ours - ref|` over `ref`'s tensors, each relative to that tensor's largest magnitude (at least
+    `floor`, so an all-zero tensor does not divide by zero); `keep(name, tensor)` picks the tensors compared."""
+    return max(((ours[n] - w).abs().max() / w.abs().max().clamp_min(floor)).item()
+               for n, w in ref.items() if keep(n, w))
+
+
 def stand_in_loop(cfg: Any, task: Any, model: torch.nn.Module, plan: Any = None) -> SimpleNamespace:
     """What `Trainer.train_step` reads of a Trainer, built from `cfg` as a one-process CPU run builds it: an
     Accelerator, `model` prepared with the optimizer (at the plan's lr) and its scheduler, the engine, and the EMA

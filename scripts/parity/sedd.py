@@ -584,8 +584,7 @@ def main_parity(args: Any, ref: Mapping[str, Any], commit: str, log: Callable[[s
         f"= {(ours['loss'] * length).item():.8g}")
     worst = max((ours["logits_eval"] - ref_out["logits_eval"]).abs().max().item(),
                 (ours["logits_train"] - ref_out["logits_train"]).abs().max().item())
-    gmax = max(((ours["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
-               for n, g in ref_out["grads"].items())
+    gmax = parity_common.max_relative_diff(ours["grads"], ref_out["grads"], floor=1e-30)
     log(f"max |logit diff| {worst:.3g} (with dropout 0.1, same seed: {drop:.3g}); "
         f"max gradient diff / tensor max {gmax:.3g}")
     return report(failures, "parity: state dict round trip exact; forward (eval, train, train with dropout), loss, "
