@@ -101,6 +101,33 @@ def test_a_completion_thread_stalled_at_a_stop_is_given_up_too(tmp_path, monkeyp
         stalled.set()
 
 
+def test_a_given_up_completion_that_fails_later_is_not_raised_afterwards(tmp_path, monkeypatch):
+    """The filesystem answers after the stop gave the checkpoint up, with an error: that checkpoint was already said
+    to be given up, so a later wait (the run's end) does not raise its failure."""
+    trainer = Trainer(load_config(TINY, [*RUN, "train.max_steps=2", f"run.output_dir={tmp_path}"]))
+    saver = trainer.checkpointer
+    saver._close_writer()
+    stalled, failed = threading.Event(), threading.Event()
+
+    def complete_after_the_stall(*args, **kwargs):
+        stalled.wait(60)
+        try:
+            raise OSError(5, "Input/output error")
+        finally:
+            failed.set()
+
+    monkeypatch.setattr(manager.store, "complete_checkpoint", complete_after_the_stall)
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(manager.STOP_MARGIN_S + 1))
+    trainer.state.step = 1
+    assert saver.save(wait=False) is not None
+    monkeypatch.setattr(manager, "stop_requested_at", time.monotonic)
+    assert saver.wait() is None  # given up
+    stalled.set()
+    assert failed.wait(10)
+    time.sleep(0.2)  # the thread records what it records after the failure
+    assert saver.wait(close=True) is None
+
+
 @pytest.mark.parametrize("received, agreed_signal, capped", [
     ("SIGTERM", "SIGTERM", True),   # the launcher's or batch system's stop: a SIGKILL follows
     (None, "SIGTERM", True),        # a stop learnt from the other ranks: theirs may be one

@@ -342,7 +342,9 @@ class Checkpointer:
         try:
             self._complete(tmp, final, record, best)
         except Exception as err:  # noqa: BLE001 - raised by the next save or wait(), on every rank
-            self._failure = (tmp, [f"rank 0: {describe_write_failure(err, tmp)}"])  # before its output is removed
+            # A completion given up at a stop (`_join_completion`) was said then: its late failure is not raised again
+            if self._completion is threading.current_thread():
+                self._failure = (tmp, [f"rank 0: {describe_write_failure(err, tmp)}"])  # before its output is removed
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _join_completion(self) -> str | None:
