@@ -11,15 +11,24 @@ gene<TAB>GO TSV), then, in a fresh process per size (its peak RSS is the set-up'
   fingerprint   `PerturbationData.fingerprint` (the graph cache key)
   split         `split_conditions` (simulation mode)
   graphs        `cached_graphs`: the GO and co-expression graphs, built into the runs' cache
+  (and the set-up's CPU seconds, user + system: the figure to read when the machine is shared)
 
-and for each W (`--worlds`), `trainer train gears_tiny.yaml --nproc W` on the file with those caches built (X's
-memory-mapped CSR and the graphs; GEARS' DE fields are recomputed at each start): launch to the first step's
-record, and each rank's peak RSS and peak private (anonymous) memory (`scale.watch`).
+then, in another fresh process, one rank's private (anonymous) memory stage by stage (`memory_stage`): after
+torch and the task import, after the model and its Adam state (built from the statistics the set-up wrote, one
+step taken: the rank "before any data is opened"), after `build_data` (every cache built: X mapped, DE fields and
+graphs read back), after the first step and after 10 steps of gears_tiny's model at the launch's batch. The
+data's cost is steady minus before-data, set against 2x the batch's share of X (x and y rows densified, float32)
+plus the model's parameters, gradients and Adam state.
+
+And for each W (`--worlds`), `trainer train gears_tiny.yaml --nproc W` on the file with those caches built (X's
+memory-mapped CSR, the DE fields and the graphs): launch to the first step's record, and each rank's peak RSS
+and peak private (anonymous) memory (`scale.watch`).
 
 Then the cost per doubling of N and a power law fitted to the measured sizes, extrapolated (not measured) to
 Replogle K562 essential (308,646 cells) and genome-wide (2.5 M cells). Tables in benchmarks/scale.py's format.
 
-    .venv/bin/python benchmarks/scale_perturbation.py --sizes 37500 75000 150000 --workdir /tmp/scale54/perturbation
+    .venv/bin/python benchmarks/scale_perturbation.py --sizes 75000 150000 300000 --worlds 1 2 4 \
+        --workdir /tmp/scale54/perturbation
     .venv/bin/python benchmarks/scale_perturbation.py --smoke
 """
 
@@ -48,10 +57,16 @@ GENOME_WIDE = 2_500_000
 COLS = [("N", "N"), ("nnz_M", "nnz M"), ("file_MiB", "h5ad MiB"), ("gen_s", "generate s"), ("read_s", "read + DE s"),
         ("de_s", "DE alone s"), ("means_s", "group means s"), ("fingerprint_s", "fingerprint s"),
         ("split_s", "split s"), ("graphs_s", "graphs s"), ("setup_s", "set-up s (read+split+graphs)"),
-        ("peak_MiB", "set-up peak RSS MiB"), ("x_MiB", "X in memory MiB")]
+        ("cpu_s", "set-up CPU s"), ("peak_MiB", "set-up peak RSS MiB"), ("x_MiB", "X CSR MiB")]
+MEMORY_COLS = [("N", "N"), ("import_MiB", "torch + task"), ("before_data_MiB", "+ model, Adam (before data)"),
+               ("data_MiB", "+ build_data"), ("first_step_MiB", "1st step"), ("steady_MiB", "steady (10 steps)"),
+               ("data_cost_MiB", "steady - before data"), ("target_MiB", "target: 2x batch of X + model state"),
+               ("met", "met")]
 WORLD_COLS = [("N", "N"), ("W", "W"), ("first_step_s", "launch to 1st step s"), ("rank_peak_MiB", "rank peak RSS MiB"),
               ("rank_private_MiB", "rank peak private (anon) MiB"), ("ranks_seen", "ranks seen")]
-SCALED = ["read_s", "de_s", "means_s", "fingerprint_s", "graphs_s", "setup_s", "peak_MiB"]
+SCALED = ["read_s", "de_s", "means_s", "fingerprint_s", "graphs_s", "setup_s", "cpu_s", "peak_MiB"]
+BATCH = 64
+"""gears_tiny's global batch in the launches and the memory stage (cells; each has an x and a y row)."""
 
 
 def write_replogle_like(path: Path, num_cells: int, num_genes: int = 8000, num_groups: int = 2000,
@@ -139,7 +154,75 @@ def setup_stage(path: Path, cache: Path) -> dict[str, Any]:
                   coexpression_threshold=cfg.coexpression_threshold, coexpression_top_k=cfg.coexpression_top_k)
     out["graphs_s"] = time.perf_counter() - t
     out["setup_s"] = out["read_s"] + out["split_s"] + out["graphs_s"]
-    out["peak_MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["cpu_s"] = usage.ru_utime + usage.ru_stime
+    out["peak_MiB"] = usage.ru_maxrss / 1024
+    graphs = cached_graphs(data, split, gene2go, cache, go_threshold=cfg.go_threshold, go_top_k=cfg.go_top_k,
+                           coexpression_threshold=cfg.coexpression_threshold, coexpression_top_k=cfg.coexpression_top_k)
+    (cache / "stats.json").write_text(json.dumps(PerturbationGearsTask.statistics(data, split, graphs)))
+    return out
+
+
+def _anon_mib() -> float:
+    """This process's private anonymous memory (smaps_rollup `Anonymous`), MiB."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Anonymous:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def memory_stage(path: Path, cache: Path, world: int = 1, steps: int = 10) -> dict[str, Any]:
+    """One rank's private memory stage by stage (MiB), its caches built (see the module docstring)."""
+    import gc
+
+    import torch
+
+    from trainer.families.perturbation_gears.spec import PerturbationGearsConfig
+    from trainer.families.perturbation_gears.task import PerturbationGearsTask, build_gears_model
+
+    out: dict[str, Any] = {"import_MiB": _anon_mib()}
+    cfg = PerturbationGearsConfig(data_path=str(path), gene2go_path=str(path.parent / "gene2go.tsv"),
+                                  cache_dir=str(cache), split="simulation", split_seed=1, hidden_size=32)
+    task = PerturbationGearsTask(cfg)
+    stats = json.loads((cache / "stats.json").read_text())
+    model = build_gears_model(cfg, stats)
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    num_genes = len(stats["gene_names"])
+    batch = BATCH // world
+
+    def step(x: torch.Tensor, y: torch.Tensor, pert_idx: torch.Tensor) -> None:
+        out_ = model(x, pert_idx)
+        pred = out_[0] if isinstance(out_, tuple) else out_
+        loss = ((pred - y) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    # a single perturbation per cell, so the step runs the GO branch as real batches do
+    step(torch.zeros(batch, num_genes), torch.zeros(batch, num_genes), torch.tensor([[0, -1]] * batch))
+    del stats
+    gc.collect()
+    out["before_data_MiB"] = _anon_mib()
+    task_data = task.build_data()
+    gc.collect()
+    out["data_MiB"] = _anon_mib()
+    loader = torch.utils.data.DataLoader(task_data.train, batch_size=batch, shuffle=True, collate_fn=task.collate)
+    for i, b in enumerate(loader):
+        step(b["x"], b["y"], b["pert_idx"])
+        if i == 0:
+            out["first_step_MiB"] = _anon_mib()
+        if i + 1 == steps:
+            break
+    out["steady_MiB"] = _anon_mib()
+    out["data_cost_MiB"] = out["steady_MiB"] - out["before_data_MiB"]
+    params = sum(p.numel() for p in model.parameters())
+    # 2x the batch's share of X (x and y rows, float32, densified) + parameters, gradients, Adam's two moments
+    out["batch_x_MiB"] = 2 * batch * num_genes * 4 / 2**20
+    out["model_state_MiB"] = 4 * params * 4 / 2**20
+    out["target_MiB"] = 2 * out["batch_x_MiB"] + out["model_state_MiB"]
+    out["met"] = "yes" if out["data_cost_MiB"] <= out["target_MiB"] else "NO"
+    out["params"] = params
     return out
 
 
@@ -167,20 +250,26 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/scale54/perturbation"))
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the script runs")
-    ap.add_argument("--worlds", type=int, nargs="*", default=[1, 2])
+    ap.add_argument("--worlds", type=int, nargs="*", default=[1, 2, 4])
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per launch")
+    ap.add_argument("--memory-steps", type=int, default=10, help="steps of the memory stage")
     ap.add_argument("--stage-setup", type=Path, nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--stage-memory", type=Path, nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.stage_setup:
         print(json.dumps(setup_stage(*a.stage_setup)))
         return
+    if a.stage_memory:
+        print(json.dumps(memory_stage(*a.stage_memory, steps=a.memory_steps)))
+        return
     if a.smoke:
         import tempfile
 
-        a.sizes, a.genes, a.groups, a.worlds, a.steps = [2000, 4000], 300, 50, [1, 2], 2
+        a.sizes, a.genes, a.groups, a.worlds, a.steps, a.memory_steps = [2000, 4000], 300, 50, [1, 2], 2, 2
         a.workdir = Path(tempfile.mkdtemp(prefix="scale_perturbation_smoke."))
     rows: list[dict[str, Any]] = []
     worlds: list[dict[str, Any]] = []
+    memory: list[dict[str, Any]] = []
     for n in a.sizes:
         path = a.workdir / f"n{n}" / "perturb_raw.h5ad"
         t = time.perf_counter()
@@ -192,6 +281,10 @@ def main() -> None:
         row.update(json.loads(res.stdout.strip().splitlines()[-1]))
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
+        res = subprocess.run([sys.executable, __file__, "--stage-memory", str(path), str(cache), "--memory-steps",
+                              str(a.memory_steps)], capture_output=True, text=True, check=True)
+        memory.append({"N": n, **json.loads(res.stdout.strip().splitlines()[-1])})
+        print(json.dumps(memory[-1]), file=sys.stderr, flush=True)
         for world in a.worlds:
             launched = {"N": n, **launch_row(path, cache, world, a.workdir / f"n{n}" / f"run_w{world}", a.steps)}
             worlds.append(launched)
@@ -201,6 +294,8 @@ def main() -> None:
             path.unlink()
     print(f"GEARS set-up, {a.genes:,} genes, {a.groups:,} groups, density {a.density}\n")
     print(table(rows, COLS) + "\n")
+    print("One rank's private (anonymous) memory, MiB, by stage (W = 1, batch 64, gears_tiny's model, caches "
+          f"built)\n\n{table(memory, MEMORY_COLS)}\n")
     print(f"Launches (gears_tiny, hidden 32, global batch 64, caches built)\n\n{table(worlds, WORLD_COLS)}\n")
     print("Per doubling of N\n\n" + table(doubling_ratios(rows, SCALED), [("N", "N"), *[(k, k) for k in SCALED]]) + "\n")
     if len(rows) >= 2:

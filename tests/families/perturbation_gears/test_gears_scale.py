@@ -204,10 +204,11 @@ def test_backed_reader_equals_the_in_memory_reader(tmp_path, monkeypatch):
     mapped = read_perturbation_data(path, x_cache_dir=cache)
     _same_data(mapped, in_memory)
     assert isinstance(mapped.X.data, np.memmap) and isinstance(mapped.X.indices, np.memmap)
-    (folder,) = cache.iterdir()
+    (folder,) = [p for p in cache.iterdir() if p.is_dir()]
     assert (folder / "done").is_file() and not [p for p in cache.iterdir() if p.name.startswith(".")]
+    entries = sorted(p.name for p in cache.iterdir())  # X's folder and the DE fields' file
     again = read_perturbation_data(path, x_cache_dir=cache)  # the same file: the same folder, reused
-    assert [p.name for p in cache.iterdir()] == [folder.name]
+    assert sorted(p.name for p in cache.iterdir()) == entries
     _same_data(again, in_memory)
     np.testing.assert_array_equal(again.dense_rows([0, 5]), in_memory.dense_rows([0, 5]))
 
@@ -235,3 +236,102 @@ def test_row_blocks_read_selected_rows_only():
     assert blocks[6:9].shape == (0, 6)
     with pytest.raises(TypeError):
         blocks[[0, 1]]
+
+
+@pytest.mark.numerics
+def test_de_fields_are_computed_once_and_read_back(tmp_path, monkeypatch):
+    """A raw file's DE fields go into the content-keyed cache: the next start reads them, equal, without a pass
+    over X; another file (another identity) computes its own."""
+    path = _file_with_drops(tmp_path)
+    in_memory = read_perturbation_data(anndata.read_h5ad(path))
+    cache = tmp_path / "cache"
+    calls = []
+    real, real_sums = AR.rank_genes_by_cell_type, AR.group_sums
+    monkeypatch.setattr(AR, "rank_genes_by_cell_type", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = read_perturbation_data(path, x_cache_dir=cache)
+    assert len(calls) == 1
+    (de_file,) = [p for p in cache.iterdir() if p.name.startswith("de_")]
+    _same_data(first, in_memory)
+
+    def no_pass_over_x(*args, **kwargs):
+        raise AssertionError("DE recomputed although cached")
+
+    monkeypatch.setattr(AR, "rank_genes_by_cell_type", no_pass_over_x)
+    monkeypatch.setattr(AR, "group_sums", no_pass_over_x)
+    second = read_perturbation_data(path, x_cache_dir=cache)
+    _same_data(second, in_memory)
+    assert isinstance(second.non_zeros_gene_idx, AR.ConditionGeneSets)
+    # a damaged cache file is recomputed, not trusted
+    de_file.write_bytes(b"not an npz")
+    monkeypatch.setattr(AR, "rank_genes_by_cell_type", real)
+    monkeypatch.setattr(AR, "group_sums", real_sums)
+    _same_data(read_perturbation_data(path, x_cache_dir=cache), in_memory)
+
+
+def test_condition_gene_sets_pack_positions():
+    sets = AR.ConditionGeneSets.from_positions({("A",): np.array([0, 9, 3]), ("B",): np.array([], dtype=np.int64)}, 10)
+    assert sets.bits.shape == (2, 2) and sets.bits.dtype == np.uint8
+    np.testing.assert_array_equal(sets[("A",)], [0, 3, 9])
+    assert sets[("A",)].dtype == np.int64 and sets[("B",)].size == 0
+    np.testing.assert_array_equal(sets.mask(("A",)), np.isin(np.arange(10), [0, 3, 9]))
+    assert list(sets) == [("A",), ("B",)] and ("C",) not in sets and len(sets) == 2
+
+
+def _top_reference(weights: np.ndarray, top_k: int, threshold: float) -> list[list[int]]:
+    """The whole-row stable argsort the graphs were first built with."""
+    out = []
+    for row in weights:
+        order = np.argsort(-row, kind="stable")[: top_k + 1]
+        out.append(order[row[order] > threshold].tolist())
+    return out
+
+
+@pytest.mark.parametrize("top_k", [0, 2, 5, 40])
+def test_top_per_target_from_a_partition_equals_a_whole_row_sort(top_k):
+    from trainer.families.perturbation_gears.gene_graphs import _top_per_target
+
+    rng = np.random.default_rng(top_k)
+    weights = np.round(rng.random((37, 30)), 1)  # many ties, at the cut too
+    weights[3] = 0.5  # a row of ties only
+    weights[4] = 0.0
+    sources, targets, values = [], [], []
+    _top_per_target(weights, np.arange(37), top_k, 0.4, sources, targets, values, band=8)
+    assert [s.tolist() for s in sources] == _top_reference(weights, top_k, 0.4)
+    for s, t, v in zip(sources, targets, values):
+        np.testing.assert_array_equal(v, weights[t[0] if len(t) else 0, s].astype(np.float32))
+
+
+@pytest.mark.numerics
+def test_float32_products_keep_pearson_and_the_bundled_graph():
+    from trainer.families.perturbation_gears.gene_graphs import abs_pearson, build_coexpression_graph, coexpression_rows
+    from trainer.families.perturbation_gears.splits import split_conditions
+
+    rng = np.random.default_rng(3)
+    latent = rng.gamma(1.0, 1.0, size=(5000, 8))
+    dense = np.log1p(rng.poisson(latent @ rng.random((8, 120)))).astype(np.float32)  # correlated, sparse-ish counts
+    dense[:, 7] = 2.0  # a constant gene
+    X = sp.csr_matrix(dense)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        expected = np.abs(np.corrcoef(dense.astype(np.float64), rowvar=False))
+    expected[~np.isfinite(expected)] = 0.0
+    np.testing.assert_allclose(abs_pearson(X, precision="float32"), expected, atol=1e-5)
+    np.testing.assert_allclose(abs_pearson(dense, precision="float32"), expected, atol=1e-5)
+    with pytest.raises(ValueError, match="precision"):
+        abs_pearson(X, precision="half")
+    # the bundled set is far below the float32 threshold: its graph is float64's, edges and weights exactly
+    data = read_perturbation_data(bundled_perturbation_path())
+    rows = coexpression_rows(data, split_conditions(data.condition_strings, "simulation", seed=1).train)
+    exact = abs_pearson(data.X, rows, precision="float64")
+    np.testing.assert_array_equal(abs_pearson(data.X, rows), exact)
+    # and float32 products on it pick the same edges, weights within 1e-5
+    f32 = abs_pearson(data.X, rows, precision="float32")
+    np.testing.assert_allclose(f32, exact, atol=1e-5)
+    from trainer.families.perturbation_gears import gene_graphs as GG
+
+    with pytest.MonkeyPatch.context() as mp:  # "auto" above the threshold: the float32 products
+        mp.setattr(GG, "FLOAT32_PRODUCTS_ABOVE", 0)
+        np.testing.assert_array_equal(abs_pearson(data.X, rows), f32)
+    picked = [_top_reference(w, 20, 0.4) for w in (f32, exact)]
+    assert picked[0] == picked[1]
+    index, _ = build_coexpression_graph(data.X, rows, data.gene_names)
+    assert index[0].tolist() == [s for row in picked[1] for s in row]

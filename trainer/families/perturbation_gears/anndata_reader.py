@@ -31,11 +31,12 @@ raises a DataError naming the condition and reason. Nothing is densified: X stay
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -75,6 +76,8 @@ FULL_HASH_BYTES = 256 * 2**20
 FINGERPRINT_WINDOWS = 64
 FINGERPRINT_WINDOW = 4096
 """Non-zeros per sampled window of a large X's values and columns in `PerturbationData.fingerprint`."""
+GENE_SET_FIELDS = ("non_zeros_gene_idx", "non_dropout_gene_idx")
+"""uns fields kept as `ConditionGeneSets` (bits) in `PerturbationData`."""
 DROP_REASONS = ("missing_condition", "malformed_condition", "gene_not_in_var", "gene_not_in_go", "no_cells",
                 "no_de_ranking")
 """Why a condition (or, for missing_condition, a cell) is dropped, in the order they are checked."""
@@ -120,9 +123,9 @@ class PerturbationData:
     """Top-20 genes of the DE ranking (GEARS' training/eval `de_idx`), rank order."""
     top_non_dropout_de_20: dict[Condition, np.ndarray]
     top_non_zero_de_20: dict[Condition, np.ndarray]
-    non_zeros_gene_idx: dict[Condition, np.ndarray]
-    """Genes with a non-zero mean in the condition (GEARS' loss uses only these)."""
-    non_dropout_gene_idx: dict[Condition, np.ndarray]
+    non_zeros_gene_idx: Mapping[Condition, np.ndarray]
+    """Genes with a non-zero mean in the condition (GEARS' loss uses only these); a `ConditionGeneSets` (bits)."""
+    non_dropout_gene_idx: Mapping[Condition, np.ndarray]
     ctrl_rows: np.ndarray
     """Rows of the control cells (int64)."""
     ctrl_mean: np.ndarray
@@ -210,6 +213,55 @@ def dense_rows(X: sp.csr_matrix, rows: Sequence[int] | np.ndarray) -> np.ndarray
         a, b = indptr[r], indptr[r + 1]
         out[k, indices[a:b]] = data[a:b]
     return out
+
+
+def _packed_row(positions: np.ndarray, num_genes: int) -> np.ndarray:
+    """[ceil(G / 8)] uint8: the bits of a gene-position set."""
+    row = np.zeros(num_genes, dtype=bool)
+    row[np.asarray(positions, dtype=np.int64)] = True
+    return np.packbits(row)
+
+
+class ConditionGeneSets(Mapping):
+    """{condition: int64 gene positions} kept as one bit-packed [conditions, G] matrix (a bit per gene).
+
+    GEARS' `non_zeros_gene_idx` / `non_dropout_gene_idx` hold most genes of every condition: as int64 arrays that
+    is conditions x genes x 8 bytes in every rank (hundreds of MB at Replogle's 2,000 groups x 8,000 genes); as
+    bits, conditions x genes / 8. A lookup unpacks one row.
+    """
+
+    def __init__(self, keys: Sequence[Condition], bits: np.ndarray, num_genes: int):
+        self._row = {k: i for i, k in enumerate(keys)}
+        self.bits = bits
+        self.num_genes = int(num_genes)
+
+    @classmethod
+    def from_positions(cls, items: Mapping[Condition, np.ndarray] | Iterable[tuple[Condition, np.ndarray]],
+                       num_genes: int) -> ConditionGeneSets:
+        """Pack {condition: gene positions} (or (condition, positions) pairs), one row at a time."""
+        pairs = items.items() if isinstance(items, Mapping) else items
+        keys, packed = [], []
+        for key, positions in pairs:
+            keys.append(key)
+            packed.append(_packed_row(positions, num_genes))
+        bits = np.stack(packed) if packed else np.zeros((0, (num_genes + 7) // 8), dtype=np.uint8)
+        return cls(keys, bits, num_genes)
+
+    def mask(self, key: Condition) -> np.ndarray:
+        """[G] bool: the condition's genes."""
+        return np.unpackbits(self.bits[self._row[key]], count=self.num_genes).view(bool)
+
+    def __getitem__(self, key: Condition) -> np.ndarray:
+        return np.flatnonzero(self.mask(key)).astype(np.int64)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._row
+
+    def __iter__(self) -> Iterator[Condition]:
+        return iter(self._row)
+
+    def __len__(self) -> int:
+        return len(self._row)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -462,12 +514,17 @@ def dropout_fields(X: sp.spmatrix, conditions: np.ndarray, names: np.ndarray, ra
     return out
 
 
-def add_gears_fields(adata: anndata.AnnData, recompute: bool = False, X: Any = None) -> Counter:
+def add_gears_fields(adata: anndata.AnnData, recompute: bool = False, X: Any = None,
+                     cache: str | Path | None = None) -> Counter:
     """GEARS' processing of `adata` in place: obs dose_val/control/condition_name and the uns DE fields.
 
     Fields already present are kept unless `recompute`. Returns the counts of groups that could not
     be ranked (see `rank_genes_by_cell_type`), also logged. `X` (default `adata.X`) is read in row blocks
     only, so it may be a backed matrix (`RowBlocks`).
+
+    cache: an .npz file for the uns fields this call has to compute: read from it when it exists, else
+    computed and written there (`save_de_fields`). The caller keys its name by the data's content; what is kept
+    is what the reader uses (the first `NUM_RANKED_DE_GENES` of each ranking, as gene positions).
     """
     X = adata.X if X is None else X
     obs = adata.obs
@@ -482,6 +539,16 @@ def add_gears_fields(adata: anndata.AnnData, recompute: bool = False, X: Any = N
     var_names = adata.var_names.to_numpy().astype(str)
     skipped: Counter = Counter()
     ranking_missing = recompute or "rank_genes_groups_cov_all" not in adata.uns
+    needed = [k for k in GEARS_UNS_FIELDS if ranking_missing or k not in adata.uns]
+    if needed and cache is not None and Path(cache).is_file():
+        loaded = load_de_fields(cache)
+        if loaded is not None:
+            fields, skipped = loaded
+            adata.uns.update({k: fields[k] for k in needed})
+            if sum(skipped.values()):
+                logger.warning("DE ranking (cached in %s): skipped %s", cache,
+                               ", ".join(f"{k}={v}" for k, v in sorted(skipped.items()) if v))
+            return skipped
     if ranking_missing:
         ranking, skipped = rank_genes_by_cell_type(X, names, obs["cell_type"].astype(str).to_numpy(), var_names)
         adata.uns["rank_genes_groups_cov_all"] = ranking
@@ -491,7 +558,59 @@ def add_gears_fields(adata: anndata.AnnData, recompute: bool = False, X: Any = N
     if ranking_missing or any(k not in adata.uns for k in GEARS_UNS_FIELDS[1:]):
         adata.uns.update(dropout_fields(X, condition.to_numpy(), names,
                                         adata.uns["rank_genes_groups_cov_all"], var_names))
+    if needed and cache is not None:
+        save_de_fields(cache, adata.uns, var_names, skipped)
     return skipped
+
+
+DE_CACHE_FORMAT = "gears-de-v1"
+"""Part of the DE cache's file name: bump when the DE fields or their storage change."""
+
+
+def save_de_fields(path: str | Path, uns: Mapping[str, Mapping[str, Any]], var_names: np.ndarray,
+                   skipped: Mapping[str, int]) -> None:
+    """Write GEARS' uns DE fields to `path` (.npz, atomic): per field the condition_names, and the gene positions
+    (int32, concatenated with offsets; rankings cut to `NUM_RANKED_DE_GENES`, all the reader uses)."""
+    from trainer.atomic_io import atomic_write_bytes
+
+    lookup = _NameLookup({n: i for i, n in enumerate(np.asarray(var_names).tolist())})
+    arrays: dict[str, np.ndarray] = {}
+    for name in GEARS_UNS_FIELDS:
+        table = uns[name]
+        keys = list(table)
+        parts = []
+        for key in keys:
+            values = np.asarray(table[key])
+            if name == "rank_genes_groups_cov_all":
+                values = values[:NUM_RANKED_DE_GENES]
+            parts.append(values.astype(np.int64) if values.dtype.kind in "iu" else lookup(values))
+        lengths = np.fromiter((len(v) for v in parts), dtype=np.int64, count=len(parts))
+        arrays[f"{name}__keys"] = np.asarray(keys, dtype=str)
+        arrays[f"{name}__offsets"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        arrays[f"{name}__values"] = (np.concatenate(parts) if parts else np.zeros(0)).astype(np.int32)
+        del parts
+    arrays["skipped"] = np.asarray(json.dumps(dict(skipped), sort_keys=True))
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(Path(path), buffer.getvalue(), durable=False)
+
+
+def load_de_fields(path: str | Path) -> tuple[dict[str, dict[str, np.ndarray]], Counter] | None:
+    """The fields `save_de_fields` wrote ({field: {condition_name: int32 positions}}, views into one array per
+    field) and the skipped-group counts; None (logged) for an unreadable file, which is then recomputed."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            fields = {}
+            for name in GEARS_UNS_FIELDS:
+                keys = z[f"{name}__keys"].tolist()
+                offsets, values = z[f"{name}__offsets"], z[f"{name}__values"]
+                fields[name] = {k: values[offsets[i]:offsets[i + 1]] for i, k in enumerate(keys)}
+            skipped = Counter(json.loads(str(z["skipped"])))
+    except (OSError, KeyError, ValueError) as e:  # a damaged cache file is recomputed, not trusted
+        logger.warning("%s: unreadable DE cache (%s), recomputing", path, e)
+        return None
+    return fields, skipped
 
 
 # --------------------------------------------------------------------------------------------------
@@ -787,7 +906,10 @@ def _read(adata: anndata.AnnData, where: str, backed: bool, gene2go: str | Path 
     if backed:  # X stays in the file: an in-memory AnnData of obs/var/uns, X read through `RowBlocks`
         file_x, file_obs_names = adata.X, adata.obs_names
         adata = anndata.AnnData(obs=adata.obs.iloc[kept].copy(), var=adata.var.copy(), uns=dict(adata.uns))
-        add_gears_fields(adata, recompute=recompute_de, X=RowBlocks(file_x, kept))
+        # computed once per (file identity, kept cells) and read back at the next start (every rank, every run)
+        de_cache = (Path(x_cache_dir) / f"de_{DE_CACHE_FORMAT}_{_x_cache_key(Path(where), kept)}.npz"
+                    if x_cache_dir is not None else None)
+        add_gears_fields(adata, recompute=recompute_de, X=RowBlocks(file_x, kept), cache=de_cache)
     else:
         if not keep.all():
             adata = adata[keep].copy()
@@ -843,7 +965,9 @@ def _read(adata: anndata.AnnData, where: str, backed: bool, gene2go: str | Path 
         return np.asarray(out, dtype=np.int64)
 
     per_condition: dict[str, dict[Condition, np.ndarray]] = {k: {} for k in GEARS_UNS_FIELDS}
+    gene_sets: dict[str, list[tuple[Condition, np.ndarray]]] = {k: [] for k in GENE_SET_FIELDS}
     ranked: dict[Condition, np.ndarray] = {}
+    num_genes = len(gene_names)
     for cond in conditions[1:] if conditions[0] == () else conditions:
         key = names[first_of[cond]]
         for field_name in GEARS_UNS_FIELDS:
@@ -855,7 +979,13 @@ def _read(adata: anndata.AnnData, where: str, backed: bool, gene2go: str | Path 
             if field_name == "rank_genes_groups_cov_all":
                 ranked[cond] = positions(field_name, key, values[:NUM_RANKED_DE_GENES])
                 values = values[:NUM_DE_GENES]
-            per_condition[field_name][cond] = positions(field_name, key, values)
+            if field_name in gene_sets:  # most genes of every condition: packed as bits, a row at a time
+                gene_sets[field_name].append((cond, _packed_row(positions(field_name, key, values), num_genes)))
+            else:
+                per_condition[field_name][cond] = positions(field_name, key, values)
+    for field_name, rows in gene_sets.items():
+        bits = np.stack([b for _, b in rows]) if rows else np.zeros((0, (num_genes + 7) // 8), dtype=np.uint8)
+        per_condition[field_name] = ConditionGeneSets([c for c, _ in rows], bits, num_genes)  # type: ignore[assignment]
 
     if backed:
         X = read_x_rows(file_x, kept, file_obs_names, where, x_cache_dir,

@@ -48,15 +48,34 @@ GRAPH_FORMAT_VERSION = "gears-graphs-v1"
 
 
 def _top_per_target(weights: np.ndarray, targets: np.ndarray, top_k: int, threshold: float,
-                    sources: list[np.ndarray], targets_out: list[np.ndarray], weights_out: list[np.ndarray]) -> None:
+                    sources: list[np.ndarray], targets_out: list[np.ndarray], weights_out: list[np.ndarray],
+                    band: int = 256) -> None:
     """Append, for each row of `weights` ([len(targets), S]: similarity of each source to that target), the
-    top_k + 1 sources with weight > threshold (ties: lower source index first)."""
-    for row, target in zip(weights, targets):
-        order = np.argsort(-row, kind="stable")[: top_k + 1]
-        order = order[row[order] > threshold]
-        sources.append(order.astype(np.int64))
-        targets_out.append(np.full(len(order), target, dtype=np.int64))
-        weights_out.append(row[order].astype(np.float32))
+    top_k + 1 sources with weight > threshold (ties: lower source index first).
+
+    The same sources as a stable argsort of each whole row, found from a partition (linear in S, a band of rows
+    at a time): the candidates are the sources at or above the row's (top_k + 1)-th largest weight, ties at
+    that value included, and only they are sorted."""
+    keep = top_k + 1
+    num_sources = weights.shape[1]
+    if keep >= num_sources:  # nothing to partition: sort whole rows
+        for row, target in zip(weights, targets):
+            order = np.argsort(-row, kind="stable")[:keep]
+            order = order[row[order] > threshold]
+            sources.append(order.astype(np.int64))
+            targets_out.append(np.full(len(order), target, dtype=np.int64))
+            weights_out.append(row[order].astype(np.float32))
+        return
+    for start in range(0, len(weights), band):
+        rows = weights[start:start + band]
+        # the keep-th largest of each row (NaN-free: the weights are finite)
+        kth = -np.partition(-rows, keep - 1, axis=1)[:, keep - 1]
+        for row, target, cut in zip(rows, targets[start:start + band], kth):
+            candidates = np.flatnonzero(row >= max(cut, np.nextafter(threshold, np.inf)))
+            order = candidates[np.argsort(-row[candidates], kind="stable")[:keep]]
+            sources.append(order.astype(np.int64))
+            targets_out.append(np.full(len(order), target, dtype=np.int64))
+            weights_out.append(row[order].astype(np.float32))
 
 
 def _pack(sources: list[np.ndarray], targets: list[np.ndarray], weights: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -96,37 +115,70 @@ def build_go_graph(pert_genes: Sequence[str], gene2go: Mapping[str, frozenset[st
     return _pack(sources, targets, weights)
 
 
-def abs_pearson(X: sp.spmatrix | np.ndarray, rows: np.ndarray | None = None, block: int = 1024) -> np.ndarray:
+FLOAT32_PRODUCTS_ABOVE = 1e12
+"""Multiply-adds (rows x genes^2 / 2) above which `abs_pearson`'s "auto" forms the products in float32: high enough
+that the bundled set and Norman-size sets (5,000 genes, tens of thousands of training cells) keep float64's
+graph, low enough that a Replogle-size one (8,000 genes, hundreds of thousands) gets the faster products."""
+FLOAT32_BLOCK = 2048
+"""Rows per float32 product block: each block's sums are float32 over this many rows, then added in float64."""
+
+
+def abs_pearson(X: sp.spmatrix | np.ndarray, rows: np.ndarray | None = None, block: int = 1024,
+                precision: str = "auto") -> np.ndarray:
     """|Pearson r| between the columns of X over `rows` (all rows if None), [G, G] float64, NaN -> 0.
 
     The centred Gram matrix is accumulated in place (BLAS syrk) over dense blocks of `block` rows, and
     normalised in place: the peak is one [G, G] float64 matrix plus a block (X is never dense as a
     whole). A constant gene (variance below 1e-12 of its mean square) correlates 0 with everything.
-    """
-    from scipy.linalg.blas import dsyrk
 
+    precision: "float64" (every product and sum in float64), "float32" (each block of `FLOAT32_BLOCK` rows
+    multiplied in float32, half the arithmetic and twice BLAS's rate, its sums added in float64: |r| within
+    about 1e-5 of float64's) or "auto" (float32 above `FLOAT32_PRODUCTS_ABOVE` multiply-adds).
+    """
+    from scipy.linalg.blas import dsyrk, ssyrk
+
+    if precision not in ("auto", "float32", "float64"):
+        raise ValueError(f"precision must be 'auto', 'float32' or 'float64', got {precision!r}")
     rows = np.arange(X.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
     csr = sp.csr_matrix(X) if sp.issparse(X) else None
     num_genes = X.shape[1]
+    if precision == "auto":
+        precision = "float32" if len(rows) * num_genes**2 / 2 > FLOAT32_PRODUCTS_ABOVE else "float64"
+    single = precision == "float32"
+    step = FLOAT32_BLOCK if single else block
 
-    def chunks():
-        for start in range(0, len(rows), block):
-            chunk_rows = rows[start:start + block]
+    def chunks(dtype=np.float64):
+        for start in range(0, len(rows), step):
+            chunk_rows = rows[start:start + step]
             chunk = dense_rows(csr, chunk_rows) if csr is not None else np.asarray(X[chunk_rows], dtype=np.float32)
-            yield chunk.astype(np.float64)
+            yield chunk.astype(dtype, copy=False)
 
     n = max(len(rows), 1)
     mean = np.zeros(num_genes)
-    for chunk in chunks():
-        mean += chunk.sum(axis=0)
-    mean /= n
-    cov = np.zeros((num_genes, num_genes), dtype=np.float64, order="F")  # Fortran order: syrk updates it in place
     square = np.zeros(num_genes, dtype=np.float64)
-    for chunk in chunks():
-        square += np.einsum("ij,ij->j", chunk, chunk)
-        chunk -= mean
-        # cov += chunk.T @ chunk on the upper triangle; chunk.T is Fortran-ordered, so nothing is copied
-        cov = dsyrk(1.0, chunk.T, beta=1.0, c=cov, trans=0, lower=0, overwrite_c=1)
+    cov = np.zeros((num_genes, num_genes), dtype=np.float64, order="F")  # Fortran order: syrk updates it in place
+    if single:
+        # sums and squares from the non-zeros alone (float64, no dense pass), then float32 products of centred blocks
+        for start in range(0, len(rows), step):
+            part = csr[rows[start:start + step]] if csr is not None else sp.csr_matrix(
+                np.asarray(X[rows[start:start + step]], dtype=np.float32))
+            values = part.data.astype(np.float64)
+            mean += np.bincount(part.indices, weights=values, minlength=num_genes)
+            square += np.bincount(part.indices, weights=values * values, minlength=num_genes)
+        mean /= n
+        mean32 = mean.astype(np.float32)
+        for chunk in chunks(np.float32):
+            chunk -= mean32
+            cov += ssyrk(1.0, chunk.T, trans=0, lower=0)  # float32 upper triangle, added in float64
+    else:
+        for chunk in chunks():
+            mean += chunk.sum(axis=0)
+        mean /= n
+        for chunk in chunks():
+            square += np.einsum("ij,ij->j", chunk, chunk)
+            chunk -= mean
+            # cov += chunk.T @ chunk on the upper triangle; chunk.T is Fortran-ordered, so nothing is copied
+            cov = dsyrk(1.0, chunk.T, beta=1.0, c=cov, trans=0, lower=0, overwrite_c=1)
     for start in range(0, num_genes, 512):  # mirror the upper triangle, a band of rows at a time
         stop = min(start + 512, num_genes)
         cov[start:stop, :start] = cov[:start, start:stop].T

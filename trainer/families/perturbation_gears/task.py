@@ -37,6 +37,7 @@ from torch.utils.data import Dataset
 from trainer.atomic_io import atomic_write_json, atomic_write_text
 from trainer.errors import ConfigError, DataError
 from trainer.families.perturbation_gears.anndata_reader import (
+    ConditionGeneSets,
     PerturbationData,
     bundled_perturbation_path,
     group_means,
@@ -80,14 +81,17 @@ class TrainingPairs(Dataset):
 
     def __init__(self, pairs: PerturbationPairs, nonzero_masks: np.ndarray):
         self.pairs = pairs
-        self.nonzero_masks = nonzero_masks
+        # a bit per (condition, gene), unpacked per item: conditions x genes bytes per rank otherwise
+        self.num_genes = int(nonzero_masks.shape[1])
+        self.packed_masks = np.packbits(np.asarray(nonzero_masks, dtype=bool), axis=1)
 
     def __len__(self) -> int:
         return len(self.pairs)
 
     def get_item(self, index: int, epoch: int) -> dict[str, Any]:
         item = self.pairs.get_item(index, epoch)
-        item["nonzero_mask"] = torch.from_numpy(self.nonzero_masks[item["condition"]])
+        mask = np.unpackbits(self.packed_masks[item["condition"]], count=self.num_genes).view(bool)
+        item["nonzero_mask"] = torch.from_numpy(mask)
         return item
 
     def __getitem__(self, index: int) -> dict[str, Any]:
@@ -99,8 +103,12 @@ def nonzero_masks(data: PerturbationData) -> np.ndarray:
     masks = np.ones((len(data.conditions), data.num_genes), dtype=bool)
     for code, cond in enumerate(data.conditions):
         if cond and cond in data.non_zeros_gene_idx:
-            masks[code] = False
-            masks[code, data.non_zeros_gene_idx[cond]] = True
+            gene_sets = data.non_zeros_gene_idx
+            if isinstance(gene_sets, ConditionGeneSets):
+                masks[code] = gene_sets.mask(cond)
+            else:
+                masks[code] = False
+                masks[code, gene_sets[cond]] = True
     return masks
 
 
