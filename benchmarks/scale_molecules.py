@@ -91,16 +91,21 @@ def write_geom_like(path: str | Path, conformers: int, *, per_molecule: int = 30
 
 
 BUILD_CHILD = r"""
-import json, sys, time
+import json, os, resource, sys, time
 from trainer.families.molecules_edm.geom import build_geom_dataset
 from trainer.families.molecules_edm.dataset import MoleculeRows
 path, cache, num_proc = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def cpu(who):
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
 if __name__ == "__main__":
-    t0 = time.perf_counter()
+    self0, kids0, t0 = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
     ds = build_geom_dataset(path, cache_dir=cache, num_proc=num_proc)
     took = time.perf_counter() - t0
     print(json.dumps({"seconds": took, "rows": len(ds), "hit": ds.cache_hit, "molecules": ds.geom_molecules,
-                      "atoms": int(MoleculeRows(ds).num_atoms.sum())}))
+                      "atoms": int(MoleculeRows(ds).num_atoms.sum()), "parent_cpu_s": cpu(resource.RUSAGE_SELF) - self0,
+                      "workers_cpu_s": cpu(resource.RUSAGE_CHILDREN) - kids0, "shards": len(ds.cache_files),
+                      "load": os.getloadavg()[0]}))
 """
 
 
@@ -110,6 +115,14 @@ def build(path: Path, cache: Path, num_proc: int) -> dict[str, Any]:
                     env={"OMP_NUM_THREADS": "1"}), f"build_geom_dataset(num_proc={num_proc})")
     out = json.loads(w.output.strip().splitlines()[-1])
     return {**out, "wall_s": w.wall_s, "peak_MiB": w.any_peak_mib}
+
+
+def amdahl(serial_cpu_s: float, one_process_cpu_s: float, processes: int) -> tuple[float, float]:
+    """(s, bound): the serial fraction s of the work (the parent's CPU time during a parallel build over one
+    process's CPU time for the whole build: CPU times, so the machine's load does not change them) and Amdahl's
+    bound 1 / (s + (1 - s) / P) on the speed-up with P processes."""
+    s = serial_cpu_s / one_process_cpu_s if one_process_cpu_s > 0 else float("nan")
+    return s, 1.0 / (s + (1.0 - s) / processes)
 
 
 def overrides(a: argparse.Namespace, data: Path) -> list[str]:
@@ -132,14 +145,19 @@ def measure_size(a: argparse.Namespace, n: int) -> tuple[dict[str, Any], list[di
     if n in a.serial_sizes:
         one = build(data, a.workdir / "cache_serial", 1)
         row["serial_s"], row["serial_rate"] = one["seconds"], one["rows"] / one["seconds"]
+        row["serial_cpu_s"], row["serial_load"] = one["parent_cpu_s"], one["load"]
         shutil.rmtree(a.workdir / "cache_serial", ignore_errors=True)
     par = build(data, a.workdir / "cache", cores)
     again = build(data, a.workdir / "cache", cores)
     row.update({"rows": par["rows"], "atoms": par["atoms"], "build_s": par["seconds"],
                 "build_rate": par["rows"] / par["seconds"], "build_peak_MiB": par["peak_MiB"],
-                "cached_s": again["seconds"], "cores": cores})
+                "cached_s": again["seconds"], "cores": cores, "shards": par["shards"],
+                "parent_cpu_s": par["parent_cpu_s"], "workers_cpu_s": par["workers_cpu_s"], "load": par["load"]})
     if "serial_rate" in row:
         row["speedup"] = row["build_rate"] / row["serial_rate"]
+        row["s"], row["amdahl"] = amdahl(par["parent_cpu_s"], one["parent_cpu_s"], cores)
+        # the workers' own start (spawn, imports) and any per-shard cost: work one process does not do
+        row["cpu_ratio"] = (par["parent_cpu_s"] + par["workers_cpu_s"]) / one["parent_cpu_s"]
     log(f"N={n:,}: {row}")
     worlds = []
     for world in a.worlds:
@@ -167,7 +185,12 @@ SIZE_COLS = [("N", "conformers"), ("atoms", "atoms"), ("MiB", "msgpack MiB"), ("
              ("serial_s", "build s, 1 process"), ("serial_rate", "conformers/s, 1 process"),
              ("build_s", "build s, all cores"), ("build_rate", "conformers/s, all cores"), ("cores", "cores"),
              ("speedup", "speed-up"), ("build_peak_MiB", "build peak RSS MiB (any process)"),
-             ("cached_s", "cached load s")]
+             ("cached_s", "cached load s"), ("shards", "shards")]
+CPU_COLS = [("N", "conformers"), ("serial_cpu_s", "CPU s, 1 process"), ("serial_load", "load avg, 1 process"),
+            ("parent_cpu_s", "parent CPU s, all cores"), ("workers_cpu_s", "workers' CPU s, all cores"),
+            ("load", "load avg, all cores"), ("cpu_ratio", "CPU all cores / CPU 1 process"),
+            ("s", "serial fraction s"), ("amdahl", "Amdahl bound"),
+            ("speedup", "wall speed-up")]
 WORLD_COLS = [("N", "conformers"), ("W", "W"), ("first_step_s", "launch to 1st step s"),
               ("rank_peak_MiB", "rank peak RSS MiB"), ("rank_private_MiB", "rank peak private (anon) MiB"),
               ("ranks_seen", "ranks seen")]
@@ -191,8 +214,11 @@ def run(a: argparse.Namespace) -> None:
              f"{a.per_molecule} conformers per molecule of 25-50 heavy atoms with H; the `tiny` EGNN, {a.batch} per "
              f"device, data.num_workers={a.num_workers}, gloo on CPU.", "",
              "Build (`build_geom_dataset`: parse, EDM's conformer rule, SMILES perception, Arrow shards):", "",
-             table(sizes, SIZE_COLS), "", "Per size and number of processes W (the cache built):", "",
-             table(worlds, WORLD_COLS)]
+             table(sizes, SIZE_COLS), "",
+             "CPU time of the builds (getrusage: the parent's own, and its pool workers'; s = the parent's CPU in the "
+             "parallel build / one process's CPU for the whole build; the 1-minute load average at the end of each):",
+             "", table([r for r in sizes if "serial_cpu_s" in r], CPU_COLS), "",
+             "Per size and number of processes W (the cache built):", "", table(worlds, WORLD_COLS)]
     for world in a.worlds:
         rows = merged_rows(sizes, worlds, world)
         if len(rows) > 1:

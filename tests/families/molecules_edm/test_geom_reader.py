@@ -160,3 +160,70 @@ def test_a_failed_build_leaves_no_shards_without_their_sidecar(tmp_path):
     with pytest.raises(MoleculeDataError, match="bad_xyz"):
         build_geom_dataset(path, cache_dir=tmp_path / "c", num_proc=1, compute_smiles=False, molecules_per_shard=2)
     assert not list((tmp_path / "c").rglob("*.arrow"))
+
+
+def test_default_shards_give_every_worker_work_whatever_num_proc(tmp_path):
+    """A file is cut into up to `SHARD_TARGET` shards by its molecule count, not into shards of a fixed large size
+    (a file smaller than one such shard was one job, so a parallel build ran in one worker); the shards and rows
+    are the same for any `num_proc`, and a shard never leaves out a molecule or cuts one across maps."""
+    assert geom.auto_molecules_per_shard(1) == geom.MIN_MOLECULES_PER_SHARD
+    assert geom.auto_molecules_per_shard(64 * 100) == 100
+    assert geom.auto_molecules_per_shard(10**7) == geom.MOLECULES_PER_SHARD
+    rng = np.random.default_rng(3)
+    maps = [{f"O.{m}.{j}": {"conformers": conformers(WATER, rng.normal(size=3).tolist(), rng)} for j in range(7)}
+            for m in range(5)]  # 35 molecules in maps of 7: shards of 8 cut inside the maps
+    path = geom_file(tmp_path / "many.msgpack", maps)
+    plan = geom._shard_segments(path)
+    assert [first for first, _ in plan] == [0, 8, 16, 24, 32]
+    assert [sum(n for _, n in segments) for _, segments in plan] == [8, 8, 8, 8, 3]
+    assert [len(segments) for _, segments in plan] == [2, 2, 2, 2, 1]
+    one = build_geom_dataset(path, cache_dir=tmp_path / "a", num_proc=1, compute_smiles=False)
+    two = build_geom_dataset(path, cache_dir=tmp_path / "b", num_proc=2, compute_smiles=False)
+    assert len(one.cache_files) == len(two.cache_files) == 5
+    assert one.with_format(None).data.equals(two.with_format(None).data)
+    whole = build_geom_dataset(path, cache_dir=tmp_path / "c", num_proc=1, compute_smiles=False,
+                               molecules_per_shard=100)
+    assert len(whole.cache_files) == 1 and whole.with_format(None).data.equals(one.with_format(None).data)
+    assert one["id"] == [f"{m}/{r}" for m in range(35) for r in range(3)]
+
+
+def test_conformer_check_names_any_atomic_number_outside_the_vocabulary():
+    allowed = np.zeros(119, dtype=bool)
+    allowed[[1, 6, 8]] = True
+    ok = np.array([[6, 0.0, 0.0, 0.0], [1, 1.0, 0.0, 0.0]])
+    assert geom._conformer_problem(ok, allowed) is None
+    for z, shown in ((7, "7"), (6.5, "6.5"), (-1, "-1"), (200, "200"), (0, "0")):
+        xyz = ok.copy()
+        xyz[1, 0] = z
+        assert geom._conformer_problem(xyz, allowed) == (
+            "unknown_element", f"atomic number {shown} is not in the element vocabulary")
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_geom_drugs_config_has_edm_settings_and_trains(sample, tmp_path):
+    """configs/molecules_edm/edm_geom_drugs.yaml is EDM's GEOM-Drugs command (main_geom_drugs.py in its README:
+    EGNN 256 x 4, T = 1000, precision 1e-5, batch 64, lr 1e-4, EMA 0.9999, 3000 epochs, 16 elements) and
+    builds and trains that model on a GEOM file (one step)."""
+    from conftest import ROOT
+    from safetensors.torch import load_file
+
+    from trainer.config import load_config
+    from trainer.core.trainer import Trainer
+
+    fast = ["train.max_steps=1", "train.epochs=0", "train.per_device_batch_size=4", "eval.every_epochs=0",
+            "eval.sample_every=0", "ckpt.every_epochs=0", "log.progress_bar=false", "log.tensorboard=false"]
+    cfg = load_config(str(ROOT / "configs" / "molecules_edm" / "edm_geom_drugs.yaml"),
+                      [f"task.data_path={sample[0]}", f"task.cache_dir={tmp_path / 'cache'}",
+                       f"run.output_dir={tmp_path / 'run'}", *fast])
+    t = cfg.task
+    assert (t.hidden, t.layers, t.timesteps, t.noise_precision, t.model_preset) == (256, 4, 1000, 1e-5, "paper")
+    assert tuple(t.elements) == geom.GEOM_DRUGS_ELEMENTS and (t.val_fraction, t.test_fraction) == (0.1, 0.1)
+    assert (cfg.optim.lr, cfg.train.ema_decay, cfg.eval.num_samples) == (1e-4, 0.9999, 500)
+    full = load_config(str(ROOT / "configs" / "molecules_edm" / "edm_geom_drugs.yaml"), [f"task.data_path={sample[0]}"])
+    assert (full.train.per_device_batch_size, full.train.epochs) == (64, 3000)
+    Trainer(cfg).fit()
+    weights = load_file(next((tmp_path / "run" / "checkpoints").glob("step_*")) / "model.safetensors")
+    widths = {v.shape[-1] for k, v in weights.items() if k.endswith("weight") and v.ndim == 2}
+    assert 256 in widths and sum(".gcls.0." in k and k.endswith("weight") for k in weights) > 0
+    blocks = {k.split("blocks.")[1].split(".")[0] for k in weights if "blocks." in k}
+    assert blocks == {"0", "1", "2", "3"}

@@ -86,3 +86,41 @@ def test_smiles_are_perceived_in_a_pool_and_equal_serial(tmp_path, monkeypatch):
     pooled = build_molecule_dataset(str(bundled_qm9_path()), cache_dir=str(tmp_path / "b"), num_proc=2)
     assert ("spawn",) in contexts and not pooled.cache_hit
     assert serial.with_format(None).data.equals(pooled.with_format(None).data)
+
+
+def test_smiles_pool_task_lives_in_a_module_without_torch(tmp_path, monkeypatch):
+    """A spawned worker imports its task's module: the SMILES task's must not import torch (seconds of each
+    worker's start, in the build's parallel part)."""
+    import multiprocessing
+    import subprocess
+    import sys
+
+    from trainer.families.molecules_edm import dataset as dataset_module
+
+    tasks = []
+
+    class InlinePool:
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def imap(self, fn, chunks):
+            tasks.append(fn)
+            return map(fn, chunks)
+
+    class Context:
+        Pool = InlinePool
+
+    monkeypatch.setattr(multiprocessing, "get_context", lambda *a: Context())
+    monkeypatch.setattr(dataset_module, "SMILES_CHUNK", 1000)
+    build_molecule_dataset(str(bundled_qm9_path()), cache_dir=str(tmp_path), num_proc=2)
+    assert tasks
+    code = (f"import importlib, sys; importlib.import_module({tasks[0].__module__!r}); "
+            f"getattr(sys.modules[{tasks[0].__module__!r}], {tasks[0].__name__!r}); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

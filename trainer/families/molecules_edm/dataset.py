@@ -138,28 +138,24 @@ SMILES_CHUNK = 4096
 """Molecules per task of the parallel SMILES perception."""
 
 
-def _smiles_of(geometries: list[tuple[np.ndarray, np.ndarray]]) -> list[str | None]:
-    """EDM's SMILES of each (numbers, positions) (a pool task: importable at module level)."""
-    from trainer.families.molecules_edm.metrics import molecule_smiles
-
-    return [molecule_smiles(numbers, positions) for numbers, positions in geometries]
-
-
 def _perceive_smiles(molecules: list[Molecule], num_proc: int | None) -> list[str | None]:
-    """`_smiles_of` every molecule, in order: in a spawn pool of `num_proc` (None: the cores) when there is more
-    than one chunk of `SMILES_CHUNK` (RDKit's perception is the costly part of a build; a pool's start is not worth
-    it for a small set)."""
+    """`metrics.smiles_of` every molecule, in order: in a spawn pool of `num_proc` (None: the cores) when there is
+    more than one chunk of `SMILES_CHUNK` (RDKit's perception is the costly part of a build; a pool's start is not
+    worth it for a small set). The task lives in `metrics`, not here: a spawned worker imports its task's module,
+    and this one imports torch."""
     import multiprocessing
     import os
+
+    from trainer.families.molecules_edm.metrics import smiles_of
 
     geometries = [(m.numbers, m.positions) for m in molecules]
     chunks = [geometries[a:a + SMILES_CHUNK] for a in range(0, len(geometries), SMILES_CHUNK)]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     workers = min(len(chunks), cores if num_proc is None else max(1, int(num_proc)))
     if workers <= 1:
-        return [s for chunk in chunks for s in _smiles_of(chunk)]
+        return [s for chunk in chunks for s in smiles_of(chunk)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:  # spawn: see arrow_cache.build_shards
-        return [s for part in pool.imap(_smiles_of, chunks) for s in part]
+        return [s for part in pool.imap(smiles_of, chunks) for s in part]
 
 
 def build_molecule_dataset(source: str | Path | Sequence[Any], elements: Sequence[str] = QM9_ELEMENTS,

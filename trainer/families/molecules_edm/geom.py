@@ -6,7 +6,8 @@ molecule, the `conformations` (30) conformers of lowest `totalenergy` (numpy's `
 fall as EDM's), hydrogens included unless `remove_h`, in file order; each kept conformer is one training row.
 
 `build_geom_dataset` scans the file once for the byte offset of each molecule (msgpack `skip`, nothing is
-decoded), cuts it into shards of `molecules_per_shard` molecules, and converts the shards in a spawn pool
+decoded), cuts it into shards of `molecules_per_shard` molecules (by default `SHARD_TARGET` shards, whatever
+`num_proc` is), and converts the shards in a spawn pool
 (`arrow_cache.build_shards`): each worker decodes only its own molecules, one at a time, applies the rule and
 perceives each conformer's SMILES (`metrics.molecule_smiles`, the function generated molecules are scored with), so
 the SMILES are computed in parallel once and cached with the shards. The rows are in file order whatever
@@ -22,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
+from array import array
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +54,16 @@ GEOM_DRUGS_ELEMENTS = ("H", "B", "C", "N", "O", "F", "Al", "Si", "P", "S", "Cl",
 """EDM's GEOM-Drugs atom vocabulary (its `geom_with_h` dataset info), in its order."""
 GEOM_CONFORMATIONS = 30
 """Conformers kept per molecule (EDM's `--conformations` default)."""
-MOLECULES_PER_SHARD = 2000
-"""Molecules per shard: the unit of parallel work (up to 30 conformers each)."""
+MOLECULES_PER_SHARD = 1000
+"""Most molecules per shard (up to 30 conformers each), when `molecules_per_shard` is left to the build."""
+MIN_MOLECULES_PER_SHARD = 8
+"""Fewest molecules per shard the build chooses: below that a shard's fixed costs (a file, its writer, its load)
+outweigh its work."""
+SHARD_TARGET = 64
+"""Shards the build cuts a file into when `molecules_per_shard` is left to it (within the two bounds above): a
+fixed count per file, never per `num_proc`, so the cache is the same for any number of processes, and enough
+shards for each of a few dozen workers to get several, so the pool's tail (the last shard still running) stays
+short. A shard is the unit of parallel work: a file cut into fewer shards than workers leaves workers idle."""
 GEOM_ROWS_PER_BATCH = 1 << 14
 """Rows per Arrow record batch of a shard: few batch headers for a process to map when it opens the data set."""
 
@@ -77,13 +87,13 @@ def _features(compute_smiles: bool) -> datasets.Features:
     return datasets.Features(feats)
 
 
-def _shard_segments(path: str | Path, molecules_per_shard: int) -> Iterator[tuple[int, list[tuple[int, int]]]]:
-    """(first molecule index, [(byte offset, molecules), ...]) per shard of at most `molecules_per_shard`
-    molecules, in file order: one pass over the file with msgpack's `skip` (nothing is decoded)."""
+def _molecule_offsets(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """(byte offset, top-level map) of each molecule of the file, in file order: one pass with msgpack's `skip`
+    (nothing is decoded), so the shards can be cut after the molecules are counted."""
     import msgpack
 
-    first = index = size = 0
-    segments: list[tuple[int, int]] = []
+    offsets, maps = array("q"), array("q")
+    index = m = 0
     with open(path, "rb") as f:
         unpacker = msgpack.Unpacker(f, raw=False)
         while True:
@@ -95,34 +105,58 @@ def _shard_segments(path: str | Path, molecules_per_shard: int) -> Iterator[tupl
             except Exception as exc:  # msgpack's errors for a wrong type or bad bytes differ by version
                 raise MoleculeDataError(str(path), index, None, "not_geom_msgpack",
                                         f"expected a msgpack map {{smiles: molecule}} at byte {at}: {exc}") from exc
-            start, count = unpacker.tell(), 0
             for _ in range(n):
-                if size == molecules_per_shard:
-                    if count:
-                        segments.append((start, count))
-                    yield first, segments
-                    first, segments, size, start, count = index, [], 0, unpacker.tell(), 0
+                offsets.append(unpacker.tell())
+                maps.append(m)
                 try:
                     unpacker.skip()
                     unpacker.skip()
                 except msgpack.OutOfData as exc:
                     raise MoleculeDataError(str(path), index, None, "truncated",
                                             f"the file ends inside molecule {index} (byte {unpacker.tell()})") from exc
-                count, size, index = count + 1, size + 1, index + 1
-            if count:
-                segments.append((start, count))
-    if segments:
-        yield first, segments
+                index += 1
+            m += 1
+    return np.frombuffer(offsets, dtype=np.int64), np.frombuffer(maps, dtype=np.int64)
+
+
+def auto_molecules_per_shard(molecules: int) -> int:
+    """Molecules per shard for a file of `molecules`: `SHARD_TARGET` shards, within `MIN_MOLECULES_PER_SHARD`
+    and `MOLECULES_PER_SHARD` molecules each."""
+    return int(min(MOLECULES_PER_SHARD, max(MIN_MOLECULES_PER_SHARD, -(-int(molecules) // SHARD_TARGET))))
+
+
+def _plan_shards(offsets: np.ndarray, maps: np.ndarray,
+                 molecules_per_shard: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """(first molecule index, [(byte offset, molecules), ...]) per shard of at most `molecules_per_shard`
+    molecules, in file order: a segment is a run of molecules within one top-level map (a worker seeks to its
+    offset and decodes `molecules` key/value pairs)."""
+    shards = []
+    for first in range(0, len(offsets), molecules_per_shard):
+        last = min(len(offsets), first + molecules_per_shard)
+        cuts = [first, *(first + 1 + np.flatnonzero(np.diff(maps[first:last]))).tolist(), last]
+        shards.append((first, [(int(offsets[a]), b - a) for a, b in zip(cuts[:-1], cuts[1:])]))
+    return shards
+
+
+def _shard_segments(path: str | Path, molecules_per_shard: int | None = None) -> list[tuple[int, list[tuple[int, int]]]]:
+    """`_plan_shards` of the file's molecules; `molecules_per_shard` None: `auto_molecules_per_shard`."""
+    offsets, maps = _molecule_offsets(path)
+    size = auto_molecules_per_shard(len(offsets)) if molecules_per_shard is None else int(molecules_per_shard)
+    return _plan_shards(offsets, maps, size)
 
 
 def _conformer_problem(xyz: Any, allowed: np.ndarray) -> tuple[str, str] | None:
+    """(reason, message) when `xyz` is not a conformer of the vocabulary (`allowed`: [119] bool by Z), else None."""
     if not isinstance(xyz, np.ndarray) or xyz.ndim != 2 or xyz.shape[1] != 4 or len(xyz) == 0:
         return "bad_xyz", f"xyz must be a non-empty [n, 4] list of [Z, x, y, z], got shape {np.shape(xyz)}"
     if not np.isfinite(xyz).all():
         return "non_finite", "xyz holds NaN or inf"
     z = xyz[:, 0]
-    if (z != np.round(z)).any() or not np.isin(z.astype(np.int64), allowed).all():
-        bad = z[~np.isin(z, allowed)]
+    # a lookup in a [119] table: `np.isin` sorts on every call, a cost paid per conformer in the workers
+    zi = z.astype(np.int64)
+    if (z != zi).any() or (zi < 0).any() or (zi >= len(allowed)).any() or not allowed[zi].all():
+        inside = (z == zi) & (zi >= 0) & (zi < len(allowed))
+        bad = z[~inside | ~allowed[np.where(inside, zi, 0)]]
         return "unknown_element", f"atomic number {bad[0]:g} is not in the element vocabulary"
     return None
 
@@ -132,7 +166,8 @@ def _write_geom_shard(path: str, segments: list[tuple[int, int]], first: int, se
     """Convert the molecules of `segments` (molecule indices from `first`) into the Arrow shard `tmp`."""
     import msgpack
 
-    allowed = np.array(element_numbers(settings["elements"]), dtype=np.int64)
+    allowed = np.zeros(119, dtype=bool)  # allowed[Z]: Z is in the element vocabulary
+    allowed[list(element_numbers(settings["elements"]))] = True
     keep, remove_h, policy = settings["conformations"], settings["remove_h"], settings["on_invalid"]
     compute_smiles = settings["compute_smiles"]
     if compute_smiles:
@@ -217,20 +252,22 @@ def _write_geom_shard(path: str, segments: list[tuple[int, int]], first: int, se
 def build_geom_dataset(path: str | Path, elements: Sequence[str] = GEOM_DRUGS_ELEMENTS,
                        cache_dir: str | Path | None = None, *, conformations: int = GEOM_CONFORMATIONS,
                        remove_h: bool = False, on_invalid: str = "error", compute_smiles: bool = True,
-                       num_proc: int | None = None, molecules_per_shard: int = MOLECULES_PER_SHARD) -> datasets.Dataset:
+                       num_proc: int | None = None, molecules_per_shard: int | None = None) -> datasets.Dataset:
     """GEOM's `drugs_crude.msgpack` (or any file of its layout) as a memory-mapped molecule dataset (see the module).
 
     Cached by the file's content fingerprint and the settings (`elements`, `conformations`, `remove_h`,
     `on_invalid`, `compute_smiles`, `molecules_per_shard`; not `num_proc`, which changes neither rows nor
-    shards). `on_invalid="skip"` drops a molecule without conformers or a conformer whose `xyz` is malformed or
-    holds an element outside `elements`, counted by reason (`molecule_report.skipped`, in conformers; a
-    molecule without any counts once); "error" raises on the first, naming the file, the molecule, the conformer
-    and the field. `num_proc` (default: the cores this process may use) workers convert the shards. The result has
+    shards). `molecules_per_shard` None cuts the file into `SHARD_TARGET` shards (`auto_molecules_per_shard`:
+    the same shards for any `num_proc`, enough of them for every worker). `on_invalid="skip"` drops a
+    molecule without conformers or a conformer whose `xyz` is malformed or holds an element outside
+    `elements`, counted by reason (`molecule_report.skipped`, in conformers; a molecule without any counts
+    once); "error" raises on the first, naming the file, the molecule, the conformer and the field.
+    `num_proc` (default: the cores this process may use) workers convert the shards. The result has
     `molecule_report` (`readers.ReadReport` of conformers), `geom_molecules` and `cache_hit`.
     """
     if on_invalid not in ("error", "skip"):
         raise ValueError(f"on_invalid must be 'error' or 'skip', got {on_invalid!r}")
-    if conformations < 1 or molecules_per_shard < 1:
+    if conformations < 1 or (molecules_per_shard is not None and molecules_per_shard < 1):
         raise ValueError("conformations and molecules_per_shard must be >= 1")
     path = Path(path)
     if not path.is_file():
@@ -239,7 +276,8 @@ def build_geom_dataset(path: str | Path, elements: Sequence[str] = GEOM_DRUGS_EL
     element_numbers(elements)  # an unknown symbol fails here, before any parsing
     settings = {"version": GEOM_FORMAT_VERSION, "elements": list(elements), "conformations": int(conformations),
                 "remove_h": bool(remove_h), "on_invalid": on_invalid, "compute_smiles": bool(compute_smiles),
-                "molecules_per_shard": int(molecules_per_shard)}
+                "molecules_per_shard": (int(molecules_per_shard) if molecules_per_shard is not None else
+                                        {"auto": [SHARD_TARGET, MIN_MOLECULES_PER_SHARD, MOLECULES_PER_SHARD]})}
     inputs = file_keys(path)
     fingerprint = digest({"inputs": inputs, "settings": settings})
     root = cache_root(cache_dir, "molecules_edm")
@@ -248,16 +286,15 @@ def build_geom_dataset(path: str | Path, elements: Sequence[str] = GEOM_DRUGS_EL
     hit = bool(meta and meta.get("shards") and all((root / s).exists() for s in meta["shards"]))
     if not hit:
         workers = _cores() if num_proc is None else max(1, int(num_proc))
-        shards: list[str] = []
-
-        def jobs() -> Iterator[tuple[Any, tuple, Path]]:
-            for k, (first, segments) in enumerate(_shard_segments(path, molecules_per_shard)):
-                shards.append(f"{fingerprint}-{k:05d}.arrow")
-                yield _write_geom_shard, (str(path.resolve()), segments, first, settings), root / shards[-1]
-
+        # the location pass first (the only serial part: it skips through the file without decoding), so the
+        # shards are cut from the molecule count; the workers get byte offsets and read the file themselves
+        plan = _shard_segments(path, molecules_per_shard)
+        shards = [f"{fingerprint}-{k:05d}.arrow" for k in range(len(plan))]
+        jobs = [(_write_geom_shard, (str(path.resolve()), segments, first, settings), root / name)
+                for (first, segments), name in zip(plan, shards)]
         renamed: list[str] = []
         try:
-            results = build_shards(jobs(), workers, max_in_flight=workers + 2, renamed=renamed)
+            results = build_shards(jobs, workers, max_in_flight=2 * workers + 2, renamed=renamed)
         except BaseException:  # the file fails as a whole: no shards of it are left without their sidecar
             for final in renamed:
                 Path(final).unlink(missing_ok=True)

@@ -157,6 +157,13 @@ def molecule_smiles(numbers: np.ndarray, positions: np.ndarray, mol: Any = None)
         return _largest_fragment_smiles(mol)
 
 
+def smiles_of(geometries: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[str | None]:
+    """`molecule_smiles` of each (numbers, positions): the task of a SMILES pool (`dataset._perceive_smiles`),
+    defined in this module because a spawned worker imports the module of its task, and this one needs
+    neither torch nor `datasets`."""
+    return [molecule_smiles(numbers, positions) for numbers, positions in geometries]
+
+
 def _largest_fragment_smiles(mol: Any) -> str | None:
     from rdkit import Chem
 
