@@ -9,6 +9,9 @@ below), as extended XYZ and as an ASE LMDB database (`.aselmdb`, fairchem's form
                 (the Arrow graph cache of the job): wall time, the peak RSS of the parent and of any process
                 (workers included); the same command again (a cache hit: the start-up every build pays too); the
                 build's rate, N / (build - cache hit), and the parallel rate against P x one process's rate
+  CPU split     (`--cpu-split`) the same build in a fresh process for P = 1 and P: the CPU seconds of the
+                parent and of the workers (`getrusage`, load-independent): the serial fraction (the parent's
+                share), its Amdahl bound, the workers' extra CPU (their start-up) and the wall ratio
   first step    with the cache built, `trainer train CONFIG --nproc W` for each W (`--worlds`): wall time from
                 the launch to the first step's record, and each rank's peak RSS and private (anon) memory
 
@@ -22,8 +25,10 @@ OMat24: extrapolated, not measured. Prints markdown; `--out FILE` files it into 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -131,6 +136,46 @@ def write_crystals(n: int, xyz: Path | None = None, aselmdb: Path | None = None,
 
 # ---------------------------------------------------------------- measurements
 
+_CPU_SPLIT = """
+import json, os, resource, sys, time
+from trainer.families.crystals.dataset import build_crystal_dataset
+from trainer.families.crystals.graphs import GraphSpec
+
+def cpu(who):
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+path, procs, cache, k = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+p0, c0, t0 = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
+ds = build_crystal_dataset(path, graph=GraphSpec(kind="knn", k=k, use_lattice=True), target="energy", per_atom=True,
+                           num_proc=procs, cache_dir=cache, split_key=0)
+print(json.dumps({"N": len(ds), "wall_s": time.perf_counter() - t0, "parent_cpu_s": cpu(resource.RUSAGE_SELF) - p0,
+                  "workers_cpu_s": cpu(resource.RUSAGE_CHILDREN) - c0, "load1": os.getloadavg()[0]}))
+"""
+
+
+def cpu_split(data: Path, procs: int, cache: Path, k: int) -> dict[str, float]:
+    """One build in a fresh process (the job's graph settings): wall time, the CPU seconds of the parent during
+    the build and of its workers (`getrusage`: load-independent, unlike the wall time), the load average."""
+    shutil.rmtree(cache, ignore_errors=True)
+    out = subprocess.run([sys.executable, "-c", _CPU_SPLIT, str(data), str(procs), str(cache), str(k)],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def amdahl(one: dict[str, float], par: dict[str, float], procs: int) -> dict[str, float]:
+    """The serial fraction s (the parent's CPU over all the build's CPU at `procs` workers), the Amdahl bound
+    1 / (s + (1 - s) / P), the CPU overhead of the workers against one process (their start-up: spawn and
+    imports), the CPU-time bound that includes it, and the wall-time ratio rate(P) / (P x rate(1))."""
+    total = par["parent_cpu_s"] + par["workers_cpu_s"]
+    s = par["parent_cpu_s"] / total
+    serial_cpu = one["parent_cpu_s"] + one["workers_cpu_s"]
+    return {"serial_fraction": s, "amdahl_bound": 1 / (s + (1 - s) / procs),
+            "worker_overhead_cpu_s": total - serial_cpu,
+            "cpu_bound": serial_cpu / max(par["parent_cpu_s"], par["workers_cpu_s"] / procs),
+            "wall_ratio": one["wall_s"] / (procs * par["wall_s"]), "load1": max(one["load1"], par["load1"])}
+
 
 def _job(a: argparse.Namespace, data: Path, cache: Path, procs: int) -> list[str]:
     return [f"task.data_path={data}", f"task.cache_dir={cache}", f"task.num_proc={procs}", "task.val_fraction=0.05",
@@ -171,6 +216,14 @@ def measure(a: argparse.Namespace, n: int) -> tuple[dict[str, Any], list[dict[st
                 size[f"rate_{fmt_name}_p{procs}"] = n / max(size[f"build_{fmt_name}_p{procs}_s"] - again.wall_s, 1e-9)
     if p > 1:
         size["parallel_eff"] = size[f"rate_xyz_p{p}"] / (p * size["rate_xyz_p1"])
+    if a.cpu_split and p > 1:
+        for fmt_name, path in (("xyz", xyz), ("db", db)):
+            log(f"N={n:,}: CPU split {fmt_name}")
+            one = cpu_split(path, 1, work / "cache_cpu", a.max_neighbors)
+            par = cpu_split(path, p, work / "cache_cpu", a.max_neighbors)
+            size.update({f"cpu_{fmt_name}_{k}": v for k, v in amdahl(one, par, p).items()})
+            size[f"cpu_{fmt_name}_p1_s"], size[f"cpu_{fmt_name}_pP_parent_s"] = one["parent_cpu_s"], par["parent_cpu_s"]
+            size[f"cpu_{fmt_name}_pP_workers_s"] = par["workers_cpu_s"]
     worlds = []
     cache = work / f"cache_xyz_{a.build_procs}"
     for world in a.worlds:
@@ -201,6 +254,11 @@ SIZE_COLS = [("N", "N"), ("xyz_MiB", "extxyz MiB"), ("db_MiB", "aselmdb MiB"), (
              ("rate_db_p2", "aselmdb P=2 structures/s"),
              ("parallel_eff", "rate(P) / (P x rate(1))"), ("build_db_p2_s", "build aselmdb P=2 s"),
              ("build_db_p2_any_MiB", "aselmdb P=2 any process peak MiB")]
+CPU_COLS = [("N", "N")] + [(f"cpu_{f}_{k}", f"{f} {label}") for f in ("xyz", "db") for k, label in (
+    ("p1_s", "P=1 CPU s"), ("pP_parent_s", "P parent CPU s"), ("pP_workers_s", "P workers CPU s"),
+    ("serial_fraction", "serial fraction"), ("amdahl_bound", "Amdahl bound"),
+    ("worker_overhead_cpu_s", "workers' extra CPU s"), ("cpu_bound", "CPU-time bound"),
+    ("wall_ratio", "wall rate(P) / (P x rate(1))"), ("load1", "load avg"))]
 WORLD_COLS = [("N", "N"), ("W", "W"), ("first_step_s", "launch to 1st step s (cache built)"),
               ("rank_peak_MiB", "rank peak RSS MiB"), ("rank_private_MiB", "rank peak private (anon) MiB"),
               ("ranks_seen", "ranks seen")]
@@ -230,6 +288,8 @@ def report(a: argparse.Namespace, sizes: list[dict[str, Any]], worlds: list[dict
     return "\n\n".join([
         f"{utc_now()} on {cpu_model()}, `{command_line()}`",
         "Sizes and builds:\n\n" + table(sizes, SIZE_COLS),
+        *(["Parallel build by CPU time (fresh processes; the serial fraction is the parent's share of the build's "
+           "CPU):\n\n" + table(sizes, CPU_COLS)] if any("cpu_xyz_p1_s" in s for s in sizes) else []),
         "Launches (the cache built):\n\n" + table(worlds, WORLD_COLS),
         f"Cost per doubling of N (W={w0}):\n\n" + table(doubling, cols),
         f"Extrapolated (builds: linear in N from the largest size; the rest: a power law in N over the measured "
@@ -250,6 +310,10 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/scale_crystals"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the generated files and caches")
+    p.add_argument("--cpu-split", action="store_true",
+                   help="also time builds by CPU (parent vs workers): the serial fraction and the Amdahl bound")
+    p.add_argument("--max-neighbors", type=int, default=12, help="k of the knn graph of the CPU-split builds "
+                   "(the config's)")
     p.add_argument("--out", type=Path, help="file the report into this markdown file (bench_report)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that the script runs")
     a = p.parse_args()

@@ -33,8 +33,13 @@ def _check(fractions: Sequence[float]) -> list[float]:
 
 def assign_splits(record_ids: Sequence[str], fractions: Sequence[float], key: str | int = "") -> np.ndarray:
     """Per id, the index of its split (0..len(fractions)-1) under the id-hash rule."""
+    return assign_hashed(id_hashes(record_ids, key), fractions)
+
+
+def assign_hashed(hashes: np.ndarray, fractions: Sequence[float]) -> np.ndarray:
+    """`assign_splits` from the ids' `id_hashes` (computed once, e.g. at build time, and stored)."""
     values = _check(fractions)
-    hashes = id_hashes(record_ids, key)
+    hashes = np.asarray(hashes, dtype=np.uint64)
     out = np.full(len(hashes), len(values) - 1, dtype=np.int64)
     assigned = np.zeros(len(hashes), dtype=bool)
     upper = 0.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -189,11 +190,12 @@ def _write_graph_rows(records: list[dict[str, Any]], spec: GraphSpec, features: 
 
 
 def _write_shard(chunk: ReadChunk | list[dict[str, Any]], spec: TargetSpec, id_key: str | None, graph: GraphSpec,
-                 on_invalid: str, path: str) -> dict[str, Any]:
+                 on_invalid: str, split_key: Any, path: str) -> dict[str, Any]:
     """One worker job: read `chunk` (a piece of an input file, or validated in-memory records), check ids within
     it, build the graphs and write the Arrow shard `path`. Returns what the parent needs to finish the build:
     skip counts, records read and kept, the schema of the target / extra columns, the first record (to name
-    it when shards disagree) and the 64-bit hashes of the kept ids (for the check of ids across shards)."""
+    it when shards disagree), the 64-bit hashes of the kept ids (for the check of ids across shards) and, with a
+    `split_key`, their split hashes keyed by it (`trainer.data.splits.id_hashes`)."""
     skipped: Counter = Counter()
     records: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -212,7 +214,7 @@ def _write_shard(chunk: ReadChunk | list[dict[str, Any]], spec: TargetSpec, id_k
         with arrow_writer(datasets.Features(_BASE_FEATURES), path) as writer:
             writer.finalize()
         return {"skipped": dict(skipped), "read": read, "kept": 0, "schema": None, "first": None,
-                "hashes": np.zeros(0, np.uint64)}
+                "hashes": np.zeros(0, np.uint64), "split": np.zeros(0, np.uint64)}
     features = _features_for(records)
     first = records[0]
     graph_skips = _write_graph_rows(records, graph, features, on_invalid, path)
@@ -222,7 +224,8 @@ def _write_shard(chunk: ReadChunk | list[dict[str, Any]], spec: TargetSpec, id_k
         kept_ids = datasets.Dataset.from_file(path).data.column("id").to_pylist()
     return {"skipped": dict(skipped), "read": read, "kept": len(kept_ids),
             "schema": {k: str(v) for k, v in features.items() if k not in _BASE_FEATURES},
-            "first": (first["source"], first["index"], first["id"]), "hashes": id_hashes(kept_ids)}
+            "first": (first["source"], first["index"], first["id"]), "hashes": id_hashes(kept_ids),
+            "split": id_hashes(kept_ids, split_key) if split_key is not None else None}
 
 
 def _check_schemas(results: list[dict[str, Any]]) -> None:
@@ -235,16 +238,16 @@ def _check_schemas(results: list[dict[str, Any]]) -> None:
                                    f"has columns {r['schema']}, the first record has {ref['schema']}")
 
 
-def _drop_duplicates_across(paths: list[Path], hashes: list[np.ndarray], on_invalid: str) -> int:
+def _drop_duplicates_across(paths: list[Path], hashes: list[np.ndarray], on_invalid: str) -> list[list[int]]:
     """Ids repeated across shards (each worker saw only its own): the first record keeps its id; a later one is
     an error naming it, or (`on_invalid="skip"`) removed from its shard, which is rewritten. Only the rows
-    whose 64-bit hash repeats have their ids read. Returns the number removed."""
+    whose 64-bit hash repeats have their ids read. Returns the rows removed from each shard."""
     repeated = repeated_hashes(hashes)
+    dropped: list[list[int]] = [[] for _ in paths]
     if not len(repeated):
-        return 0
+        return dropped
     seen: set[str] = set()
-    removed = 0
-    for path, h in zip(paths, hashes):
+    for k, (path, h) in enumerate(zip(paths, hashes)):
         rows = np.flatnonzero(np.isin(h, repeated))
         if not len(rows):
             continue
@@ -268,8 +271,8 @@ def _drop_duplicates_across(paths: list[Path], hashes: list[np.ndarray], on_inva
                 writer.write_table(kept, max_chunksize=ARROW_BATCH)
             del table
             tmp.replace(path)
-            removed += len(drop)
-    return removed
+            dropped[k] = drop
+    return dropped
 
 
 def _records_digest(records: list[dict[str, Any]]) -> str:
@@ -289,7 +292,8 @@ def build_crystal_dataset(source: Any, *, graph: GraphSpec | None = None, target
                           per_atom: bool = False, atom_target: str = "sum", keep: str | Sequence[str] = (),
                           labels: Sequence[Any] | None = None, ids: Sequence[str] | None = None,
                           id_key: str | None = None, id_prop: str = "id_prop.csv", on_invalid: str = "error",
-                          num_proc: int | None = None, cache_dir: str | Path | None = None) -> datasets.Dataset:
+                          num_proc: int | None = None, cache_dir: str | Path | None = None,
+                          split_key: str | int | None = None) -> datasets.Dataset:
     """Parse `source` (see `iter_crystals`), build periodic graphs and cache them as Arrow.
 
     Columns: `id`, `source`, `atomic_numbers` (int16), `positions` ([n][3] float32), `cell`
@@ -308,6 +312,12 @@ def build_crystal_dataset(source: Any, *, graph: GraphSpec | None = None, target
     leaves neither temp files nor shards of its own. The returned dataset has no format set: read
     rows with `CrystalRows(ds)` (fast) or `ds.with_format("numpy")`; its `crystal_report` attribute
     is a `CrystalReport` (the same on a cached load).
+
+    `split_key` (e.g. the run's seed): the ids' split hashes under that key (`trainer.data.splits.id_hashes`)
+    are computed once, by the build's workers (or, on a cached load without them, from the id column once),
+    stored beside the shards and attached memory-mapped as `ds.split_hashes` (uint64, one per row): a rank
+    assigns its splits from them (`assign_hashed`) without hashing every id itself. Not part of the
+    fingerprint: another key reuses the graphs.
     """
     graph = graph or GraphSpec()
     if on_invalid not in ("error", "skip"):
@@ -343,16 +353,51 @@ def build_crystal_dataset(source: Any, *, graph: GraphSpec | None = None, target
             raise CrystalDataError("<in-memory>", None, None, "records", "no_records",
                                    f"no valid records ({dict(skipped)} skipped)")
         meta, report = _build(paths, records, spec, id_key, id_prop, graph, on_invalid, num_proc, root,
-                              fingerprint, skipped, {"settings": settings, "inputs": inputs}, sidecar)
+                              fingerprint, skipped, {"settings": settings, "inputs": inputs}, sidecar, split_key)
     log_skips(Counter(report.skipped), report.records, f"crystal dataset {fingerprint[:8]}")
     ds = load_arrow([root / s for s in meta["shards"]], fingerprint)
     ds.crystal_report = report
+    if split_key is not None:
+        ds.split_hashes = _stored_split_hashes(ds, root, fingerprint, split_key)
+        ds.split_key = split_key
     return ds
+
+
+SPLIT_HASH_BLOCK = 1 << 20
+"""Ids decoded to Python strings at a time when split hashes are computed from the id column."""
+
+
+def _split_hash_path(root: Path, fingerprint: str, key: str | int) -> Path:
+    return root / f"{fingerprint}.split-{hashlib.blake2b(str(key).encode(), digest_size=8).hexdigest()}.npy"
+
+
+def _save_split_hashes(path: Path, hashes: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a unique temp name: ranks may write it at once
+    with open(tmp, "wb") as f:
+        np.save(f, np.ascontiguousarray(hashes, dtype=np.uint64))
+    tmp.replace(path)
+
+
+def _stored_split_hashes(ds: datasets.Dataset, root: Path, fingerprint: str, key: str | int) -> np.ndarray:
+    """The split hashes of every row of the cached dataset under `key`, memory-mapped from their file; a
+    cache built without them (or with another key) gets them from its id column here, once."""
+    path = _split_hash_path(root, fingerprint, key)
+    if not path.exists():
+        ids = ds.data.column("id")
+        parts = [id_hashes(ids.slice(lo, SPLIT_HASH_BLOCK).to_pylist(), key)
+                 for lo in range(0, len(ids), SPLIT_HASH_BLOCK)]
+        _save_split_hashes(path, np.concatenate(parts) if parts else np.zeros(0, np.uint64))
+    hashes = np.load(path, mmap_mode="r")
+    if len(hashes) != len(ds):  # a stale or foreign file: recompute rather than misassign
+        path.unlink(missing_ok=True)
+        return _stored_split_hashes(ds, root, fingerprint, key)
+    return hashes
 
 
 def _build(paths: list[Path], records: list[dict[str, Any]] | None, spec: TargetSpec, id_key: str | None,
            id_prop: str, graph: GraphSpec, on_invalid: str, num_proc: int | None, root: Path, fingerprint: str,
-           skipped: Counter, about: dict[str, Any], sidecar: Path) -> tuple[dict[str, Any], CrystalReport]:
+           skipped: Counter, about: dict[str, Any], sidecar: Path,
+           split_key: str | int | None = None) -> tuple[dict[str, Any], CrystalReport]:
     """Write the shards: each input is cut into pieces here (`iter_chunks`: no structure is parsed in this
     process) and each piece is read, checked and turned into graphs by a worker; at most a few pieces are in
     flight, so this process never holds the whole input."""
@@ -363,7 +408,7 @@ def _build(paths: list[Path], records: list[dict[str, Any]] | None, spec: Target
     def jobs() -> Any:
         for k, chunk in enumerate(chunks):
             names.append(f"{fingerprint}-{k:05d}.arrow")
-            yield _write_shard, (chunk, spec, id_key, graph, on_invalid), root / names[-1]
+            yield _write_shard, (chunk, spec, id_key, graph, on_invalid, split_key), root / names[-1]
 
     workers = max(1, int(num_proc or 1))
     queue = jobs()
@@ -393,7 +438,7 @@ def _build(paths: list[Path], records: list[dict[str, Any]] | None, spec: Target
                                    "no_records", f"no valid records ({_sum_skips(skipped, results)} skipped)")
         # shards where every record was skipped before its graph carry no schema: dropped
         kept_shards = [(root / n, r) for n, r in zip(names, results) if r["schema"] is not None]
-        removed = _drop_duplicates_across([p for p, _ in kept_shards], [r["hashes"] for _, r in kept_shards],
+        dropped = _drop_duplicates_across([p for p, _ in kept_shards], [r["hashes"] for _, r in kept_shards],
                                           on_invalid)
     except BaseException:
         # the shards this build published (another builder of the same cache may have published the others)
@@ -403,6 +448,10 @@ def _build(paths: list[Path], records: list[dict[str, Any]] | None, spec: Target
     for n, r in zip(names, results):
         if r["schema"] is None:
             (root / n).unlink(missing_ok=True)
+    removed = sum(len(d) for d in dropped)
+    if split_key is not None:  # the workers' split hashes, less the rows dropped as duplicates across shards
+        _save_split_hashes(_split_hash_path(root, fingerprint, split_key),
+                           np.concatenate([np.delete(r["split"], d) for (_, r), d in zip(kept_shards, dropped)]))
     total = _sum_skips(skipped, results)
     if removed:
         total["duplicate_id"] = total.get("duplicate_id", 0) + removed

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import csv
 import gzip
+import importlib.util
 import io
 import json
 import logging
 import os
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -383,64 +385,175 @@ def _row_lookup(row: Any) -> Callable[[str], tuple[np.ndarray, bool] | None]:
 _ROW_RESULTS = ("energy", "free_energy", "forces", "stress", "dipole", "charges", "magmom", "magmoms")
 
 
+def _is_lmdb(path: Path) -> bool:
+    return path.name.lower().endswith(".aselmdb")
+
+
 def _connect_db(path: Path) -> Any:
-    """An open ASE database; `.aselmdb` through ase-db-backends (fairchem's OMat24 / OMol25 files)."""
+    """An open SQLite ASE database (`.db`); `.aselmdb` files are read through `_open_lmdb`."""
     import ase.db
 
     try:
-        if path.name.lower().endswith(".aselmdb"):
-            try:
-                import ase_db_backends  # noqa: F401 -- provides ase.db's aselmdb backend
-            except ImportError as e:
-                raise CrystalDataError(str(path), None, None, "file", "unreadable",
-                                       "reading .aselmdb needs the ase-db-backends package (the crystals extra)"
-                                       ) from e
-            return ase.db.connect(str(path), type="aselmdb", readonly=True)
         return ase.db.connect(str(path), type="db")
-    except CrystalDataError:
-        raise
     except Exception as e:  # noqa: BLE001 -- each backend raises its own types
         raise CrystalDataError(str(path), None, None, "file", "unreadable", f"{type(e).__name__}: {e}") from e
 
 
-def _db_chunks(path: Path, size: int) -> Iterator[ReadChunk]:
-    db = _connect_db(path)
+def _open_lmdb(path: Path) -> Any:
+    """A read-only LMDB environment of an `.aselmdb` file, opened as ase-db-backends opens it read-only, but
+    without its `LMDBDatabase`, whose constructor lists every row id (a list of N Python ints per process)."""
     try:
-        n = db.count()
-    finally:
-        _close_db(db)  # LMDB allows one open environment per file and process: the reader opens its own
-    for lo in range(0, n, size):
-        yield ReadChunk("db", str(path), lo, (lo, min(n, lo + size)))
+        import lmdb
+        if importlib.util.find_spec("ase_db_backends") is None:  # the rows' decoder (the crystals extra)
+            raise ImportError("ase_db_backends")
+    except ImportError as e:
+        raise CrystalDataError(str(path), None, None, "file", "unreadable",
+                               "reading .aselmdb needs the ase-db-backends package (the crystals extra)") from e
+    try:
+        return lmdb.open(str(path), subdir=False, readonly=True, lock=False, meminit=False, readahead=True)
+    except Exception as e:  # noqa: BLE001 -- lmdb raises its own types on a file that is not a database
+        raise CrystalDataError(str(path), None, None, "file", "unreadable", f"{type(e).__name__}: {e}") from e
 
 
-def _iter_db(path: Path, spec: TargetSpec, id_key: str | None, check_overlap: bool, lo: int,
-             hi: int) -> Iterator[Any]:
-    """Rows lo..hi-1 (by position) of an ASE database: `.aselmdb` (fairchem's LMDB files), `.db` (SQLite)."""
-    db = _connect_db(path)
-    source = str(path)
-    ids = getattr(db, "ids", None)  # aselmdb: row k is db.ids[k], read by id without scanning the rows before it
-    rows = ((db._get_row(i) for i in ids[lo:hi]) if ids is not None and hasattr(db, "_get_row")
-            else db.select(offset=lo, limit=hi - lo))
-    index = lo - 1
+def _lmdb_header(txn: Any, key: str) -> Any:
+    """A bookkeeping value of an `.aselmdb` (`nextid`: an int, `deleted_ids`: a list of ints), decoded with zlib
+    and json: importing ASE's database modules for two numbers would cost the parent, which cuts the file
+    before any worker starts, more than reading them."""
+    raw = txn.get(key.encode("ascii"))
+    if raw is None:
+        return None
+    value = json.loads(zlib.decompress(raw))
+    if isinstance(value, dict) and "__ndarray__" in value:  # ASE's JSON form of a numpy array: [shape, dtype, flat]
+        value = value["__ndarray__"][2]
+    return value
+
+
+def _lmdb_chunks(path: Path, size: int) -> Iterator[ReadChunk]:
+    """An `.aselmdb` cut into ranges of row ids holding `size` rows each. ase-db-backends stores row `i` under
+    the key `str(i)` for i in 1..nextid-1 less the ids in `deleted_ids`: two keys read here give every range,
+    and each reader gets the deleted ids of its own range only."""
+    env = _open_lmdb(path)
     try:
-        for index, row in enumerate(rows, lo):  # noqa: B007 -- `index` names the row that failed
-            kvp = row.key_value_pairs
-            rid = str(kvp[id_key]) if id_key and id_key in kvp else f"{_short(path)}#{row.id}"
-            yield _record(source, index, rid, row.numbers, row.positions, row.cell, row.pbc, _row_lookup(row),
-                          spec, check_overlap)
+        with env.begin() as txn:
+            nextid = int(_lmdb_header(txn, "nextid") or 1)
+            deleted = np.unique(np.asarray(_lmdb_header(txn, "deleted_ids") or [], dtype=np.int64))
     except CrystalDataError:
         raise
-    except Exception as e:  # noqa: BLE001 -- a corrupt row: the backends raise many types
-        raise CrystalDataError(source, index + 1, None, "row", "unreadable",
-                               f"cannot read row {index + 1}: {type(e).__name__}: {e}") from e
+    except Exception as e:  # noqa: BLE001 -- a corrupt header record
+        raise CrystalDataError(str(path), None, None, "file", "unreadable", f"{type(e).__name__}: {e}") from e
     finally:
-        _close_db(db)
+        env.close()  # one open environment per file and process: each reader opens its own
+    deleted = deleted[(deleted >= 1) & (deleted < nextid)]
+    n = nextid - 1 - len(deleted)
+    first, position = 1, 0
+    while position < n:
+        want = min(size, n - position)
+        end = first + want
+        while True:  # widen the id range until it holds `want` live rows
+            lo, hi = np.searchsorted(deleted, [first, end])
+            live = end - first - int(hi - lo)
+            if live == want:
+                break
+            end += want - live
+        yield ReadChunk("db", str(path), position, ("lmdb", first, end, deleted[lo:hi].tolist()))
+        first, position = end, position + want
 
 
-def _close_db(db: Any) -> None:
-    close = getattr(db, "close", None)
-    if close is not None:
-        close()
+def _sqlite_chunks(path: Path, size: int) -> Iterator[ReadChunk]:
+    """A SQLite ASE database cut into ranges of row ids (`systems.id`) holding `size` rows each: SQLite gives
+    the first id of each range (a window over the id index), so neither an id list nor an OFFSET scan."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(path.resolve().as_uri() + "?mode=ro", uri=True)
+        try:
+            starts = [row[0] for row in con.execute(
+                "SELECT id FROM (SELECT id, row_number() OVER (ORDER BY id) - 1 AS r FROM systems) "
+                "WHERE r % ? = 0 ORDER BY id", (size,))]
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        raise CrystalDataError(str(path), None, None, "file", "unreadable", f"{type(e).__name__}: {e}") from e
+    for k, first in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else None
+        yield ReadChunk("db", str(path), k * size, ("sqlite", first, end, []))
+
+
+def _db_chunks(path: Path, size: int) -> Iterator[ReadChunk]:
+    return _lmdb_chunks(path, size) if _is_lmdb(path) else _sqlite_chunks(path, size)
+
+
+def _lmdb_rows(path: Path, first: int, end: int, deleted: Sequence[int]) -> Iterator[tuple[int, Any]]:
+    """(row id, `AtomsRow` or the exception decoding it raised) of ids first..end-1, read by key in this
+    process's own read-only environment (as `LMDBDatabase._get_row` builds a row)."""
+    from ase.calculators.calculator import all_properties
+    from ase.db.row import AtomsRow
+    from ase_db_backends.aselmdb import decode_bytestream
+
+    skip = set(deleted)
+    env = _open_lmdb(path)
+    try:
+        # The range's compressed records are read first and the environment closed before any row is handed
+        # on: a consumer that stops on an error must not leave it open (LMDB allows one per file and process).
+        with env.begin() as txn:
+            raw = [(idx, txn.get(str(idx).encode("ascii"))) for idx in range(first, end) if idx not in skip]
+    finally:
+        env.close()
+    for idx, data in raw:
+        try:
+            if data is None:
+                raise KeyError(f"no row with id {idx} (nextid and deleted_ids disagree)")
+            dct = decode_bytestream(data, decompress=True, json_decode=True)
+            for key in all_properties:
+                if key in dct and isinstance(dct[key], list):
+                    dct[key] = np.array(dct[key])
+            dct["id"] = idx
+            row = AtomsRow(dct)
+        except Exception as e:  # noqa: BLE001 -- a corrupt record: zlib, JSON or the row's own checks
+            yield idx, e
+            continue
+        yield idx, row
+
+
+def _sqlite_rows(path: Path, first: int, end: int | None) -> Iterator[tuple[int, Any]]:
+    """(row id, `AtomsRow` or the exception converting it raised) of ids first..end-1 of a SQLite ASE db."""
+    db = _connect_db(path)
+    sql = "SELECT * FROM systems WHERE id >= ?" + (" AND id < ?" if end is not None else "") + " ORDER BY id"
+    with db.managed_connection() as con:
+        cur = con.cursor()
+        cur.execute(sql, (first,) if end is None else (first, end))
+        while batch := cur.fetchmany(256):
+            for values in batch:
+                try:
+                    yield values[0], db._convert_tuple_to_row(values)
+                except Exception as e:  # noqa: BLE001 -- a corrupt blob or JSON column
+                    yield values[0], e
+
+
+def _iter_db(path: Path, spec: TargetSpec, id_key: str | None, check_overlap: bool, start: int,
+             where: tuple[str, int, int | None, list[int]]) -> Iterator[Any]:
+    """The rows of one id range of an ASE database, `.aselmdb` (fairchem's LMDB files) or `.db` (SQLite); the
+    first is row `start` of the file (by position). A row that cannot be decoded is a `CrystalDataError`
+    (reason "unreadable", field "row") in its place: skipped under on_invalid="skip"."""
+    backend, first, end, deleted = where
+    source = str(path)
+    rows = _lmdb_rows(path, first, end, deleted) if backend == "lmdb" else _sqlite_rows(path, first, end)
+    for index, (idx, row) in enumerate(rows, start):
+        rid = f"{_short(path)}#{idx}"
+        if isinstance(row, Exception):
+            yield CrystalDataError(source, index, rid, "row", "unreadable",
+                                   f"cannot decode row id {idx}: {type(row).__name__}: {row}")
+            continue
+        try:
+            kvp = row.key_value_pairs
+            if id_key and id_key in kvp:
+                rid = str(kvp[id_key])
+            item = _record(source, index, rid, row.numbers, row.positions, row.cell, row.pbc, _row_lookup(row),
+                           spec, check_overlap)
+        except Exception as e:  # noqa: BLE001 -- a decoded row missing its structure fields
+            item = CrystalDataError(source, index, rid, "row", "unreadable",
+                                    f"cannot read row id {idx}: {type(e).__name__}: {e}")
+        yield item
 
 
 def _short(path: Path) -> str:
@@ -462,24 +575,89 @@ def _open_text(path: Path) -> io.TextIOBase:
     return open(path, encoding="utf-8")
 
 
+MLEARN_READ_CHARS = 1 << 20
+"""Characters of an mlearn JSON file read at a time while it is cut into records."""
+
+
+def _json_list_items(f: io.TextIOBase, source: str) -> Iterator[str]:
+    """The JSON text of each item of the top-level list in `f`, one at a time: the file is read
+    `MLEARN_READ_CHARS` at a time and each item is found by `json.JSONDecoder.raw_decode`, so only the item being
+    read and one block are held. A file that is not a JSON list, or a broken item, is an error naming the item."""
+    decoder = json.JSONDecoder()
+    buf, pos, eof, index = "", 0, False, 0
+
+    def more() -> bool:
+        nonlocal buf, pos, eof
+        if eof:
+            return False
+        block = f.read(MLEARN_READ_CHARS)
+        eof = not block
+        buf, pos = buf[pos:] + block, 0
+        return not eof
+
+    def skip_space() -> str:
+        nonlocal pos
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n":
+                pos += 1
+            if pos < len(buf) or not more():
+                return buf[pos] if pos < len(buf) else ""
+
+    def fail(detail: str) -> CrystalDataError:
+        return CrystalDataError(source, index, None, "file", "unreadable", detail)
+
+    if skip_space() != "[":
+        raise CrystalDataError(source, None, None, "file", "unreadable", "expected a JSON list of records")
+    pos += 1
+    if skip_space() == "]":
+        return
+    while True:
+        while True:
+            try:
+                _, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError as e:
+                if more():
+                    continue
+                raise fail(f"record {index} is not valid JSON: {e.msg}") from None
+            if end < len(buf) or eof or not more():  # a number at the block's end may go on in the next one
+                break
+        yield buf[pos:end]
+        index += 1
+        pos = end
+        sep = skip_space()
+        if sep == "]":
+            return
+        if sep != ",":
+            raise fail(f"expected ',' or ']' after record {index - 1}, found {sep[:1]!r}" if sep
+                       else f"the file ends inside the list, after record {index - 1}")
+        pos += 1
+        skip_space()
+
+
 def _mlearn_chunks(path: Path, size: int) -> Iterator[ReadChunk]:
-    """mlearn JSON is one list (the sets are small): loaded whole here, handed on `size` records at a time."""
+    """An mlearn JSON list cut into the JSON text of `size` records at a time, streamed (`_json_list_items`): this
+    process never holds the whole file, and the workers parse the records."""
     source = str(path)
     try:
         with _open_text(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError, EOFError) as e:
+            items: list[str] = []
+            start = 0
+            for text in _json_list_items(f, source):
+                items.append(text)
+                if len(items) == size:
+                    yield ReadChunk("mlearn", source, start, "[" + ",".join(items) + "]")
+                    start, items = start + size, []
+            if items:
+                yield ReadChunk("mlearn", source, start, "[" + ",".join(items) + "]")
+    except (OSError, EOFError, UnicodeDecodeError) as e:
         raise CrystalDataError(source, None, None, "file", "unreadable", f"{type(e).__name__}: {e}") from e
-    if not isinstance(data, list):
-        raise CrystalDataError(source, None, None, "file", "unreadable", "expected a JSON list of records")
-    for lo in range(0, len(data), size):
-        yield ReadChunk("mlearn", source, lo, data[lo:lo + size])
 
 
-def _iter_mlearn(path: Path, spec: TargetSpec, check_overlap: bool, data: list[Any], start: int) -> Iterator[Any]:
-    """mlearn JSON records `data` (from record `start` of `path`): {structure: Structure.as_dict(), outputs:
-    {energy, forces, virial_stress}}."""
+def _iter_mlearn(path: Path, spec: TargetSpec, check_overlap: bool, text: str, start: int) -> Iterator[Any]:
+    """mlearn JSON records, the JSON list `text` (from record `start` of `path`): {structure:
+    Structure.as_dict(), outputs: {energy, forces, virial_stress}}."""
     source = str(path)
+    data = json.loads(text)
     table, _ = _elements_table()
     prefix = _short(path)
     for index, item in enumerate(data, start):
@@ -708,7 +886,8 @@ CHUNK_RECORDS = 1024
 class ReadChunk:
     """A piece of one input file that a worker reads on its own: `start` is the index of its first record in
     the file; `payload` is what the worker needs beside the path (extxyz: the frames' text; ASE db: the
-    (first, end) row positions; mlearn: the raw JSON items; id_prop: the CSV rows). Small enough to pickle."""
+    backend and the range of row ids; mlearn: the records' JSON text; id_prop: the CSV rows). Small enough to
+    pickle."""
 
     kind: str
     path: str
@@ -718,8 +897,8 @@ class ReadChunk:
 
 def iter_chunks(paths: Sequence[Path], size: int, id_prop: str = "id_prop.csv") -> Iterator[ReadChunk]:
     """Every input cut into `ReadChunk`s of up to `size` records, in file order, without parsing a structure:
-    an extxyz is cut by the frames' atom-count lines, an ASE database by row positions, a POSCAR/CIF folder by
-    the rows of its id_prop.csv (mlearn JSON, a single list, is loaded and cut)."""
+    an extxyz is cut by the frames' atom-count lines, an ASE database by ranges of row ids, a POSCAR/CIF folder by
+    the rows of its id_prop.csv, an mlearn JSON list by its items (streamed)."""
     global PARSE_CALLS
     for path in paths:
         if not path.exists():
@@ -744,7 +923,7 @@ def read_chunk(chunk: ReadChunk, spec: TargetSpec, id_key: str | None = None,
     if chunk.kind == "extxyz":
         return _iter_extxyz(path, spec, id_key, check_overlap, chunk.payload, chunk.start)
     if chunk.kind == "db":
-        return _iter_db(path, spec, id_key, check_overlap, *chunk.payload)
+        return _iter_db(path, spec, id_key, check_overlap, chunk.start, chunk.payload)
     if chunk.kind == "mlearn":
         return _iter_mlearn(path, spec, check_overlap, chunk.payload, chunk.start)
     if chunk.kind == "id_prop":

@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from trainer.atomic_io import atomic_write_json, atomic_write_text
-from trainer.data.arrow_cache import ListColumn, column_array, selected_column
-from trainer.data.splits import split_indices
+from trainer.data.arrow_cache import ListColumn, column_array, selected_column, selected_rows
+from trainer.data.splits import assign_hashed, split_indices
 from trainer.families.crystals.comformer import build_comformer, comformer_config
 from trainer.families.crystals.dataset import (
     CrystalRows,
@@ -152,7 +152,14 @@ SPLIT_BLOCK_ROWS = 1 << 20
 
 
 def _split_rows(ds: Any, fractions: dict[str, float], key: int) -> dict[str, np.ndarray]:
-    """`split_indices` of the dataset's ids, read `SPLIT_BLOCK_ROWS` at a time (the same rows: the rule is per id)."""
+    """`split_indices` of the dataset's ids: from the split hashes stored at build time (`ds.split_hashes`, keyed
+    by `key`) when the dataset has them, else from its ids read `SPLIT_BLOCK_ROWS` at a time (the same rows
+    either way: the rule is per id)."""
+    hashes = getattr(ds, "split_hashes", None)
+    if hashes is not None and getattr(ds, "split_key", None) == key and selected_rows(ds) is None:
+        names = list(fractions)
+        which = assign_hashed(hashes, [fractions[n] for n in names])
+        return {name: np.flatnonzero(which == k) for k, name in enumerate(names)}
     ids = selected_column(ds, "id")
     found: dict[str, list[np.ndarray]] = {name: [] for name in fractions}
     for lo in range(0, len(ids), SPLIT_BLOCK_ROWS):
@@ -177,12 +184,12 @@ class CrystalPropertyTask(Task):
         self.baseline = torch.tensor(stats["baseline_coef"], dtype=torch.float32)
 
     # ------------------------------------------------------------------ data
-    def _build(self, source: Any, target: str, per_atom: bool) -> Any:
+    def _build(self, source: Any, target: str, per_atom: bool, split_key: int | None = None) -> Any:
         c = self.cfg
         spec = GraphSpec(kind=c.graph, cutoff=c.cutoff, k=c.max_neighbors, use_lattice=c.use_lattice)
         ds = build_crystal_dataset(source, graph=spec, target=target, per_atom=per_atom, on_invalid=c.on_invalid,
                                    id_key=c.id_key or None, num_proc=c.num_proc or None,
-                                   cache_dir=c.cache_dir or None)
+                                   cache_dir=c.cache_dir or None, split_key=split_key)
         logger.info("%s: %s", source, ds.crystal_report.summary())
         return ds
 
@@ -195,7 +202,7 @@ class CrystalPropertyTask(Task):
     def build_data(self) -> TaskData:
         c = self.cfg
         train_source, test_source = self._sources()
-        full = self._build(train_source, c.target, c.per_atom)
+        full = self._build(train_source, c.target, c.per_atom, split_key=self.seed)
         hold_test = 0.0 if test_source is not None else c.test_fraction
         # Each id goes to a split by its own hash (keyed by the seed): the split of a structure does
         # not depend on the others, the file order or the world size; sizes are close to the fractions.
