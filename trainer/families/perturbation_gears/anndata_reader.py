@@ -222,6 +222,15 @@ def _packed_row(positions: np.ndarray, num_genes: int) -> np.ndarray:
     return np.packbits(row)
 
 
+def shared_strings(column: Any) -> np.ndarray:
+    """[N] object array of a per-cell text column (as `astype(str)` writes it), one str object per distinct value.
+
+    `astype(str)` makes a str object per cell (about 60 bytes each, for every rank, for the whole run); a handful
+    of cell types shared by pointer cost the pointer only."""
+    codes, uniques = pd.factorize(pd.Series(column).astype(str), sort=False)
+    return np.asarray(uniques, dtype=object)[codes] if len(codes) else np.zeros(0, dtype=object)
+
+
 class ConditionGeneSets(Mapping):
     """{condition: int64 gene positions} kept as one bit-packed [conditions, G] matrix (a bit per gene).
 
@@ -1009,7 +1018,7 @@ def _read(adata: anndata.AnnData, where: str, backed: bool, gene2go: str | Path 
     pert_genes = sorted(g for g in universe if go is None or g in go)
     return PerturbationData(
         X=X, gene_names=gene_names, var_names=var_names, conditions=conditions, cell_condition=cell_condition,
-        cell_type=adata.obs["cell_type"].astype(str).to_numpy(dtype=object),
+        cell_type=shared_strings(adata.obs["cell_type"]),
         condition_names=[names[first_of[c]] for c in conditions], pert_genes=pert_genes,
         de_idx=per_condition["rank_genes_groups_cov_all"], top_non_dropout_de_20=per_condition["top_non_dropout_de_20"],
         top_non_zero_de_20=per_condition["top_non_zero_de_20"], non_zeros_gene_idx=per_condition["non_zeros_gene_idx"],

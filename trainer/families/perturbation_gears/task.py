@@ -10,10 +10,13 @@ batch size and each metric is computed on cell-mean profiles, per condition, the
 
 Statistics (`TaskData.stats`, saved as `task_stats.json` and inside every export) hold what the model,
 eval, report and `predict` need without the data: gene names, perturbable genes, the condition list,
-the control mean, each condition's DE genes, the split with its subgroups, and both graphs as edge
-lists. The graphs go through the statistics because `build_model(stats)` must rebuild the model from an
-export alone; their size is ~21 edges a gene (Norman: ~5k genes -> about 2 x 100k edges, a few MB of
-JSON), small next to the model's per-gene weights. The split is also written as the artifact `split.json`.
+the control mean, each condition's DE genes, the split with its subgroups, and both graphs' edges. The graphs
+go through the statistics because `build_model(stats)` must rebuild the model from an export alone; their
+size is ~21 edges a gene (Norman: ~5k genes -> about 2 x 100k edges), small next to the model's per-gene
+weights. Edges and DE genes are stored as arrays (`encode_array`: int32 / float32 bytes in base64, still
+JSON), not lists of Python numbers: every rank holds the statistics for the whole run, and a list costs an
+int object and a pointer per element. Readers go through `decode_array` / `per_condition_stats`, which also
+read the lists that older exports hold. The split is also written as the artifact `split.json`.
 
 The test report (`write_report`) scores the four baselines (`baselines.py`, fit on the training
 conditions) on the same test conditions and writes them next to the model per subgroup.
@@ -21,6 +24,7 @@ conditions) on the same test conditions and writes them next to the model per su
 
 from __future__ import annotations
 
+import base64
 import csv
 import io
 import logging
@@ -148,18 +152,50 @@ def load_perturbation_data(cfg: PerturbationGearsConfig) -> tuple[PerturbationDa
     return data, gene2go
 
 
+ARRAY_KEY = "base64"
+"""Key of an array in the statistics (`encode_array`): dtype, shape and the little-endian bytes in base64."""
+
+
+def encode_array(values: np.ndarray | Sequence[Any], dtype: str) -> dict[str, Any]:
+    """A JSON-able array (dtype, shape, base64 bytes): the statistics are JSON, and a Python list holds a 28-byte int
+    object and an 8-byte pointer per element where the array needs 4 bytes (`decode_array` reads it back)."""
+    arr = np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<"))
+    return {"dtype": np.dtype(dtype).name, "shape": list(arr.shape), ARRAY_KEY: base64.b64encode(arr.tobytes()).decode("ascii")}
+
+
+def decode_array(value: Any, dtype: str | np.dtype | None = None) -> np.ndarray:
+    """The array of a statistics field: an `encode_array` dict, or a list (statistics written before they were
+    encoded, e.g. an older export's task_stats.json); cast to `dtype` when given."""
+    if isinstance(value, Mapping) and ARRAY_KEY in value:
+        try:
+            raw = base64.b64decode(value[ARRAY_KEY], validate=True)
+            arr = np.frombuffer(raw, dtype=np.dtype(value["dtype"]).newbyteorder("<")).reshape(value["shape"])
+        except (ValueError, TypeError, KeyError) as err:
+            raise DataError(f"statistics: malformed encoded array (dtype {value.get('dtype')!r}, shape "
+                            f"{value.get('shape')!r}): {err}") from err
+    else:
+        arr = np.asarray(value)
+    return arr if dtype is None else arr.astype(dtype, copy=False)
+
+
 def graphs_to_stats(graphs: GeneGraphs) -> dict[str, Any]:
-    """JSON-able edge lists (float32 weights survive the float64 JSON round trip exactly)."""
+    """The graphs' edges as encoded arrays (int32 gene indices, float32 weights; `decode_array`)."""
     return {"key": graphs.key,
-            "go_edge_index": graphs.go_edge_index.astype(np.int64).tolist(),
-            "go_edge_weight": graphs.go_edge_weight.astype(np.float32).tolist(),
-            "coexpression_edge_index": graphs.coexpression_edge_index.astype(np.int64).tolist(),
-            "coexpression_edge_weight": graphs.coexpression_edge_weight.astype(np.float32).tolist()}
+            "go_edge_index": encode_array(graphs.go_edge_index, "int32"),
+            "go_edge_weight": encode_array(graphs.go_edge_weight, "float32"),
+            "coexpression_edge_index": encode_array(graphs.coexpression_edge_index, "int32"),
+            "coexpression_edge_weight": encode_array(graphs.coexpression_edge_weight, "float32")}
 
 
 def _edges(stats_graphs: Mapping[str, Any], name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    index = torch.tensor(stats_graphs[f"{name}_edge_index"], dtype=torch.long).reshape(2, -1)
-    return index, torch.tensor(stats_graphs[f"{name}_edge_weight"], dtype=torch.float32)
+    index = torch.from_numpy(decode_array(stats_graphs[f"{name}_edge_index"], np.int64).reshape(2, -1).copy())
+    return index, torch.from_numpy(decode_array(stats_graphs[f"{name}_edge_weight"], np.float32).copy())
+
+
+def per_condition_stats(stats: Mapping[str, Any], field: str, condition: str) -> np.ndarray | None:
+    """A condition's genes of a per-condition statistics field (`de_idx`, `ranked_de_idx`) as int64, or None."""
+    value = stats[field].get(condition)
+    return None if value is None else decode_array(value, np.int64)
 
 
 def build_gears_model(cfg: PerturbationGearsConfig, stats: Mapping[str, Any]) -> GEARSModel:
@@ -268,8 +304,8 @@ class PerturbationGearsTask(Task):
         conditions = data.condition_strings
         return {"gene_names": data.gene_names.tolist(), "pert_genes": list(data.pert_genes),
                 "conditions": conditions, "ctrl_mean": data.ctrl_mean.astype(np.float32).tolist(),
-                "de_idx": {format_condition(k): v.tolist() for k, v in data.de_idx.items()},
-                "ranked_de_idx": {format_condition(k): v.tolist() for k, v in data.ranked_de_idx.items()},
+                "de_idx": {format_condition(k): encode_array(v, "int32") for k, v in data.de_idx.items()},
+                "ranked_de_idx": {format_condition(k): encode_array(v, "int32") for k, v in data.ranked_de_idx.items()},
                 "split": {"mode": split.mode, "seed": split.seed, "train": split.train, "val": split.val,
                           "test": split.test, "subgroups": split.subgroups, "held_out": split.held_out,
                           "params": split.params},
@@ -336,10 +372,10 @@ class PerturbationGearsTask(Task):
         out = {}
         for row, code in enumerate(codes):
             name = names[code]
-            de = self.stats["de_idx"].get(name)
+            de = per_condition_stats(self.stats, "de_idx", name)
             profile = pred[row] if predictions is None else predictions[name]
-            out[name] = condition_metrics(profile, true[row], ctrl, de, ranked_de_idx=self.stats["ranked_de_idx"].get(name),
-                                          top_expressed_idx=top)
+            ranked = per_condition_stats(self.stats, "ranked_de_idx", name)
+            out[name] = condition_metrics(profile, true[row], ctrl, de, ranked_de_idx=ranked, top_expressed_idx=top)
         return out
 
     def subgroups_of(self, evaluated: Sequence[str]) -> dict[str, list[str]]:
@@ -408,7 +444,8 @@ class PerturbationGearsTask(Task):
         fig, axes = plt.subplots(len(picks), 1, figsize=(7, 2.6 * len(picks)), squeeze=False)
         for ax, row in zip(axes[:, 0], picks):
             name = names[codes[row]]
-            de = np.asarray(self.stats["de_idx"].get(name, []), dtype=np.int64)
+            de = per_condition_stats(self.stats, "de_idx", name)
+            de = np.zeros(0, dtype=np.int64) if de is None else de
             if de.size == 0:
                 ax.set_axis_off()
                 continue
