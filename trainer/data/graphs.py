@@ -22,11 +22,14 @@ reference the benchmarks compare against.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch only where a batch is made: processes that build graphs (shard workers) never load it
+    import torch
 
 MAX_SEARCH_RADIUS = 100.0
 """Å: the k-NN search gives up beyond this radius (only reachable with absurd inputs)."""
@@ -40,6 +43,23 @@ def _pbc(cell: np.ndarray | None, pbc: bool | Sequence[bool] | None) -> np.ndarr
     return np.broadcast_to(np.asarray(True if pbc is None else pbc, dtype=bool), (3,))
 
 
+def _vesin() -> Any:
+    """The vesin module. Imported with torch unavailable in a process that has not loaded torch (a shard
+    worker building graphs from numpy): vesin imports torch when it can, only to accept torch tensors, which
+    this module never passes, and that import costs a worker more than its own start-up. A process that has
+    loaded torch gets vesin as it is."""
+    if "vesin" in sys.modules or "torch" in sys.modules:
+        import vesin
+
+        return vesin
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError meanwhile
+    try:
+        import vesin
+    finally:
+        del sys.modules["torch"]
+    return vesin
+
+
 def neighbor_pairs(positions: np.ndarray, cell: np.ndarray | None, cutoff: float, backend: str = "vesin",
                    pbc: bool | Sequence[bool] | None = None) -> Pairs:
     """(i, j, S, d) of every ordered pair closer than `cutoff` (see the module docstring).
@@ -51,8 +71,7 @@ def neighbor_pairs(positions: np.ndarray, cell: np.ndarray | None, cutoff: float
     periodic = _pbc(cell, pbc)
     box = np.zeros((3, 3)) if cell is None else np.ascontiguousarray(cell, dtype=np.float64)
     if backend == "vesin":
-        import vesin
-
+        vesin = _vesin()
         i, j, S, d = vesin.NeighborList(cutoff=float(cutoff), full_list=True).compute(
             positions, box, bool(periodic[0]) if periodic.all() or not periodic.any() else periodic.tolist(),
             quantities="ijSd", copy=True)
@@ -159,6 +178,8 @@ def collate_sparse_graphs(rows: Sequence[Mapping[str, Any]], *, size_key: str,
     shape of a column (e.g. {"positions": (3,)}), so that empty rows keep it. Adds `batch` (Long [N],
     the graph of each node), `num_nodes_key` and `num_edges_key` (Long [B]).
     """
+    import torch
+
     shapes = shapes or {}
     num_nodes = np.fromiter((len(r[size_key]) for r in rows), dtype=np.int64, count=len(rows))
     num_edges = np.fromiter((len(r[index_keys[0]]) for r in rows), dtype=np.int64, count=len(rows)) \

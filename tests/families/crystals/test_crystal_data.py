@@ -22,6 +22,7 @@ from trainer.data.splits import split_indices
 from trainer.families.crystals import dataset as D
 from trainer.families.crystals import graphs as G
 from trainer.families.crystals import readers as R
+from trainer.families.crystals import shards as S
 from trainer.families.crystals.dataset import (
     CrystalRows,
     atom_counts,
@@ -553,18 +554,18 @@ def test_nan_position_reports_the_atom(tmp_path):
 def test_failed_build_leaves_no_temp_files(tmp_path, monkeypatch):
     """A record that fails in the graph step after rows were already written to the shard's temp file:
     the build raises the record's error and the cache folder holds no temp file, shard or sidecar."""
-    monkeypatch.setattr(D, "ARROW_BATCH", 2)  # flush every 2 rows, so the temp file has data when it fails
+    monkeypatch.setattr(S, "ARROW_BATCH", 2)  # flush every 2 rows, so the temp file has data when it fails
     items, _ = _bad_json_items()
     path = write_json(tmp_path, mlearn_items("Si", "test")[:7] + [items[6]])  # items[6]: overlapping atoms
     cache = tmp_path / "cache"
     written = []
-    real_writer = D.arrow_writer
+    real_writer = S.shard_writer
 
-    def spy(features, target):
+    def spy(schema, target):
         written.append(target)
-        return real_writer(features, target)
+        return real_writer(schema, target)
 
-    monkeypatch.setattr(D, "arrow_writer", spy)
+    monkeypatch.setattr(S, "shard_writer", spy)
     with pytest.raises(CrystalDataError, match="overlapping_atoms") as info:
         build_crystal_dataset(path, graph=GraphSpec(k=12), cache_dir=cache)
     assert info.value.index == 7

@@ -11,6 +11,7 @@ import pytest
 from trainer.data.arrow_cache import ListColumn, column_array
 from trainer.families.crystals import dataset as D
 from trainer.families.crystals import readers as R
+from trainer.families.crystals import shards as S
 from trainer.families.crystals import task as T
 from trainer.families.crystals.dataset import build_crystal_dataset
 from trainer.families.crystals.graphs import GraphSpec
@@ -67,7 +68,7 @@ def test_parent_never_holds_every_structure(tmp_path, monkeypatch):
     path = _extxyz(tmp_path / "set.extxyz", _frames(9))
     monkeypatch.setattr(D, "SHARD_RECORDS", 3)
     parsed, at_first_write = [0], []
-    real_record, real_write = R._record, D._write_graph_rows
+    real_record, real_write = R._record, S._write_graph_rows
 
     def counting_record(*args, **kwargs):
         parsed[0] += 1
@@ -78,7 +79,7 @@ def test_parent_never_holds_every_structure(tmp_path, monkeypatch):
         return real_write(*args, **kwargs)
 
     monkeypatch.setattr(R, "_record", counting_record)
-    monkeypatch.setattr(D, "_write_graph_rows", spy_write)
+    monkeypatch.setattr(S, "_write_graph_rows", spy_write)
     ds = build_crystal_dataset(path, graph=SPEC, cache_dir=tmp_path / "c")
     assert len(ds) == 9 and parsed[0] == 9
     assert at_first_write == [3, 6, 9]

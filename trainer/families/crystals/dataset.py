@@ -1,7 +1,8 @@
 """Crystal graph datasets: the cached Arrow build, fast rows, sizes, the batch collate and splits.
 
 `build_crystal_dataset` reads a source (`readers.iter_crystals`), builds every structure's graph
-(`graphs.build_crystal_graph`) and writes Arrow shards through `trainer.data.arrow_cache`, once per
+(`graphs.build_crystal_graph`) and writes Arrow shards (`shards.write_shard`, the worker's job, in a module
+that imports neither torch nor `datasets`) through `trainer.data.arrow_cache`, once per
 (input files' path/size/mtime or in-memory content, reader options, graph settings); a second call
 loads the memory-mapped Arrow files without parsing. `CrystalRows` reads rows straight from the
 Arrow buffers, `collate_graphs` turns rows into a sparse graph batch (`trainer.data.graphs`) that
@@ -26,12 +27,10 @@ import pyarrow as pa
 import torch
 
 from trainer.data.arrow_cache import (
-    arrow_writer,
     build_shards,
     cache_root,
     digest,
     file_keys,
-    list_array,
     load_arrow,
     read_meta,
     selected_column,
@@ -40,192 +39,32 @@ from trainer.data.arrow_cache import (
 )
 from trainer.data.graphs import collate_sparse_graphs
 from trainer.data.splits import id_hashes, repeated_hashes, split_indices
-from trainer.families.crystals.graphs import GraphSpec, build_crystal_graph
+from trainer.families.crystals.graphs import GraphSpec
 from trainer.families.crystals.lattice import canonical_lattice_coeffs
 from trainer.families.crystals.readers import (
     CrystalDataError,
     CrystalReport,
-    ReadChunk,
     TargetSpec,
     as_sources,
     iter_chunks,
     iter_crystals,
     log_skips,
-    read_chunk,
     skip_or_raise,
 )
+from trainer.families.crystals.shards import ARROW_BATCH, write_shard
 
 FORMAT_VERSION = "crystals-v2"
 """Bump when readers or graph building change their output, so that old caches are not reused.
 v2: one lattice rule (`lattice.py`), stored as `lattice_coeffs` (int32)."""
 
-ARROW_BATCH = 256
-"""Structures per Arrow record batch."""
 SHARD_RECORDS = 4096
 """Structures per Arrow shard: one worker job reads this many from its piece of the input, builds their graphs
 and writes them. Bounds what a worker holds (its structures as numpy arrays) and what the parent holds (the
 pieces in flight: a few shards' worth of extxyz text or JSON items, or only row ranges of an ASE database)."""
 
-_EDGE_DTYPE = np.int8
-_BASE_FEATURES = {
-    "id": datasets.Value("string"),
-    "source": datasets.Value("string"),
-    "atomic_numbers": datasets.List(datasets.Value("int16")),
-    "positions": datasets.List(datasets.List(datasets.Value("float32"), length=3)),
-    "cell": datasets.List(datasets.List(datasets.Value("float32"), length=3), length=3),
-    "num_atoms": datasets.Value("int32"),
-    "edge_src": datasets.List(datasets.Value("int32")),
-    "edge_dst": datasets.List(datasets.Value("int32")),
-    "edge_shift": datasets.List(datasets.List(datasets.Value("int8"), length=3)),
-    "num_edges": datasets.Value("int32"),
-    "lattice_coeffs": datasets.List(datasets.List(datasets.Value("int32"), length=3), length=3),
-}
-
-_CORE_KEYS = ("id", "source", "index", "atomic_numbers", "positions", "cell", "pbc")
-
 
 # --------------------------------------------------------------------------------------------------
-# Arrow schema and columns
-
-
-def _value_feature(example: Any, per_atom: bool) -> Any:
-    """Arrow feature of a target / extra column, from one record's value."""
-    arr = np.asarray(example)
-    inner = arr.shape[1:] if per_atom else arr.shape
-    dtype = "float32" if per_atom else "float64"
-    if len(inner) == 0:
-        feat: Any = datasets.Value(dtype)
-    elif len(inner) == 1:
-        feat = datasets.List(datasets.Value(dtype), length=int(inner[0]))
-    else:
-        raise ValueError(f"values of shape {arr.shape} are not supported")
-    return datasets.List(feat) if per_atom else feat
-
-
-def _features_for(records: list[dict[str, Any]]) -> datasets.Features:
-    """Schema: the fixed columns plus target / atom_target / kept extras, shaped like the first record;
-    every record must match (a mismatch is a `CrystalDataError` naming it)."""
-    feats = dict(_BASE_FEATURES)
-    first = records[0]
-    extra = [k for k in first if k not in _CORE_KEYS]
-    for key in extra:
-        feats[key] = _value_feature(first[key], key.startswith("atom_"))
-    for rec in records:
-        keys = [k for k in rec if k not in _CORE_KEYS]
-        if keys != extra:
-            raise CrystalDataError(rec["source"], rec["index"], rec["id"], "target", "inconsistent_target",
-                                   f"has columns {keys}, the first record has {extra}")
-        for key in extra:
-            shape, ref = np.shape(rec[key]), np.shape(first[key])
-            if (shape[1:] if key.startswith("atom_") else shape) != (ref[1:] if key.startswith("atom_") else ref):
-                raise CrystalDataError(rec["source"], rec["index"], rec["id"], key, "inconsistent_target",
-                                       f"shape {shape}, the first record has {ref}")
-    return datasets.Features(feats)
-
-
-def _fixed_array(parts: list[np.ndarray], dtype: Any, shape: tuple[int, ...]) -> pa.Array:
-    values: pa.Array = pa.array(np.concatenate([np.asarray(p, dtype=dtype).reshape(-1) for p in parts]))
-    for width in reversed(shape):
-        values = pa.FixedSizeListArray.from_arrays(values, width)
-    return values
-
-
-def _column(name: str, feat: Any, parts: list[Any]) -> pa.Array:
-    """One Arrow column from per-record values, built from numpy (no per-element Python)."""
-    if isinstance(feat, datasets.Value):
-        return pa.array(parts, type=feat.pa_type)
-    dtype = np.dtype(feat.feature.dtype if isinstance(feat.feature, datasets.Value) else feat.feature.feature.dtype)
-    if feat.length != -1:  # fixed outer size: cell, lattice_coeffs, vector targets
-        shape = (feat.length,) if isinstance(feat.feature, datasets.Value) else (feat.length, feat.feature.length)
-        return _fixed_array(parts, dtype, shape)
-    width = None if isinstance(feat.feature, datasets.Value) else feat.feature.length
-    return list_array(parts, dtype, width)
-
-
-# --------------------------------------------------------------------------------------------------
-# the build
-
-
-def _record_graph(rec: dict[str, Any], spec: GraphSpec) -> dict[str, Any] | CrystalDataError:
-    try:
-        g = build_crystal_graph(rec["positions"], rec["cell"], spec, check_overlap=True)
-    except ValueError as e:
-        return CrystalDataError(rec["source"], rec["index"], rec["id"], "positions",
-                                "overlapping_atoms" if "apart" in str(e) else "bad_value", str(e))
-    if np.abs(g["edge_shift"]).max(initial=0) > np.iinfo(_EDGE_DTYPE).max:
-        return CrystalDataError(rec["source"], rec["index"], rec["id"], "cell", "bad_value",
-                                "periodic image shifts beyond int8: cell far thinner than the cutoff")
-    return g
-
-
-def _write_graph_rows(records: list[dict[str, Any]], spec: GraphSpec, features: datasets.Features, on_invalid: str,
-                      path: str) -> dict[str, int]:
-    """Build the graphs of `records` and write them to the Arrow file `path` (a temp name that
-    `build_shards` renames into place, or removes when this raises). Returns the skip counts
-    (overlapping atoms show up here, from the graph's own neighbour list)."""
-    skipped: Counter = Counter()
-    names = list(features)
-    with arrow_writer(features, path) as writer:
-        rows: list[dict[str, Any]] = []
-
-        def flush() -> None:
-            cols = [_column(name, features[name], [r[name] for r in rows]) for name in names]
-            writer.write_table(pa.Table.from_arrays(cols, schema=features.arrow_schema))
-            rows.clear()
-
-        for rec in records:
-            g = _record_graph(rec, spec)
-            if isinstance(g, CrystalDataError):
-                skip_or_raise(g, on_invalid, skipped)
-                continue
-            row = {k: v for k, v in rec.items() if k in features}
-            row.update(g, num_atoms=len(rec["atomic_numbers"]), num_edges=len(g["edge_src"]))
-            rows.append(row)
-            if len(rows) == ARROW_BATCH:
-                flush()
-        if rows:
-            flush()
-        writer.finalize()
-    return dict(skipped)
-
-
-def _write_shard(chunk: ReadChunk | list[dict[str, Any]], spec: TargetSpec, id_key: str | None, graph: GraphSpec,
-                 on_invalid: str, split_key: Any, path: str) -> dict[str, Any]:
-    """One worker job: read `chunk` (a piece of an input file, or validated in-memory records), check ids within
-    it, build the graphs and write the Arrow shard `path`. Returns what the parent needs to finish the build:
-    skip counts, records read and kept, the schema of the target / extra columns, the first record (to name
-    it when shards disagree), the 64-bit hashes of the kept ids (for the check of ids across shards) and, with a
-    `split_key`, their split hashes keyed by it (`trainer.data.splits.id_hashes`)."""
-    skipped: Counter = Counter()
-    records: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    items = chunk if isinstance(chunk, list) else read_chunk(chunk, spec, id_key, check_overlap=False)
-    for item in items:  # overlaps come free from the graph's neighbour list
-        if isinstance(item, CrystalDataError):
-            skip_or_raise(item, on_invalid, skipped)
-        elif item["id"] in seen:
-            skip_or_raise(CrystalDataError(item["source"], None, item["id"], "id", "duplicate_id",
-                                           "an earlier record has the same id"), on_invalid, skipped)
-        else:
-            seen.add(item["id"])
-            records.append(item)
-    read = len(records) + sum(skipped.values())
-    if not records:  # nothing to take a schema from: an empty shard that the parent drops
-        with arrow_writer(datasets.Features(_BASE_FEATURES), path) as writer:
-            writer.finalize()
-        return {"skipped": dict(skipped), "read": read, "kept": 0, "schema": None, "first": None,
-                "hashes": np.zeros(0, np.uint64), "split": np.zeros(0, np.uint64)}
-    features = _features_for(records)
-    first = records[0]
-    graph_skips = _write_graph_rows(records, graph, features, on_invalid, path)
-    skipped.update(graph_skips)
-    kept_ids = [r["id"] for r in records]
-    if graph_skips:  # the shard's rows are its records less those whose graph failed
-        kept_ids = datasets.Dataset.from_file(path).data.column("id").to_pylist()
-    return {"skipped": dict(skipped), "read": read, "kept": len(kept_ids),
-            "schema": {k: str(v) for k, v in features.items() if k not in _BASE_FEATURES},
-            "first": (first["source"], first["index"], first["id"]), "hashes": id_hashes(kept_ids),
-            "split": id_hashes(kept_ids, split_key) if split_key is not None else None}
+# the build (each piece is turned into a shard by `shards.write_shard`, in a worker)
 
 
 def _check_schemas(results: list[dict[str, Any]]) -> None:
@@ -408,7 +247,7 @@ def _build(paths: list[Path], records: list[dict[str, Any]] | None, spec: Target
     def jobs() -> Any:
         for k, chunk in enumerate(chunks):
             names.append(f"{fingerprint}-{k:05d}.arrow")
-            yield _write_shard, (chunk, spec, id_key, graph, on_invalid, split_key), root / names[-1]
+            yield write_shard, (chunk, spec, id_key, graph, on_invalid, split_key), root / names[-1]
 
     workers = max(1, int(num_proc or 1))
     queue = jobs()

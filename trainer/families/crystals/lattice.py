@@ -31,9 +31,13 @@ vectors. Both enumerations contain every vector that can be picked, so they give
 from __future__ import annotations
 
 import functools
+import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where tensors are handled: graph building (shard workers) needs numpy only
+    import torch
 
 LATTICE_TOL = 1e-6
 """Relative tolerance of the length ties and of the collinearity / coplanarity / right-angle tests."""
@@ -79,7 +83,8 @@ def canonical_lattice_coeffs(cell: np.ndarray | torch.Tensor, tol: float = LATTI
 
     `cell` rows are the lattice vectors (Å). Raises ValueError for a singular cell.
     """
-    if isinstance(cell, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only once torch is loaded: no import for numpy cells
+    if torch is not None and isinstance(cell, torch.Tensor):
         cell = cell.detach().to("cpu", torch.float64).numpy()
     cell = np.asarray(cell, dtype=np.float64).reshape(3, 3)
     if not np.isfinite(cell).all() or abs(np.linalg.det(cell)) < 1e-12:
@@ -133,6 +138,8 @@ def canonical_lattice(cell: torch.Tensor, tol: float = LATTICE_TOL) -> tuple[tor
     """Batched `canonical_lattice_coeffs` for a [B, 3, 3] (or [3, 3]) tensor: `(coeffs, vectors)`,
     coeffs Long, vectors = coeffs @ cell. Only the integers are found without autograd, so
     `vectors` is differentiable in `cell`."""
+    import torch
+
     single = cell.dim() == 2
     cells = cell.unsqueeze(0) if single else cell
     host = np.ascontiguousarray(cells.detach().to("cpu", torch.float64).numpy())
@@ -147,5 +154,7 @@ def canonical_lattice(cell: torch.Tensor, tol: float = LATTICE_TOL) -> tuple[tor
 def lattice_self_loop_shifts(cell: torch.Tensor, tol: float = LATTICE_TOL) -> torch.Tensor:
     """Integer shifts of the official `use_lattice` self-loops, +lat1..3 then -lat1..3: Long [B, 6, 3]
     ([6, 3] for one [3, 3] cell). Each atom gets one edge i -> i per shift."""
+    import torch
+
     coeffs, _ = canonical_lattice(cell, tol)
     return torch.cat([coeffs, -coeffs], dim=-2)

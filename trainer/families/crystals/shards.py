@@ -1,0 +1,242 @@
+"""The shard worker of the crystal build: one piece of input in, one Arrow shard out.
+
+`write_shard` runs in each spawned worker of `build_crystal_dataset`, so this module (and what it imports) is
+what every worker pays to start: it imports neither torch nor `datasets`. Graphs are built with numpy and vesin
+(`graphs.build_crystal_graph`), and the Arrow file is written with pyarrow alone, with the same schema and the
+same Hugging Face schema metadata that `datasets`' ArrowWriter writes, so that the parent loads the shards with
+`datasets` unchanged (`_Value` / `_List` below restate the two `datasets` feature types the family uses).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from trainer.data.arrow_cache import list_array
+from trainer.data.splits import id_hashes
+from trainer.families.crystals.graphs import GraphSpec, build_crystal_graph
+from trainer.families.crystals.readers import CrystalDataError, ReadChunk, TargetSpec, read_chunk, skip_or_raise
+
+ARROW_BATCH = 256
+"""Structures per Arrow record batch."""
+
+_EDGE_DTYPE = np.int8
+
+
+class _Value:
+    """A scalar column type, as `datasets.Value` (same metadata, same repr)."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+        self.pa_type = pa.string() if dtype == "string" else pa.from_numpy_dtype(np.dtype(dtype))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "_type": "Value"}
+
+    def __repr__(self) -> str:
+        return f"Value('{self.dtype}')"
+
+
+class _List:
+    """A list column type, as `datasets.List` (`length` -1: variable length)."""
+
+    def __init__(self, feature: _Value | _List, length: int = -1):
+        self.feature, self.length = feature, length
+        self.pa_type = pa.list_(feature.pa_type, length)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"feature": self.feature.to_dict()}
+        if self.length != -1:
+            out["length"] = self.length
+        out["_type"] = "List"
+        return out
+
+    def __repr__(self) -> str:
+        return f"List({self.feature!r}" + (f", length={self.length})" if self.length != -1 else ")")
+
+
+Features = dict[str, Any]
+"""Column name -> `_Value` / `_List`, in column order."""
+
+BASE_FEATURES: Features = {
+    "id": _Value("string"),
+    "source": _Value("string"),
+    "atomic_numbers": _List(_Value("int16")),
+    "positions": _List(_List(_Value("float32"), 3)),
+    "cell": _List(_List(_Value("float32"), 3), 3),
+    "num_atoms": _Value("int32"),
+    "edge_src": _List(_Value("int32")),
+    "edge_dst": _List(_Value("int32")),
+    "edge_shift": _List(_List(_Value("int8"), 3)),
+    "num_edges": _Value("int32"),
+    "lattice_coeffs": _List(_List(_Value("int32"), 3), 3),
+}
+"""The fixed columns of every shard."""
+
+_CORE_KEYS = ("id", "source", "index", "atomic_numbers", "positions", "cell", "pbc")
+
+
+def arrow_schema(features: Features) -> pa.Schema:
+    """The Arrow schema of `features` with the metadata `datasets`' ArrowWriter writes (its features), so that
+    `datasets.Dataset.from_file` reads the same features back."""
+    meta = {"info": {"features": {name: feat.to_dict() for name, feat in features.items()}}}
+    return pa.schema([pa.field(name, feat.pa_type) for name, feat in features.items()],
+                     metadata={"huggingface": json.dumps(meta)})
+
+
+@contextmanager
+def shard_writer(schema: pa.Schema, path: str) -> Iterator[pa.RecordBatchStreamWriter]:
+    """An Arrow IPC stream writer of `path` (the format `datasets` memory-maps), closed (end-of-stream marker
+    written, file closed) on leaving the block."""
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        yield writer
+
+
+# --------------------------------------------------------------------------------------------------
+# Arrow schema and columns
+
+
+def _value_feature(example: Any, per_atom: bool) -> Any:
+    """Arrow feature of a target / extra column, from one record's value."""
+    arr = np.asarray(example)
+    inner = arr.shape[1:] if per_atom else arr.shape
+    dtype = "float32" if per_atom else "float64"
+    if len(inner) == 0:
+        feat: Any = _Value(dtype)
+    elif len(inner) == 1:
+        feat = _List(_Value(dtype), int(inner[0]))
+    else:
+        raise ValueError(f"values of shape {arr.shape} are not supported")
+    return _List(feat) if per_atom else feat
+
+
+def _features_for(records: list[dict[str, Any]]) -> Features:
+    """Schema: the fixed columns plus target / atom_target / kept extras, shaped like the first record;
+    every record must match (a mismatch is a `CrystalDataError` naming it)."""
+    feats = dict(BASE_FEATURES)
+    first = records[0]
+    extra = [k for k in first if k not in _CORE_KEYS]
+    for key in extra:
+        feats[key] = _value_feature(first[key], key.startswith("atom_"))
+    for rec in records:
+        keys = [k for k in rec if k not in _CORE_KEYS]
+        if keys != extra:
+            raise CrystalDataError(rec["source"], rec["index"], rec["id"], "target", "inconsistent_target",
+                                   f"has columns {keys}, the first record has {extra}")
+        for key in extra:
+            shape, ref = np.shape(rec[key]), np.shape(first[key])
+            if (shape[1:] if key.startswith("atom_") else shape) != (ref[1:] if key.startswith("atom_") else ref):
+                raise CrystalDataError(rec["source"], rec["index"], rec["id"], key, "inconsistent_target",
+                                       f"shape {shape}, the first record has {ref}")
+    return feats
+
+
+def _fixed_array(parts: list[np.ndarray], dtype: Any, shape: tuple[int, ...]) -> pa.Array:
+    values: pa.Array = pa.array(np.concatenate([np.asarray(p, dtype=dtype).reshape(-1) for p in parts]))
+    for width in reversed(shape):
+        values = pa.FixedSizeListArray.from_arrays(values, width)
+    return values
+
+
+def _column(feat: Any, parts: list[Any]) -> pa.Array:
+    """One Arrow column from per-record values, built from numpy (no per-element Python)."""
+    if isinstance(feat, _Value):
+        return pa.array(parts, type=feat.pa_type)
+    inner = feat.feature
+    dtype = np.dtype(inner.dtype if isinstance(inner, _Value) else inner.feature.dtype)
+    if feat.length != -1:  # fixed outer size: cell, lattice_coeffs, vector targets
+        shape = (feat.length,) if isinstance(inner, _Value) else (feat.length, inner.length)
+        return _fixed_array(parts, dtype, shape)
+    width = None if isinstance(inner, _Value) else inner.length
+    return list_array(parts, dtype, width)
+
+
+# --------------------------------------------------------------------------------------------------
+# one shard
+
+
+def _record_graph(rec: dict[str, Any], spec: GraphSpec) -> dict[str, Any] | CrystalDataError:
+    try:
+        g = build_crystal_graph(rec["positions"], rec["cell"], spec, check_overlap=True)
+    except ValueError as e:
+        return CrystalDataError(rec["source"], rec["index"], rec["id"], "positions",
+                                "overlapping_atoms" if "apart" in str(e) else "bad_value", str(e))
+    if np.abs(g["edge_shift"]).max(initial=0) > np.iinfo(_EDGE_DTYPE).max:
+        return CrystalDataError(rec["source"], rec["index"], rec["id"], "cell", "bad_value",
+                                "periodic image shifts beyond int8: cell far thinner than the cutoff")
+    return g
+
+
+def _write_graph_rows(records: list[dict[str, Any]], spec: GraphSpec, features: Features, on_invalid: str,
+                      path: str) -> tuple[dict[str, int], list[str]]:
+    """Build the graphs of `records` and write them to the Arrow file `path` (a temp name that
+    `build_shards` renames into place, or removes when this raises). Returns the skip counts (overlapping
+    atoms show up here, from the graph's own neighbour list) and the ids of the rows written."""
+    skipped: Counter = Counter()
+    names = list(features)
+    schema = arrow_schema(features)
+    kept: list[str] = []
+    with shard_writer(schema, path) as writer:
+        rows: list[dict[str, Any]] = []
+
+        def flush() -> None:
+            cols = [_column(features[name], [r[name] for r in rows]) for name in names]
+            writer.write_table(pa.Table.from_arrays(cols, schema=schema))
+            rows.clear()
+
+        for rec in records:
+            g = _record_graph(rec, spec)
+            if isinstance(g, CrystalDataError):
+                skip_or_raise(g, on_invalid, skipped)
+                continue
+            row = {k: v for k, v in rec.items() if k in features}
+            row.update(g, num_atoms=len(rec["atomic_numbers"]), num_edges=len(g["edge_src"]))
+            rows.append(row)
+            kept.append(rec["id"])
+            if len(rows) == ARROW_BATCH:
+                flush()
+        if rows:
+            flush()
+    return dict(skipped), kept
+
+
+def write_shard(chunk: ReadChunk | list[dict[str, Any]], spec: TargetSpec, id_key: str | None, graph: GraphSpec,
+                on_invalid: str, split_key: Any, path: str) -> dict[str, Any]:
+    """One worker job: read `chunk` (a piece of an input file, or validated in-memory records), check ids within
+    it, build the graphs and write the Arrow shard `path`. Returns what the parent needs to finish the build:
+    skip counts, records read and kept, the schema of the target / extra columns, the first record (to name
+    it when shards disagree), the 64-bit hashes of the kept ids (for the check of ids across shards) and, with a
+    `split_key`, their split hashes keyed by it (`trainer.data.splits.id_hashes`)."""
+    skipped: Counter = Counter()
+    records: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    items = chunk if isinstance(chunk, list) else read_chunk(chunk, spec, id_key, check_overlap=False)
+    for item in items:  # overlaps come free from the graph's neighbour list
+        if isinstance(item, CrystalDataError):
+            skip_or_raise(item, on_invalid, skipped)
+        elif item["id"] in seen:
+            skip_or_raise(CrystalDataError(item["source"], None, item["id"], "id", "duplicate_id",
+                                           "an earlier record has the same id"), on_invalid, skipped)
+        else:
+            seen.add(item["id"])
+            records.append(item)
+    read = len(records) + sum(skipped.values())
+    if not records:  # nothing to take a schema from: an empty shard that the parent drops
+        with shard_writer(arrow_schema(BASE_FEATURES), path):
+            pass
+        return {"skipped": dict(skipped), "read": read, "kept": 0, "schema": None, "first": None,
+                "hashes": np.zeros(0, np.uint64), "split": np.zeros(0, np.uint64)}
+    features = _features_for(records)
+    first = records[0]
+    graph_skips, kept_ids = _write_graph_rows(records, graph, features, on_invalid, path)
+    skipped.update(graph_skips)
+    return {"skipped": dict(skipped), "read": read, "kept": len(kept_ids),
+            "schema": {k: str(v) for k, v in features.items() if k not in BASE_FEATURES},
+            "first": (first["source"], first["index"], first["id"]), "hashes": id_hashes(kept_ids),
+            "split": id_hashes(kept_ids, split_key) if split_key is not None else None}
