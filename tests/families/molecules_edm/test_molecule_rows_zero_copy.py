@@ -76,49 +76,35 @@ def test_rows_equal_a_full_decode_through_a_selection(qm9):
 def test_smiles_are_perceived_in_a_pool_and_equal_serial(tmp_path, monkeypatch):
     import multiprocessing
 
-    from trainer.families.molecules_edm import dataset as dataset_module
-
     serial = build_molecule_dataset(str(bundled_qm9_path()), cache_dir=str(tmp_path / "a"), num_proc=1)
     contexts = []
     real = multiprocessing.get_context
     monkeypatch.setattr(multiprocessing, "get_context", lambda *a: contexts.append(a) or real(*a))
-    monkeypatch.setattr(dataset_module, "SMILES_CHUNK", 1000)  # the bundled 3,000: three chunks
     pooled = build_molecule_dataset(str(bundled_qm9_path()), cache_dir=str(tmp_path / "b"), num_proc=2)
     assert ("spawn",) in contexts and not pooled.cache_hit
     assert serial.with_format(None).data.equals(pooled.with_format(None).data)
 
 
 def test_smiles_pool_task_lives_in_a_module_without_torch(tmp_path, monkeypatch):
-    """A spawned worker imports its task's module: the SMILES task's must not import torch (seconds of each
-    worker's start, in the build's parallel part)."""
-    import multiprocessing
+    """A spawned worker imports its task's module: the build's task (parse, validate, perceive SMILES, write a
+    shard) must not import torch (seconds of each worker's start, in the build's parallel part)."""
     import subprocess
     import sys
 
     from trainer.families.molecules_edm import dataset as dataset_module
 
     tasks = []
+    real = dataset_module.build_shards
 
-    class InlinePool:
-        def __init__(self, *a):
-            pass
+    def recording(jobs, *args, **kwargs):
+        def seen(jobs):
+            for job in jobs:
+                tasks.append(job[0])
+                yield job
+        return real(seen(jobs), 1, **kwargs)  # inline: only the task's module matters here
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            return False
-
-        def imap(self, fn, chunks):
-            tasks.append(fn)
-            return map(fn, chunks)
-
-    class Context:
-        Pool = InlinePool
-
-    monkeypatch.setattr(multiprocessing, "get_context", lambda *a: Context())
-    monkeypatch.setattr(dataset_module, "SMILES_CHUNK", 1000)
-    build_molecule_dataset(str(bundled_qm9_path()), cache_dir=str(tmp_path), num_proc=2)
+    monkeypatch.setattr(dataset_module, "build_shards", recording)
+    build_molecule_dataset(str(bundled_qm9_path()), cache_dir=str(tmp_path), num_proc=2, compute_smiles=False)
     assert tasks
     code = (f"import importlib, sys; importlib.import_module({tasks[0].__module__!r}); "
             f"getattr(sys.modules[{tasks[0].__module__!r}], {tasks[0].__name__!r}); "

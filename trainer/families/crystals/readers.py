@@ -338,28 +338,16 @@ def _extxyz_chunks(path: Path, size: int) -> Iterator[ReadChunk]:
     """The file cut into texts of `size` frames, by the atom count on each frame's first line: no frame is
     parsed here. A blank line ends the file, as it ends ASE's reading; a first line that is not a count is an
     error naming the frame (after the pieces before it)."""
+    from trainer.data.xyz_pieces import XyzCutError, cut_xyz_frames
+
     with _open_binary(path) as f:
-        start = index = 0
-        lines: list[bytes] = []
-        while line := f.readline():
-            if not line.strip():
-                break
-            try:
-                n = int(line)
-            except ValueError:
-                if lines:
-                    yield ReadChunk("extxyz", str(path), start, b"".join(lines))
-                raise CrystalDataError(str(path), index, None, "file", "unreadable",
-                                       f"cannot read frame {index}: its first line {line[:80]!r} is not an atom "
-                                       f"count") from None
-            lines.append(line)
-            lines.extend(f.readline() for _ in range(n + 1))
-            index += 1
-            if index - start == size:
-                yield ReadChunk("extxyz", str(path), start, b"".join(lines))
-                lines, start = [], index
-        if lines:
-            yield ReadChunk("extxyz", str(path), start, b"".join(lines))
+        try:
+            for piece in cut_xyz_frames(f, frames=size, blank="end", truncated="keep"):
+                yield ReadChunk("extxyz", str(path), piece.start, piece.text)
+        except XyzCutError as e:
+            raise CrystalDataError(str(path), e.index, None, "file", "unreadable",
+                                   f"cannot read frame {e.index}: its first line {e.text[:80]!r} is not an atom "
+                                   f"count") from None
 
 
 def _row_lookup(row: Any) -> Callable[[str], tuple[np.ndarray, bool] | None]:

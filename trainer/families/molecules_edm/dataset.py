@@ -1,7 +1,7 @@
 """Molecule datasets: the cached Arrow build, fast rows, the dense batch collate, splits and sampling statistics.
 
-`build_molecule_dataset` reads a source (`readers.iter_molecules`) once per (input file's path, size
-and mtime, or in-memory content; reader options) into the shared fingerprinted Arrow cache
+`build_molecule_dataset` reads a source (`readers.iter_molecules`; a file in parallel pieces, `pieces`) once
+per (input file's path, size and mtime, or in-memory content; reader options) into the shared fingerprinted Arrow cache
 (`trainer.data.arrow_cache`); later calls load the memory-mapped file without parsing. Columns: `id`,
 `numbers` (list<int8>), `positions` (list<[3] float32>, Angstrom), `num_atoms` (int32), `edm_smiles`
 (string, null when invalid: `metrics.molecule_smiles` of the geometry, so training SMILES and
@@ -17,8 +17,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,10 @@ import torch
 
 from trainer.data.arrow_cache import (
     ListColumn,
-    arrow_writer,
     build_shards,
     cache_root,
     digest,
     file_keys,
-    list_array,
     load_arrow,
     read_meta,
     selected_column,
@@ -44,6 +43,15 @@ from trainer.data.arrow_cache import (
 from trainer.data.splits import split_indices
 from trainer.errors import DataError
 from trainer.families.molecules_edm.molecule import QM9_ELEMENTS, Molecule
+from trainer.families.molecules_edm.pieces import (
+    ARROW_BATCH,  # noqa: F401  (re-exported)
+    CORE_COLUMNS,
+    build_piece,
+    cut_molecule_file,
+    merge_schema,
+    piece_bytes_for,
+    write_molecule_rows,
+)
 from trainer.families.molecules_edm.readers import (
     MIN_DISTANCE,
     MoleculeDataError,
@@ -56,73 +64,10 @@ from trainer.families.molecules_edm.readers import (
 
 FORMAT_VERSION = "molecules-edm-v1"
 """Bump when the reader or the columns change, so that old caches are not reused."""
-ARROW_BATCH = 1024
-"""Molecules per Arrow record batch."""
-CORE_COLUMNS = ("id", "numbers", "positions", "num_atoms", "edm_smiles")
 
 
 # --------------------------------------------------------------------------------------------------
 # the build
-
-
-def _property_type(values: list[Any]) -> pa.DataType:
-    """Arrow type of a property from its values (None = missing): bool, int64, float64, else string."""
-    present = [v for v in values if v is not None]
-    if present and all(isinstance(v, bool) for v in present):
-        return pa.bool_()
-    if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
-        return pa.int64()
-    if present and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
-        return pa.float64()
-    return pa.string()
-
-
-def _property_columns(props: list[dict[str, Any]]) -> dict[str, tuple[pa.DataType, list[Any]]]:
-    keys: list[str] = []
-    for p in props:
-        keys.extend(k for k in p if k not in keys and k != "id")
-    out = {}
-    for key in keys:
-        values = [p.get(key) for p in props]
-        kind = _property_type(values)
-        if kind == pa.string():
-            values = [None if v is None else str(v) for v in values]
-        elif kind == pa.float64():
-            values = [None if v is None else float(v) for v in values]
-        out[f"info_{key}" if key in CORE_COLUMNS else key] = (kind, values)
-    return out
-
-
-def _write_rows(molecules: list[Molecule], smiles: list[str | None] | None, path: str) -> dict[str, Any]:
-    """Write the molecules to the Arrow file `path` (a temp name `build_shards` renames into place)."""
-    props = _property_columns([m.info for m in molecules])
-    feats: dict[str, Any] = {
-        "id": datasets.Value("string"),
-        "numbers": datasets.List(datasets.Value("int8")),
-        "positions": datasets.List(datasets.List(datasets.Value("float32"), length=3)),
-        "num_atoms": datasets.Value("int32"),
-    }
-    if smiles is not None:
-        feats["edm_smiles"] = datasets.Value("string")
-    for name, (kind, _) in props.items():
-        feats[name] = datasets.Value({pa.bool_(): "bool", pa.int64(): "int64", pa.float64(): "float64"}.get(kind, "string"))
-    features = datasets.Features(feats)
-    with arrow_writer(features, path) as writer:
-        for start in range(0, len(molecules), ARROW_BATCH):
-            chunk = molecules[start:start + ARROW_BATCH]
-            cols = {
-                "id": pa.array([str(m.info["id"]) for m in chunk], pa.string()),
-                "numbers": list_array([m.numbers for m in chunk], np.int8, None),
-                "positions": list_array([m.positions for m in chunk], np.float32, 3),
-                "num_atoms": pa.array([m.num_atoms for m in chunk], pa.int32()),
-            }
-            if smiles is not None:
-                cols["edm_smiles"] = pa.array(smiles[start:start + ARROW_BATCH], pa.string())
-            for name, (kind, values) in props.items():
-                cols[name] = pa.array(values[start:start + ARROW_BATCH], kind)
-            writer.write_table(pa.Table.from_arrays([cols[n] for n in features], schema=features.arrow_schema))
-        writer.finalize()
-    return {"columns": list(features)}
 
 
 def _molecules_digest(molecules: list[Molecule]) -> str:
@@ -158,6 +103,98 @@ def _perceive_smiles(molecules: list[Molecule], num_proc: int | None) -> list[st
         return [s for part in pool.imap(smiles_of, chunks) for s in part]
 
 
+def _cores() -> int:
+    return max(1, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _build_file(path: Path, root: Path, fingerprint: str, settings: dict[str, Any],
+                num_proc: int | None) -> tuple[list[str], ReadReport]:
+    """Build the shards of an xyz/SDF file in parallel: the file cut into pieces (`pieces.cut_molecule_file`, by
+    its size, the same for any `num_proc`), each piece parsed, validated, perceived and written by a worker
+    (`pieces.build_piece`). Returns the shard names, in file order, and the report.
+
+    A worker sees its piece alone; the parent settles the rest from the results, in file order, so the rows are
+    those of a serial read: a kept id that an earlier piece kept is a `duplicate_id` (with on_invalid="error",
+    raised before any later error), and the property columns get the types the whole file's values give them.
+    A piece whose shard needs either is rebuilt with the ids to treat as seen and the columns to write (rare: a
+    duplicate across pieces, or a property whose values differ in class between pieces)."""
+    workers = _cores() if num_proc is None else max(1, int(num_proc))
+    name, on_invalid = str(path), settings["on_invalid"]
+    size = piece_bytes_for(path)
+    seen: set[str] = set()
+    dropped: dict[int, list[str]] = {}
+    order: list[tuple[tuple[str, str], ...]] = []  # the kept records' property signatures, first use first
+    results: list[dict[str, Any]] = []
+    renamed: list[str] = []
+    cut_error: list[MoleculeDataError] = []
+
+    def shard(k: int) -> str:
+        return f"{fingerprint}-{k:05d}.arrow"
+
+    def jobs(selected: dict[int, tuple[Any, list[str]]] | None = None) -> Iterator[tuple[Any, tuple, Path]]:
+        try:
+            for k, piece in enumerate(cut_molecule_file(path, size)):
+                if selected is None:
+                    yield build_piece, (piece, settings, None, ()), root / shard(k)
+                elif k in selected:
+                    yield build_piece, (piece, settings, *selected[k]), root / shard(k)
+        except MoleculeDataError as e:  # raised after every earlier piece's own errors (below)
+            cut_error.append(e)
+
+    def collected(k: int, result: dict[str, Any]) -> None:
+        sig_of = np.frombuffer(result["signature_of"], dtype=np.uint32)
+        keep = np.ones(len(result["ids"]), dtype=bool)
+        for pos, (index, rid) in enumerate(zip(result["indices"], result["ids"])):
+            if rid in seen:
+                if on_invalid == "error":
+                    raise MoleculeDataError(name, index, rid, "duplicate_id", "an earlier record has the same id")
+                dropped.setdefault(k, []).append(rid)
+                keep[pos] = False
+            else:
+                seen.add(rid)
+        if result["error"] is not None:
+            raise result["error"]
+        used = dict.fromkeys(sig_of[keep].tolist()) if k in dropped else range(len(result["signatures"]))
+        order.extend(result["signatures"][i] for i in used)
+        result["kept"] = int(keep.sum())
+        del result["ids"], result["indices"], result["signature_of"]  # the parent keeps only `seen`
+        results.append(result)
+
+    try:
+        build_shards(jobs(), workers, on_done=collected, renamed=renamed)
+        if cut_error:
+            raise cut_error[0]
+        schema = merge_schema(order)
+        redo = {k: (schema, dropped.get(k, [])) for k, r in enumerate(results)
+                if r["kept"] and (k in dropped or r["schema"] != schema)}
+        if redo:
+            again = build_shards(jobs(redo), workers, renamed=renamed)
+            for k, result in zip(sorted(redo), again):
+                if len(result["ids"]) != results[k]["kept"] or result["error"] is not None:
+                    raise RuntimeError(f"{name}: piece {k} gave {len(result['ids'])} molecules when rebuilt, "
+                                       f"{results[k]['kept']} before (did the file change during the build?)")
+    except BaseException:
+        for final in renamed:
+            Path(final).unlink(missing_ok=True)
+        raise
+    shards = [shard(k) for k, r in enumerate(results) if r["kept"]]
+    for k, r in enumerate(results):
+        if not r["kept"]:
+            (root / shard(k)).unlink(missing_ok=True)
+    skipped: Counter = Counter()
+    for r in results:
+        skipped.update(r["skipped"])
+    duplicates = sum(len(v) for v in dropped.values())
+    if duplicates:
+        skipped["duplicate_id"] += duplicates
+    kept = sum(r["kept"] for r in results)
+    if not kept:
+        for s in shards:
+            (root / s).unlink(missing_ok=True)
+        raise MoleculeDataError(name, None, None, "no_records", f"no valid molecules ({dict(skipped)} skipped)")
+    return shards, ReadReport(kept + sum(skipped.values()), kept, dict(skipped))
+
+
 def build_molecule_dataset(source: str | Path | Sequence[Any], elements: Sequence[str] = QM9_ELEMENTS,
                            cache_dir: str | Path | None = None, *, min_distance: float = MIN_DISTANCE,
                            on_invalid: str = "error", id_key: str | None = None, add_hydrogens: bool = True,
@@ -168,9 +205,11 @@ def build_molecule_dataset(source: str | Path | Sequence[Any], elements: Sequenc
     The fingerprint covers the input file's absolute path, size and mtime (or the in-memory content),
     `elements`, `min_distance`, `on_invalid`, `id_key`, `add_hydrogens` and `compute_smiles`; a repeated
     call loads the cached file without parsing, any change rebuilds. `compute_smiles` stores
-    `edm_smiles` (EDM's SMILES of each geometry, for novelty), perceived once per build by `num_proc` processes
-    (None: the cores this process may use; not part of the fingerprint). The result has a `molecule_report`
-    attribute (`readers.ReadReport`, the same on a cache hit) and `cache_hit` (bool).
+    `edm_smiles` (EDM's SMILES of each geometry, for novelty), perceived once per build. A file is built by
+    `num_proc` processes (None: the cores this process may use; not part of the fingerprint): cut into pieces of
+    whole records by the parent, each parsed, validated, perceived and written to its own shard by a worker
+    (`_build_file`); the rows, ids, skips and errors are those of a serial read for any `num_proc`. The result
+    has a `molecule_report` attribute (`readers.ReadReport`, the same on a cache hit) and `cache_hit` (bool).
     """
     elements = tuple(str(e) for e in elements)
     element_numbers(elements)  # an unknown symbol fails here, before any parsing
@@ -199,16 +238,21 @@ def build_molecule_dataset(source: str | Path | Sequence[Any], elements: Sequenc
         report, hit = ReadReport(meta["records"], meta["kept"], meta["skipped"]), True
     else:
         if molecules is None:
-            molecules = list(iter_molecules(Path(source), skipped=skipped, **read_kwargs))  # type: ignore[arg-type]
-        if not molecules:
-            raise MoleculeDataError(name, None, None, "no_records", f"no valid molecules ({dict(skipped)} skipped)")
-        smiles = _perceive_smiles(molecules, num_proc) if compute_smiles else None
-        shard = f"{fingerprint}.arrow"
-        build_shards([(_write_rows, (molecules, smiles), root / shard)])
-        report = ReadReport(len(molecules) + sum(skipped.values()), len(molecules), dict(skipped))
-        write_meta(sidecar, {"fingerprint": fingerprint, "shards": [shard], "records": report.records,
+            worker_settings = {"elements": list(element_numbers(elements)), "min_distance": float(min_distance),
+                               "on_invalid": on_invalid, "id_key": id_key, "add_hydrogens": bool(add_hydrogens),
+                               "compute_smiles": bool(compute_smiles)}
+            shards, report = _build_file(Path(source), root, fingerprint, worker_settings, num_proc)
+        else:
+            if not molecules:
+                raise MoleculeDataError(name, None, None, "no_records",
+                                        f"no valid molecules ({dict(skipped)} skipped)")
+            smiles = _perceive_smiles(molecules, num_proc) if compute_smiles else None
+            shards = [f"{fingerprint}.arrow"]
+            build_shards([(write_molecule_rows, (molecules, smiles), root / shards[0])])
+            report = ReadReport(len(molecules) + sum(skipped.values()), len(molecules), dict(skipped))
+        write_meta(sidecar, {"fingerprint": fingerprint, "shards": shards, "records": report.records,
                              "kept": report.kept, "skipped": report.skipped, "settings": settings, "inputs": inputs})
-        meta, hit = {"shards": [shard]}, False
+        meta, hit = {"shards": shards}, False
         log_skips(Counter(report.skipped), report.records, f"molecule dataset {fingerprint[:8]}")
     ds = load_arrow([root / s for s in meta["shards"]], fingerprint)
     ds.molecule_report = report

@@ -198,35 +198,38 @@ def iter_xyz_frames(path: str | Path) -> Iterator[tuple[int, str]]:
     Blank lines between frames are allowed. A bad atom-count line or a truncated frame raises
     `MoleculeDataError` (no later frame can be located).
     """
-    source = str(path)
-    index = 0
-    line_no = 0
     with _open_text(Path(path)) as f:
-        while True:
-            line = f.readline()
-            line_no += 1
-            if not line:
-                return
-            if not line.strip():
-                continue
-            try:
-                n = int(line.strip())
-            except ValueError:
+        yield from _frames(f, str(path))
+
+
+def _frames(f: IO[str], source: str, index: int = 0) -> Iterator[tuple[int, str]]:
+    """`iter_xyz_frames` of an open text stream whose first frame is record `index` of `source`."""
+    line_no = 0
+    while True:
+        line = f.readline()
+        line_no += 1
+        if not line:
+            return
+        if not line.strip():
+            continue
+        try:
+            n = int(line.strip())
+        except ValueError:
+            raise MoleculeDataError(source, index, None, "unreadable",
+                                    f"line {line_no}: expected an atom count, got {line.strip()[:60]!r}") from None
+        if n < 0:
+            raise MoleculeDataError(source, index, None, "unreadable", f"line {line_no}: negative atom count {n}")
+        lines = [line]
+        for _ in range(n + 1):
+            nxt = f.readline()
+            if not nxt:
                 raise MoleculeDataError(source, index, None, "unreadable",
-                                        f"line {line_no}: expected an atom count, got {line.strip()[:60]!r}") from None
-            if n < 0:
-                raise MoleculeDataError(source, index, None, "unreadable", f"line {line_no}: negative atom count {n}")
-            lines = [line]
-            for _ in range(n + 1):
-                nxt = f.readline()
-                if not nxt:
-                    raise MoleculeDataError(source, index, None, "unreadable",
-                                            f"truncated frame starting at line {line_no}: expected {n} atoms, "
-                                            f"file ends after {max(len(lines) - 2, 0)}")
-                lines.append(nxt if nxt.endswith("\n") else nxt + "\n")
-            line_no += n + 1
-            yield index, "".join(lines)
-            index += 1
+                                        f"truncated frame starting at line {line_no}: expected {n} atoms, "
+                                        f"file ends after {max(len(lines) - 2, 0)}")
+            lines.append(nxt if nxt.endswith("\n") else nxt + "\n")
+        line_no += n + 1
+        yield index, "".join(lines)
+        index += 1
 
 
 def _parse_xyz_frame(text: str) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
@@ -248,9 +251,15 @@ def _parse_xyz_frame(text: str) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]
     return np.asarray(atoms.numbers, dtype=np.int64), np.asarray(atoms.positions, dtype=np.float64), props
 
 
-def _iter_xyz(path: Path) -> Iterator[tuple[int, Any]]:
-    """(index, (numbers, positions, props) or (reason, detail)) of every frame."""
-    for index, text in iter_xyz_frames(path):
+def _iter_xyz(path: Path, piece: tuple[int, bytes] | None = None) -> Iterator[tuple[int, Any]]:
+    """(index, (numbers, positions, props) or (reason, detail)) of every frame; of the frames of `piece` (the
+    index of its first frame in the file, its raw text: `pieces.cut_molecule_file`) when given."""
+    if piece is None:
+        frames = iter_xyz_frames(path)
+    else:
+        # universal newlines, as the whole file's text stream reads them
+        frames = _frames(io.TextIOWrapper(io.BytesIO(piece[1]), encoding="utf-8"), str(path), piece[0])
+    for index, text in frames:
         try:
             yield index, _parse_xyz_frame(text)
         except KeyError as e:  # ASE's symbol table names the unknown species
@@ -263,15 +272,21 @@ def _iter_xyz(path: Path) -> Iterator[tuple[int, Any]]:
 # SDF
 
 
-def _iter_sdf(path: Path, add_hydrogens: bool) -> Iterator[tuple[int, Any]]:
-    from rdkit import Chem, rdBase
-
+def open_binary(path: Path) -> IO[bytes]:
+    """`path` as a binary stream, decompressed when it is gzip (by its magic bytes, not its name)."""
     with open(path, "rb") as raw:
         magic = raw.read(2)
-    stream = gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+    return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")  # type: ignore[return-value]
+
+
+def _iter_sdf(path: Path, add_hydrogens: bool, piece: tuple[int, bytes] | None = None) -> Iterator[tuple[int, Any]]:
+    """Records of an SDF file, or of `piece` (the index of its first record in the file, its raw text)."""
+    from rdkit import Chem, rdBase
+
+    stream = open_binary(path) if piece is None else io.BytesIO(piece[1])
     with stream, rdBase.BlockLogs():
         supplier = Chem.ForwardSDMolSupplier(stream, removeHs=False, sanitize=False)
-        for index, mol in enumerate(supplier):
+        for index, mol in enumerate(supplier, 0 if piece is None else piece[0]):
             if mol is None:
                 yield index, ("unparsable_record", "RDKit cannot parse this SDF block")
                 continue
@@ -364,11 +379,22 @@ def iter_molecules(source: str | Path | Iterable[Any], *, elements: Sequence[str
         items = list(source)
         name, prefix = "<in-memory>", "molecule"
         records = _iter_objects(items)
-    seen: set[str] = set()
     mine: Counter = Counter()
-    total = 0
+    total = [0]
+    yield from validated(records, name, prefix, allowed=allowed, min_distance=min_distance, on_invalid=on_invalid,
+                         id_key=id_key, skipped=(skipped, mine), total=total)
+    log_skips(mine, total[0], name)
+
+
+def validated(records: Iterable[tuple[int, Any]], name: str, prefix: str, *, allowed: set[int] | None,
+              min_distance: float, on_invalid: str, id_key: str | None, skipped: Sequence[Counter],
+              total: list[int], seen: set[str] | None = None) -> Iterator[Molecule]:
+    """The valid molecules of parsed `records` ((index, (numbers, positions, props) or (reason, detail))), in
+    order, each with its id in `info["id"]`; every skip is counted into each Counter of `skipped`, and `total[0]`
+    counts the records. `seen`: the ids kept so far (a later record with one of them is a `duplicate_id`)."""
+    seen = set() if seen is None else seen
     for index, record in records:
-        total += 1
+        total[0] += 1
         rid: str | None = None
         problem: tuple[str, str] | None
         if isinstance(record[0], str):
@@ -389,14 +415,13 @@ def iter_molecules(source: str | Path | Iterable[Any], *, elements: Sequence[str
             err = MoleculeDataError(name, index, rid, *problem)
             if on_invalid == "error":
                 raise err
-            skipped[err.reason] += 1
-            mine[err.reason] += 1
+            for counter in skipped:
+                counter[err.reason] += 1
             logger.debug("skipped: %s", err)
             continue
         seen.add(rid)
         props["id"] = rid
         yield Molecule(numbers, positions, props)
-    log_skips(mine, total, name)
 
 
 def read_molecules(source: str | Path | Iterable[Any], **kwargs: Any) -> tuple[list[Molecule], ReadReport]:
