@@ -22,7 +22,9 @@ reference the benchmarks compare against.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,21 +45,26 @@ def _pbc(cell: np.ndarray | None, pbc: bool | Sequence[bool] | None) -> np.ndarr
     return np.broadcast_to(np.asarray(True if pbc is None else pbc, dtype=bool), (3,))
 
 
-def _vesin() -> Any:
-    """The vesin module. Imported with torch unavailable in a process that has not loaded torch (a shard
-    worker building graphs from numpy): vesin imports torch when it can, only to accept torch tensors, which
-    this module never passes, and that import costs a worker more than its own start-up. A process that has
-    loaded torch gets vesin as it is."""
-    if "vesin" in sys.modules or "torch" in sys.modules:
-        import vesin
+_VESIN_IMPORT = threading.Lock()
 
+
+def _vesin() -> Any:
+    """The vesin module. In a worker process of a build (a child started by multiprocessing) that has not loaded
+    torch, it is imported with torch unavailable: vesin imports torch when it can, only to accept torch tensors,
+    which this module never passes, and that import costs a worker more than its own start-up. Anywhere else
+    (a trainer, a notebook, a process that loaded torch) vesin is imported as it is, so code that hands it tensors
+    later keeps working."""
+    with _VESIN_IMPORT:
+        if "vesin" in sys.modules or "torch" in sys.modules or multiprocessing.parent_process() is None:
+            import vesin
+
+            return vesin
+        sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError meanwhile
+        try:
+            import vesin
+        finally:
+            sys.modules.pop("torch", None)
         return vesin
-    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError meanwhile
-    try:
-        import vesin
-    finally:
-        del sys.modules["torch"]
-    return vesin
 
 
 def neighbor_pairs(positions: np.ndarray, cell: np.ndarray | None, cutoff: float, backend: str = "vesin",

@@ -197,6 +197,12 @@ def test_mlearn_broken_record_is_named(tmp_path, monkeypatch):
     path.write_text('{"not": "a list"}')
     with pytest.raises(CrystalDataError, match="expected a JSON list"):
         list(iter_crystals(path))
+    for extra in (text + text, json.dumps([]) + "[1]"):  # two lists appended: json.load refuses, so do we
+        path.write_text(extra)
+        with pytest.raises(CrystalDataError, match="extra data after the list"):
+            list(iter_crystals(path, on_invalid="skip"))
+    path.write_text(text + "\n  ")
+    assert len(list(iter_crystals(path))) == 4
 
 
 # --- split hashes computed once ----------------------------------------------------------------------------------

@@ -51,12 +51,20 @@ def test_shard_worker_imports_neither_torch_nor_datasets(tmp_path, monkeypatch):
     job = tmp_path / "job.pkl"
     job.write_bytes(pickle.dumps((fn, args)))
     out = tmp_path / "shard.arrow"
-    code = ("import pickle, sys\n"
+    # the job runs in a spawned worker, as the build's pool runs it; the probe reports the worker's modules
+    (tmp_path / "worker_probe.py").write_text(
+        "import sys\n"
+        "def run(fn, args, out):\n"
+        "    loaded = [m for m in ('torch', 'datasets') if m in sys.modules]\n"
+        "    assert not loaded, ('on import', loaded)\n"
+        "    fn(*args, out)\n"
+        "    return [m for m in ('torch', 'datasets') if m in sys.modules]\n")
+    code = ("import multiprocessing, pickle, sys\n"
+            f"sys.path.insert(0, {str(tmp_path)!r})\n"
+            "import worker_probe\n"
             f"fn, args = pickle.loads(open({str(job)!r}, 'rb').read())\n"
-            "loaded = [m for m in ('torch', 'datasets') if m in sys.modules]\n"
-            "assert not loaded, ('on import', loaded)\n"
-            f"fn(*args, {str(out)!r})\n"
-            "loaded = [m for m in ('torch', 'datasets') if m in sys.modules]\n"
+            "with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
+            f"    loaded = pool.apply(worker_probe.run, (fn, args, {str(out)!r}))\n"
             "assert not loaded, ('after the job', loaded)\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -103,3 +111,15 @@ def test_shards_byte_identical_to_datasets_writer(tmp_path, monkeypatch):
             "stress": S._List(S._Value("float64"), 6)}
     theirs = {**REFERENCE_BASE, "atom_forces": L(L(V("float32"), length=3)), "stress": L(V("float64"), length=6)}
     assert {k: str(v) for k, v in ours.items()} == {k: str(v) for k, v in theirs.items()}
+
+
+def test_vesin_keeps_torch_outside_build_workers():
+    """A plain process (a notebook, a script) that builds a graph before importing torch still gets a vesin that
+    accepts torch tensors later: only a build's worker process imports vesin without torch."""
+    code = ("import numpy as np\n"
+            "from trainer.data.graphs import neighbor_pairs\n"
+            "neighbor_pairs(np.zeros((2, 3)) + [[0, 0, 0], [1, 0, 0]], None, 2.0)\n"
+            "import vesin._neighbors as n\n"
+            "assert n.HAS_TORCH, 'vesin imported without torch in a plain process'\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]

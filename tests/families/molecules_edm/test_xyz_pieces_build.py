@@ -178,3 +178,37 @@ def test_a_piece_with_a_duplicate_of_an_earlier_piece_is_rebuilt_without_it(tmp_
         assert _table(ds).equals(serial) and ds.molecule_report == report
     assert _table(ds).column("id").to_pylist() == ["a", "b", "c", "d"]
     assert report.skipped == {"duplicate_id": 2}
+
+
+def test_an_sdf_record_short_of_its_atoms_does_not_swallow_the_next(tmp_path, one_record_pieces):
+    """A record that declares more atoms than it holds runs into its `$$$$`: RDKit's stream supplier then takes
+    the next record with it. Each record is parsed on its own, so the next one is kept, numbered by its place in
+    the file, the same in a serial read and in pieces."""
+    from rdkit import Chem
+    from rdkit.Chem import AllChem
+
+    blocks = []
+    for k, smi in enumerate(["CCO", "C=O", "CN", "CC"]):
+        mol = Chem.AddHs(Chem.MolFromSmiles(smi))
+        AllChem.EmbedMolecule(mol, randomSeed=k)
+        mol.SetProp("_Name", f"m{k}")
+        blocks.append(Chem.MolToMolBlock(mol) + "$$$$\n")
+    lines = blocks[1].split("\n")
+    atoms = int(lines[3][:3])
+    # the counts line declares two atoms more than the block's atom lines, which run up to its `$$$$`
+    blocks[1] = "\n".join(lines[:3] + [f"{atoms + 2:3d}" + lines[3][3:]] + lines[4:4 + atoms]) + "\n$$$$\n"
+    path = tmp_path / "short.sdf"
+    path.write_text("".join(blocks))
+    serial, report = _serial(path, tmp_path, on_invalid="skip")
+    assert report.skipped == {"unparsable_record": 1}
+    assert serial.column("id").to_pylist() == ["short#0", "short#2", "short#3"]
+    for num_proc in (1, 2):
+        ds = build_molecule_dataset(str(path), cache_dir=str(tmp_path / f"s{num_proc}"), on_invalid="skip",
+                                    compute_smiles=False, num_proc=num_proc)
+        assert _table(ds).equals(serial) and ds.molecule_report == report
+
+
+def test_a_file_build_checks_its_policy(tmp_path):
+    with pytest.raises(ValueError, match="on_invalid must be 'error' or 'skip'"):
+        build_molecule_dataset(str(bundled_qm9_path()), cache_dir=str(tmp_path), on_invalid="raise",
+                               compute_smiles=False, num_proc=1)

@@ -335,3 +335,47 @@ def test_float32_products_keep_pearson_and_the_bundled_graph():
     assert picked[0] == picked[1]
     index, _ = build_coexpression_graph(data.X, rows, data.gene_names)
     assert index[0].tolist() == [s for row in picked[1] for s in row]
+
+
+def test_de_cache_is_keyed_by_which_fields_are_computed(tmp_path, monkeypatch):
+    """A file that brings its own ranking but no dropout fields: a run that keeps the file's ranking and one that
+    recomputes it (`recompute`) compute different fields, so neither reads the other's cache."""
+    adata, *_ = _bundled()
+    computed = adata.copy()
+    AR.add_gears_fields(computed)
+    own_ranking = {k: np.asarray(v)[::-1].copy() for k, v in computed.uns["rank_genes_groups_cov_all"].items()}
+
+    def file_like() -> anndata.AnnData:
+        copy = adata.copy()
+        copy.uns = {"rank_genes_groups_cov_all": dict(own_ranking)}
+        return copy
+
+    calls = []
+    real = AR.rank_genes_by_cell_type
+    monkeypatch.setattr(AR, "rank_genes_by_cell_type", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache = tmp_path / "de.npz"
+    AR.add_gears_fields(file_like(), cache=cache)  # the file's ranking kept, the dropout fields computed
+    assert calls == []
+    recomputed = file_like()
+    AR.add_gears_fields(recomputed, recompute=True, cache=cache)
+    assert calls == [1]  # not the first run's fields, built on the file's ranking
+    again = file_like()
+    AR.add_gears_fields(again, recompute=True, cache=cache)
+    assert calls == [1]  # its own cache, read back
+    for key, genes in recomputed.uns["rank_genes_groups_cov_all"].items():
+        names = np.asarray(adata.var_names)[np.asarray(again.uns["rank_genes_groups_cov_all"][key])]
+        np.testing.assert_array_equal(names, np.asarray(genes)[:len(names)], err_msg=key)
+
+
+def test_a_truncated_de_cache_is_recomputed(tmp_path):
+    adata, *_ = _bundled()
+    bare = adata.copy()
+    bare.uns = {}
+    cache = tmp_path / "de.npz"
+    AR.add_gears_fields(bare, cache=cache)
+    (written,) = tmp_path.glob("de*.npz")
+    written.write_bytes(written.read_bytes()[:100])  # a zip cut short
+    again = adata.copy()
+    again.uns = {}
+    AR.add_gears_fields(again, cache=cache)
+    assert set(again.uns) >= set(AR.GEARS_UNS_FIELDS)

@@ -597,8 +597,15 @@ def _json_list_items(f: io.TextIOBase, source: str) -> Iterator[str]:
     if skip_space() != "[":
         raise CrystalDataError(source, None, None, "file", "unreadable", "expected a JSON list of records")
     pos += 1
+    def end_of_list() -> None:  # `json.load` refuses anything after the list: so does this
+        nonlocal pos
+        pos += 1
+        if skip_space():
+            raise CrystalDataError(source, None, None, "file", "unreadable",
+                                   f"extra data after the list of {index} records")
+
     if skip_space() == "]":
-        return
+        return end_of_list()
     while True:
         while True:
             try:
@@ -614,7 +621,7 @@ def _json_list_items(f: io.TextIOBase, source: str) -> Iterator[str]:
         pos = end
         sep = skip_space()
         if sep == "]":
-            return
+            return end_of_list()
         if sep != ",":
             raise fail(f"expected ',' or ']' after record {index - 1}, found {sep[:1]!r}" if sep
                        else f"the file ends inside the list, after record {index - 1}")

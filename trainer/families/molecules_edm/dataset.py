@@ -56,13 +56,14 @@ from trainer.families.molecules_edm.readers import (
     MIN_DISTANCE,
     MoleculeDataError,
     ReadReport,
+    check_policy,
     element_numbers,
     is_path_source,
     iter_molecules,
     log_skips,
 )
 
-FORMAT_VERSION = "molecules-edm-v1"
+FORMAT_VERSION = "molecules-edm-v2"
 """Bump when the reader or the columns change, so that old caches are not reused."""
 
 
@@ -213,6 +214,7 @@ def build_molecule_dataset(source: str | Path | Sequence[Any], elements: Sequenc
     """
     elements = tuple(str(e) for e in elements)
     element_numbers(elements)  # an unknown symbol fails here, before any parsing
+    check_policy(on_invalid)
     settings = {"version": FORMAT_VERSION, "elements": list(elements), "min_distance": float(min_distance),
                 "on_invalid": on_invalid, "id_key": id_key, "add_hydrogens": bool(add_hydrogens),
                 "compute_smiles": bool(compute_smiles)}

@@ -82,7 +82,7 @@ class ReadReport:
         return f"{self.kept} of {self.records} molecules kept; skipped: {skipped}"
 
 
-def _check_policy(on_invalid: str) -> None:
+def check_policy(on_invalid: str) -> None:
     if on_invalid not in ("error", "skip"):
         raise ValueError(f"on_invalid must be 'error' or 'skip', got {on_invalid!r}")
 
@@ -279,14 +279,28 @@ def open_binary(path: Path) -> IO[bytes]:
     return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")  # type: ignore[return-value]
 
 
+def _sdf_records(stream: IO[bytes]) -> Iterator[bytes]:
+    """The records of an SDF stream, each up to and including its `$$$$` line (a last one without it too)."""
+    lines: list[bytes] = []
+    for line in stream:
+        lines.append(line)
+        if line[:4] == b"$$$$":
+            yield b"".join(lines)
+            lines = []
+    if any(line.strip() for line in lines):
+        yield b"".join(lines)
+
+
 def _iter_sdf(path: Path, add_hydrogens: bool, piece: tuple[int, bytes] | None = None) -> Iterator[tuple[int, Any]]:
     """Records of an SDF file, or of `piece` (the index of its first record in the file, its raw text)."""
     from rdkit import Chem, rdBase
 
     stream = open_binary(path) if piece is None else io.BytesIO(piece[1])
     with stream, rdBase.BlockLogs():
-        supplier = Chem.ForwardSDMolSupplier(stream, removeHs=False, sanitize=False)
-        for index, mol in enumerate(supplier, 0 if piece is None else piece[0]):
+        # One supplier per record: on a stream, a record whose atom block runs into its `$$$$` makes RDKit skip to
+        # the next `$$$$`, taking the following record with it, uncounted, and renumbering the rest.
+        for index, block in enumerate(_sdf_records(stream), 0 if piece is None else piece[0]):
+            mol = next(iter(Chem.ForwardSDMolSupplier(io.BytesIO(block), removeHs=False, sanitize=False)), None)
             if mol is None:
                 yield index, ("unparsable_record", "RDKit cannot parse this SDF block")
                 continue
@@ -364,7 +378,7 @@ def iter_molecules(source: str | Path | Iterable[Any], *, elements: Sequence[str
     the skips are logged once at the end. `id_key`: the info/SDF field that holds each record's id.
     `add_hydrogens` (SDF): add the hydrogens an SDF block leaves implicit, with 3D coordinates.
     """
-    _check_policy(on_invalid)
+    check_policy(on_invalid)
     allowed = set(element_numbers(elements)) if elements is not None else None
     skipped = skipped if skipped is not None else Counter()
     if is_path_source(source):

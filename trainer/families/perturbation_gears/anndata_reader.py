@@ -35,6 +35,7 @@ import io
 import json
 import logging
 import warnings
+import zipfile
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -549,7 +550,11 @@ def add_gears_fields(adata: anndata.AnnData, recompute: bool = False, X: Any = N
     skipped: Counter = Counter()
     ranking_missing = recompute or "rank_genes_groups_cov_all" not in adata.uns
     needed = [k for k in GEARS_UNS_FIELDS if ranking_missing or k not in adata.uns]
-    if needed and cache is not None and Path(cache).is_file():
+    if needed and cache is not None:  # what is computed (the rest comes from the file) is part of the content
+        cache = Path(cache)
+        cache = cache.with_name(f"{cache.stem}_{hashlib.sha256(','.join(needed).encode()).hexdigest()[:8]}"
+                                f"{cache.suffix}")
+    if needed and cache is not None and cache.is_file():
         loaded = load_de_fields(cache)
         if loaded is not None:
             fields, skipped = loaded
@@ -616,7 +621,7 @@ def load_de_fields(path: str | Path) -> tuple[dict[str, dict[str, np.ndarray]], 
                 offsets, values = z[f"{name}__offsets"], z[f"{name}__values"]
                 fields[name] = {k: values[offsets[i]:offsets[i + 1]] for i, k in enumerate(keys)}
             skipped = Counter(json.loads(str(z["skipped"])))
-    except (OSError, KeyError, ValueError) as e:  # a damaged cache file is recomputed, not trusted
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:  # damaged: recomputed, not trusted
         logger.warning("%s: unreadable DE cache (%s), recomputing", path, e)
         return None
     return fields, skipped
