@@ -27,11 +27,11 @@ from trainer.data.xyz_pieces import XyzCutError, cut_xyz_frames
 from trainer.families.molecules_edm.molecule import Molecule
 from trainer.families.molecules_edm.readers import (
     MoleculeDataError,
-    _iter_sdf,
-    _iter_xyz,
-    _stem,
+    iter_sdf_records,
+    iter_xyz_records,
     open_binary,
     source_kind,
+    source_stem,
     validated,
 )
 
@@ -220,7 +220,8 @@ def build_piece(piece: MoleculePiece, settings: dict[str, Any], schema: Sequence
     """
     file = Path(piece.path)
     text = (piece.start, piece.text)
-    records = _iter_xyz(file, text) if piece.kind == "xyz" else _iter_sdf(file, settings["add_hydrogens"], text)
+    records = (iter_xyz_records(file, text) if piece.kind == "xyz"
+               else iter_sdf_records(file, settings["add_hydrogens"], text))
     allowed = None if settings["elements"] is None else set(settings["elements"])
     skipped: Counter = Counter()
     total = [0]
@@ -235,7 +236,7 @@ def build_piece(piece: MoleculePiece, settings: dict[str, Any], schema: Sequence
             yield index, record
 
     try:
-        for mol in validated(numbered(), str(file), _stem(file), allowed=allowed,
+        for mol in validated(numbered(), str(file), source_stem(file), allowed=allowed,
                              min_distance=settings["min_distance"], on_invalid=settings["on_invalid"],
                              id_key=settings["id_key"], skipped=(skipped,), total=total, seen=set(seen)):
             molecules.append(mol)

@@ -251,7 +251,7 @@ def _parse_xyz_frame(text: str) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]
     return np.asarray(atoms.numbers, dtype=np.int64), np.asarray(atoms.positions, dtype=np.float64), props
 
 
-def _iter_xyz(path: Path, piece: tuple[int, bytes] | None = None) -> Iterator[tuple[int, Any]]:
+def iter_xyz_records(path: Path, piece: tuple[int, bytes] | None = None) -> Iterator[tuple[int, Any]]:
     """(index, (numbers, positions, props) or (reason, detail)) of every frame; of the frames of `piece` (the
     index of its first frame in the file, its raw text: `pieces.cut_molecule_file`) when given."""
     if piece is None:
@@ -291,7 +291,8 @@ def _sdf_records(stream: IO[bytes]) -> Iterator[bytes]:
         yield b"".join(lines)
 
 
-def _iter_sdf(path: Path, add_hydrogens: bool, piece: tuple[int, bytes] | None = None) -> Iterator[tuple[int, Any]]:
+def iter_sdf_records(path: Path, add_hydrogens: bool,
+                     piece: tuple[int, bytes] | None = None) -> Iterator[tuple[int, Any]]:
     """Records of an SDF file, or of `piece` (the index of its first record in the file, its raw text)."""
     from rdkit import Chem, rdBase
 
@@ -345,7 +346,8 @@ def _iter_objects(items: Sequence[Any]) -> Iterator[tuple[int, Any]]:
 # the reader
 
 
-def _stem(path: Path) -> str:
+def source_stem(path: Path) -> str:
+    """The file's name without its format suffix (and `.gz`): the prefix of its records' default ids."""
     name = path.name
     if name.endswith(".gz"):
         name = name[:-3]
@@ -387,8 +389,8 @@ def iter_molecules(source: str | Path | Iterable[Any], *, elements: Sequence[str
         if not path.is_file():
             raise MoleculeDataError(name, None, None, "missing_file", "no such file")
         kind = source_kind(path)
-        records = _iter_xyz(path) if kind == "xyz" else _iter_sdf(path, add_hydrogens)
-        prefix = _stem(path)
+        records = iter_xyz_records(path) if kind == "xyz" else iter_sdf_records(path, add_hydrogens)
+        prefix = source_stem(path)
     else:
         items = list(source)
         name, prefix = "<in-memory>", "molecule"
