@@ -246,16 +246,17 @@ class ConditionGeneSets(Mapping):
         self.num_genes = int(num_genes)
 
     @classmethod
+    def from_packed_rows(cls, rows: Sequence[tuple[Condition, np.ndarray]], num_genes: int) -> ConditionGeneSets:
+        """From (condition, `_packed_row` bits) pairs, packed one at a time by the caller."""
+        bits = np.stack([b for _, b in rows]) if rows else np.zeros((0, (num_genes + 7) // 8), dtype=np.uint8)
+        return cls([k for k, _ in rows], bits, num_genes)
+
+    @classmethod
     def from_positions(cls, items: Mapping[Condition, np.ndarray] | Iterable[tuple[Condition, np.ndarray]],
                        num_genes: int) -> ConditionGeneSets:
-        """Pack {condition: gene positions} (or (condition, positions) pairs), one row at a time."""
+        """Pack {condition: gene positions} (or (condition, positions) pairs)."""
         pairs = items.items() if isinstance(items, Mapping) else items
-        keys, packed = [], []
-        for key, positions in pairs:
-            keys.append(key)
-            packed.append(_packed_row(positions, num_genes))
-        bits = np.stack(packed) if packed else np.zeros((0, (num_genes + 7) // 8), dtype=np.uint8)
-        return cls(keys, bits, num_genes)
+        return cls.from_packed_rows([(k, _packed_row(p, num_genes)) for k, p in pairs], num_genes)
 
     def mask(self, key: Condition) -> np.ndarray:
         """[G] bool: the condition's genes."""
@@ -998,8 +999,7 @@ def _read(adata: anndata.AnnData, where: str, backed: bool, gene2go: str | Path 
             else:
                 per_condition[field_name][cond] = positions(field_name, key, values)
     for field_name, rows in gene_sets.items():
-        bits = np.stack([b for _, b in rows]) if rows else np.zeros((0, (num_genes + 7) // 8), dtype=np.uint8)
-        per_condition[field_name] = ConditionGeneSets([c for c, _ in rows], bits, num_genes)  # type: ignore[assignment]
+        per_condition[field_name] = ConditionGeneSets.from_packed_rows(rows, num_genes)  # type: ignore[assignment]
 
     if backed:
         X = read_x_rows(file_x, kept, file_obs_names, where, x_cache_dir,
