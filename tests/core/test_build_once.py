@@ -142,7 +142,7 @@ build = RegressionTask.build_data
 def slow_build(self):  # the first to build takes longer than the collective timeout; later loads are quick
     built = Path(sys.argv[1])
     if not built.exists():
-        time.sleep(6)
+        time.sleep(20)
         built.touch()
     return build(self)
 
@@ -159,8 +159,9 @@ def test_a_build_longer_than_the_collective_timeout_does_not_fail(tmp_path):
     env = {**child_env(), "TRAINER_CACHE_DIR": str(tmp_path / "cache")}  # the lock folder of a task without cache_dir
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path / "built"), TINY,
            "train.max_steps=2", "train.per_device_batch_size=4", "eval.every_steps=0", "ckpt.every_steps=0",
-           "log.tensorboard=false", "log.progress_bar=false", "run.collective_timeout_s=2",
-           f"run.output_dir={tmp_path / 'run'}"]
+           "log.tensorboard=false", "log.progress_bar=false",
+           # above the ranks' skew on a loaded machine (DDP's first collective), far below the build's 20 s
+           "run.collective_timeout_s=8", f"run.output_dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=Path(TRAIN).parents[1])
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert (tmp_path / "built").exists() and (tmp_path / "cache" / ".build-regression.lock").exists()
