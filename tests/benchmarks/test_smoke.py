@@ -14,9 +14,10 @@ from conftest import ROOT, run_cmd
 # fsdp_checkpoints.py launches 2 FSDP processes; checkpoints.py smoke-tests the shared code in one; elastic.py runs
 # three elastic jobs of agents on this host (the faults' code paths are in tests/core/test_elastic.py); scale.py
 # launches `trainer data prepare` twice and `trainer train` twice plus a loader process; stream_engines.py starts a
-# reader process per engine, world size and resume (each importing torch and datasets).
+# reader process per engine, world size and resume (each importing torch and datasets); scale_data_rate.py
+# launches `trainer data prepare`, `trainer train` and a loader process.
 HEAVY = {"molecules.py", "gears.py", "fsdp_checkpoints.py", "mlff_guidance.py", "elastic.py", "scale.py",
-         "stream_engines.py", "scale_perturbation.py", "scale_molecules.py"}
+         "stream_engines.py", "scale_perturbation.py", "scale_molecules.py", "scale_data_rate.py"}
 SCRIPTS = [pytest.param(name, marks=pytest.mark.extended) if name in HEAVY else name
            for name in sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "bench_report.py")]
 
