@@ -88,7 +88,7 @@ def main() -> None:
     a.label = a.label or a.config.stem
     if a.smoke:
         a.worlds, a.steps, a.loader_samples, a.out = [1], 3, 64, None
-    a.workdir = a.workdir.resolve()
+    a.workdir, a.config = a.workdir.resolve(), a.config.resolve()
     a.workdir.mkdir(parents=True, exist_ok=True)
     rows = measure(a)
     config = a.config.relative_to(ROOT) if a.config.is_relative_to(ROOT) else a.config
