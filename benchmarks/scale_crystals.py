@@ -14,6 +14,11 @@ below), as extended XYZ and as an ASE LMDB database (`.aselmdb`, fairchem's form
                 share), its Amdahl bound, the workers' extra CPU (their start-up) and the wall ratio
   first step    with the cache built, `trainer train CONFIG --nproc W` for each W (`--worlds`): wall time from
                 the launch to the first step's record, and each rank's peak RSS and private (anon) memory
+  stages        (`--stages`) one process doing what a rank does (the task's data, the batch sampler, 11
+                training batches, the test split read) on the built cache, its page cache dropped first: the
+                cache's mapped pages (Rss of the shards in /proc/self/smaps), the private memory and the CPU
+                seconds after each stage, twice (the first start stores the statistics, the second reads them):
+                what of a rank's RSS grows with N
 
 Then the cost per doubling of N and an extrapolation (a power law in N over the measured sizes) to Alexandria and
 OMat24: extrapolated, not measured. Prints markdown; `--out FILE` files it into FILE (`bench_report`).
@@ -177,6 +182,85 @@ def amdahl(one: dict[str, float], par: dict[str, float], procs: int) -> dict[str
             "wall_ratio": one["wall_s"] / (procs * par["wall_s"]), "load1": max(one["load1"], par["load1"])}
 
 
+_STAGES = r"""
+import glob, json, os, sys, time
+import torch
+from trainer.config import load_config
+from trainer.core.batch_plan import plan_batch
+from trainer.core.loaders import TrainBatches, build_eval_loader
+from trainer.registry import get_task
+import trainer.families.crystals.task as T
+
+config, cache, overrides = sys.argv[1], os.path.abspath(sys.argv[2]), sys.argv[3:]
+for path in glob.glob(os.path.join(cache, "crystal_graphs", "*")):  # cold: every page a stage maps is read anew
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+rows, clock = [], [time.process_time()]
+
+def snap(stage):
+    mapped, anon, current = 0, 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 1 and "-" in parts[0] and not parts[0].endswith(":"):
+                current = len(parts) > 5 and parts[5].startswith(cache) and parts[5].endswith(".arrow")
+            elif current and parts[0] == "Rss:":
+                mapped += int(parts[1])
+    with open("/proc/self/status") as f:
+        anon = next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+    rows.append({"stage": stage, "mapped_MiB": mapped / 1024, "private_MiB": anon / 1024,
+                 "cpu_s": time.process_time() - clock[0]})
+    clock[0] = time.process_time()
+
+cfg = load_config(config, overrides)
+task = get_task(cfg.task.name)(cfg.task, seed=cfg.run.seed)
+build, stats = T.CrystalPropertyTask._build, T.CrystalPropertyTask._stored_statistics
+
+def opened(self, *a, **k):
+    out = build(self, *a, **k)
+    snap("open the cache")
+    return out
+
+def statistics(self, *a, **k):
+    snap("splits selected")
+    out = stats(self, *a, **k)
+    snap("statistics")
+    return out
+
+T.CrystalPropertyTask._build, T.CrystalPropertyTask._stored_statistics = opened, statistics
+data = task.build_data()
+batches = TrainBatches(cfg, plan_batch(cfg, world=1), task, data.train, 0, 1, torch.device("cpu"))
+data.train._prepare()
+snap("batch sampler, rows")
+it = batches.micro_batches(0)
+for _ in range(11):
+    next(it)
+snap("11 training batches")
+if data.test is not None:
+    for _ in build_eval_loader(cfg, task, data.test, cfg.train.per_device_batch_size, "test"):
+        pass
+    snap(f"test split read ({len(data.test)} rows)")
+print(json.dumps(rows))
+"""
+
+
+def stages(a: argparse.Namespace, data: Path, cache: Path) -> list[dict[str, Any]]:
+    """The rank's start-up and reading stages on the built cache, twice (a first and a later start), each in a
+    fresh process with the shards' page cache dropped: the mapped pages, private memory and CPU after each."""
+    out = []
+    for start in ("first", "later"):
+        if start == "first":  # the statistics a launch stored: the first start computes them again
+            for stored in (cache / "crystal_graphs").glob("*.stats-*.json"):
+                stored.unlink()
+        run = subprocess.run([sys.executable, "-c", _STAGES, str(a.config), str(cache),
+                              *_job(a, data, cache, a.build_procs)], cwd=ROOT, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"the stage measurement failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+        out += [{"start": start, **r} for r in json.loads(run.stdout.strip().splitlines()[-1])]
+    return out
+
+
 def _job(a: argparse.Namespace, data: Path, cache: Path, procs: int) -> list[str]:
     return [f"task.data_path={data}", f"task.cache_dir={cache}", f"task.num_proc={procs}", "task.val_fraction=0.05",
             "task.test_fraction=0.05", f"train.per_device_batch_size={a.batch}", "train.max_steps=2",
@@ -237,6 +321,9 @@ def measure(a: argparse.Namespace, n: int) -> tuple[dict[str, Any], list[dict[st
                        "rank_peak_MiB": max(w.rank_peak_mib.values()),
                        "rank_private_MiB": max(w.rank_anon_mib.values()), "ranks_seen": len(w.rank_peak_mib)})
         shutil.rmtree(run_dir, ignore_errors=True)
+    if a.stages:
+        log(f"N={n:,}: stages")
+        size["stages"] = [{"N": n, **r} for r in stages(a, xyz, cache)]
     if not a.keep:
         for path in (xyz, db, work / "crystals.aselmdb-lock"):
             path.unlink(missing_ok=True)
@@ -262,6 +349,8 @@ CPU_COLS = [("N", "N")] + [(f"cpu_{f}_{k}", f"{f} {label}") for f in ("xyz", "db
 WORLD_COLS = [("N", "N"), ("W", "W"), ("first_step_s", "launch to 1st step s (cache built)"),
               ("rank_peak_MiB", "rank peak RSS MiB"), ("rank_private_MiB", "rank peak private (anon) MiB"),
               ("ranks_seen", "ranks seen")]
+STAGE_COLS = [("N", "N"), ("start", "start"), ("stage", "stage"), ("mapped_MiB", "mapped cache MiB"),
+              ("private_MiB", "private MiB"), ("cpu_s", "stage CPU s")]
 SCALED = ["build_xyz_p1_s", "build_xyz_p2_s", "build_db_p2_s", "build_xyz_p2_any_MiB", "first_step_s",
           "rank_peak_MiB", "rank_private_MiB"]
 
@@ -291,6 +380,9 @@ def report(a: argparse.Namespace, sizes: list[dict[str, Any]], worlds: list[dict
         *(["Parallel build by CPU time (fresh processes; the serial fraction is the parent's share of the build's "
            "CPU):\n\n" + table(sizes, CPU_COLS)] if any("cpu_xyz_p1_s" in s for s in sizes) else []),
         "Launches (the cache built):\n\n" + table(worlds, WORLD_COLS),
+        *(["Mapped cache pages (MiB, cumulative), private memory (MiB) and CPU seconds after each stage of one "
+           "rank's start (the page cache dropped before; `--stages`):\n\n"
+           + table([r for s in sizes for r in s.get("stages", [])], STAGE_COLS)] if a.stages else []),
         f"Cost per doubling of N (W={w0}):\n\n" + table(doubling, cols),
         f"Extrapolated (builds: linear in N from the largest size; the rest: a power law in N over the measured "
         f"sizes, W={w0}; not measured):\n\n"
@@ -314,6 +406,8 @@ def main() -> None:
                    help="also time builds by CPU (parent vs workers): the serial fraction and the Amdahl bound")
     p.add_argument("--max-neighbors", type=int, default=12, help="k of the knn graph of the CPU-split builds "
                    "(the config's)")
+    p.add_argument("--stages", action="store_true",
+                   help="also measure what a rank maps of the cache after each start-up stage (first and later start)")
     p.add_argument("--out", type=Path, help="file the report into this markdown file (bench_report)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that the script runs")
     a = p.parse_args()

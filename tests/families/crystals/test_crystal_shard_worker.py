@@ -107,8 +107,8 @@ def test_shards_byte_identical_to_datasets_writer(tmp_path, monkeypatch):
         assert len(shards) >= 2 or k == 1
         for shard in shards:
             assert shard.read_bytes() == _reference_bytes(shard, features), shard.name
-    ours = {**S.BASE_FEATURES, "atom_forces": S._List(S._List(S._Value("float32"), 3)),
-            "stress": S._List(S._Value("float64"), 6)}
+    ours = {**S.BASE_FEATURES, "atom_forces": S.List(S.List(S.Value("float32"), 3)),
+            "stress": S.List(S.Value("float64"), 6)}
     theirs = {**REFERENCE_BASE, "atom_forces": L(L(V("float32"), length=3)), "stress": L(V("float64"), length=6)}
     assert {k: str(v) for k, v in ours.items()} == {k: str(v) for k, v in theirs.items()}
 

@@ -2,100 +2,49 @@
 
 `write_shard` runs in each spawned worker of `build_crystal_dataset`, so this module (and what it imports) is
 what every worker pays to start: it imports neither torch nor `datasets`. Graphs are built with numpy and vesin
-(`graphs.build_crystal_graph`), and the Arrow file is written with pyarrow alone, with the same schema and the
-same Hugging Face schema metadata that `datasets`' ArrowWriter writes, so that the parent loads the shards with
-`datasets` unchanged (`_Value` / `_List` below restate the two `datasets` feature types the family uses).
+(`graphs.build_crystal_graph`), and the Arrow file is written with pyarrow alone (`trainer.data.arrow_shards`: the
+same bytes as `datasets`' ArrowWriter), so that the parent loads the shards with `datasets` unchanged.
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from trainer.data.arrow_cache import list_array
+from trainer.data.arrow_shards import Features, List, Value, arrow_schema, shard_writer
 from trainer.data.splits import id_hashes
 from trainer.families.crystals.graphs import GraphSpec, build_crystal_graph
 from trainer.families.crystals.readers import CrystalDataError, ReadChunk, TargetSpec, read_chunk, skip_or_raise
 
-ARROW_BATCH = 256
-"""Structures per Arrow record batch."""
+ARROW_BATCH = 4096
+"""Structures per Arrow record batch: as many as a shard holds (`dataset.SHARD_RECORDS`), so a shard is one
+batch. Every rank maps each batch's header when it opens the cache and each batch's buffer of a column it scans
+at start-up (sizes, targets, element counts); the kernel maps whole runs of pages around each byte touched, so
+the pages a rank maps at start-up grow with the number of batches: few, large batches keep that small."""
 
 _EDGE_DTYPE = np.int8
 
 
-class _Value:
-    """A scalar column type, as `datasets.Value` (same metadata, same repr)."""
-
-    def __init__(self, dtype: str):
-        self.dtype = dtype
-        self.pa_type = pa.string() if dtype == "string" else pa.from_numpy_dtype(np.dtype(dtype))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "_type": "Value"}
-
-    def __repr__(self) -> str:
-        return f"Value('{self.dtype}')"
-
-
-class _List:
-    """A list column type, as `datasets.List` (`length` -1: variable length)."""
-
-    def __init__(self, feature: _Value | _List, length: int = -1):
-        self.feature, self.length = feature, length
-        self.pa_type = pa.list_(feature.pa_type, length)
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"feature": self.feature.to_dict()}
-        if self.length != -1:
-            out["length"] = self.length
-        out["_type"] = "List"
-        return out
-
-    def __repr__(self) -> str:
-        return f"List({self.feature!r}" + (f", length={self.length})" if self.length != -1 else ")")
-
-
-Features = dict[str, Any]
-"""Column name -> `_Value` / `_List`, in column order."""
-
 BASE_FEATURES: Features = {
-    "id": _Value("string"),
-    "source": _Value("string"),
-    "atomic_numbers": _List(_Value("int16")),
-    "positions": _List(_List(_Value("float32"), 3)),
-    "cell": _List(_List(_Value("float32"), 3), 3),
-    "num_atoms": _Value("int32"),
-    "edge_src": _List(_Value("int32")),
-    "edge_dst": _List(_Value("int32")),
-    "edge_shift": _List(_List(_Value("int8"), 3)),
-    "num_edges": _Value("int32"),
-    "lattice_coeffs": _List(_List(_Value("int32"), 3), 3),
+    "id": Value("string"),
+    "source": Value("string"),
+    "atomic_numbers": List(Value("int16")),
+    "positions": List(List(Value("float32"), 3)),
+    "cell": List(List(Value("float32"), 3), 3),
+    "num_atoms": Value("int32"),
+    "edge_src": List(Value("int32")),
+    "edge_dst": List(Value("int32")),
+    "edge_shift": List(List(Value("int8"), 3)),
+    "num_edges": Value("int32"),
+    "lattice_coeffs": List(List(Value("int32"), 3), 3),
 }
 """The fixed columns of every shard."""
 
 _CORE_KEYS = ("id", "source", "index", "atomic_numbers", "positions", "cell", "pbc")
-
-
-def arrow_schema(features: Features) -> pa.Schema:
-    """The Arrow schema of `features` with the metadata `datasets`' ArrowWriter writes (its features), so that
-    `datasets.Dataset.from_file` reads the same features back."""
-    meta = {"info": {"features": {name: feat.to_dict() for name, feat in features.items()}}}
-    return pa.schema([pa.field(name, feat.pa_type) for name, feat in features.items()],
-                     metadata={"huggingface": json.dumps(meta)})
-
-
-@contextmanager
-def shard_writer(schema: pa.Schema, path: str) -> Iterator[pa.RecordBatchStreamWriter]:
-    """An Arrow IPC stream writer of `path` (the format `datasets` memory-maps), closed (end-of-stream marker
-    written, file closed) on leaving the block."""
-    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        yield writer
 
 
 # --------------------------------------------------------------------------------------------------
@@ -108,12 +57,12 @@ def _value_feature(example: Any, per_atom: bool) -> Any:
     inner = arr.shape[1:] if per_atom else arr.shape
     dtype = "float32" if per_atom else "float64"
     if len(inner) == 0:
-        feat: Any = _Value(dtype)
+        feat: Any = Value(dtype)
     elif len(inner) == 1:
-        feat = _List(_Value(dtype), int(inner[0]))
+        feat = List(Value(dtype), int(inner[0]))
     else:
         raise ValueError(f"values of shape {arr.shape} are not supported")
-    return _List(feat) if per_atom else feat
+    return List(feat) if per_atom else feat
 
 
 def _features_for(records: list[dict[str, Any]]) -> Features:
@@ -146,14 +95,14 @@ def _fixed_array(parts: list[np.ndarray], dtype: Any, shape: tuple[int, ...]) ->
 
 def _column(feat: Any, parts: list[Any]) -> pa.Array:
     """One Arrow column from per-record values, built from numpy (no per-element Python)."""
-    if isinstance(feat, _Value):
+    if isinstance(feat, Value):
         return pa.array(parts, type=feat.pa_type)
     inner = feat.feature
-    dtype = np.dtype(inner.dtype if isinstance(inner, _Value) else inner.feature.dtype)
+    dtype = np.dtype(inner.dtype if isinstance(inner, Value) else inner.feature.dtype)
     if feat.length != -1:  # fixed outer size: cell, lattice_coeffs, vector targets
-        shape = (feat.length,) if isinstance(inner, _Value) else (feat.length, inner.length)
+        shape = (feat.length,) if isinstance(inner, Value) else (feat.length, inner.length)
         return _fixed_array(parts, dtype, shape)
-    width = None if isinstance(inner, _Value) else inner.length
+    width = None if isinstance(inner, Value) else inner.length
     return list_array(parts, dtype, width)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from trainer.atomic_io import atomic_write_json, atomic_write_text
-from trainer.data.arrow_cache import ListColumn, column_array, selected_column, selected_rows
+from trainer.data.arrow_cache import ListColumn, column_array, digest, selected_column, selected_rows
 from trainer.data.splits import assign_hashed, split_indices
 from trainer.families.crystals.comformer import build_comformer, comformer_config
 from trainer.families.crystals.dataset import (
@@ -36,6 +37,7 @@ from trainer.families.crystals.dataset import (
     build_crystal_dataset,
     collate_graphs,
     edge_counts,
+    select_rows,
 )
 from trainer.families.crystals.graphs import GraphSpec
 from trainer.families.crystals.readers import bundled_crystal_path
@@ -147,6 +149,9 @@ def fit_element_baseline(numbers: list[np.ndarray] | ListColumn, targets: np.nda
     return coef
 
 
+STATS_VERSION = "crystal-stats-v1"
+"""Bump when `_statistics` changes what it computes, so that stored statistics are not reused."""
+
 SPLIT_BLOCK_ROWS = 1 << 20
 """Ids decoded to Python strings at a time when the splits are assigned: a rank never holds every id as a string."""
 
@@ -206,25 +211,50 @@ class CrystalPropertyTask(Task):
         hold_test = 0.0 if test_source is not None else c.test_fraction
         # Each id goes to a split by its own hash (keyed by the seed): the split of a structure does
         # not depend on the others, the file order or the world size; sizes are close to the fractions.
-        parts = _split_rows(full, {"train": 1.0 - c.val_fraction - hold_test, "validation": c.val_fraction,
-                                   "test": hold_test}, key=self.seed)
+        fractions = {"train": 1.0 - c.val_fraction - hold_test, "validation": c.val_fraction, "test": hold_test}
+        parts = _split_rows(full, fractions, key=self.seed)
         if len(parts["train"]) == 0:
             raise ValueError(f"{train_source}: no training structures left after the validation/test split")
-        train = full.select(parts["train"])
+        train = select_rows(full, parts["train"])
         if test_source is not None:
             test_target = c.test_target or c.target
             test_per_atom = c.per_atom if c.test_per_atom is None else c.test_per_atom
             test = self._build(test_source, test_target, test_per_atom)
         else:
-            test = full.select(parts["test"]) if len(parts["test"]) else None
-        val = full.select(parts["validation"]) if len(parts["validation"]) else None
+            test = select_rows(full, parts["test"]) if len(parts["test"]) else None
+        val = select_rows(full, parts["validation"]) if len(parts["validation"]) else None
         reports = {str(train_source): full.crystal_report}
         if test_source is not None:
             reports[str(test_source)] = test.crystal_report
         data_report = {src: {"kept": r.kept, "records": r.records, "skipped": r.skipped} for src, r in reports.items()}
         return TaskData(train=CrystalRows(train), eval=CrystalRows(val) if val is not None else None,
                         test=CrystalRows(test, row_index=True) if test is not None else None,
-                        stats={**self._statistics(train), "data_report": data_report})
+                        stats={**self._stored_statistics(full, train, fractions), "data_report": data_report})
+
+    def _stored_statistics(self, full: Any, train: Any, fractions: dict[str, float]) -> dict[str, Any]:
+        """`_statistics(train)`, computed once per graph cache, seed and split and stored beside the shards
+        (`<fingerprint>.stats-<key>.json`): the first process computes them (a scan of the target and element
+        columns of every training row, CPU and mapped pages in proportion to N), the other ranks and later launches
+        read a few numbers. JSON keeps every float exactly; a damaged or foreign file is recomputed."""
+        key = {"version": STATS_VERSION, "seed": self.seed, "fractions": fractions,
+               "standardize": bool(self.cfg.standardize), "train_rows": len(train)}
+        files = getattr(full, "cache_files", None) or []
+        path = (Path(files[0]["filename"]).parent / f"{full._fingerprint}.stats-{digest(key)[:16]}.json"
+                if files and selected_rows(full) is None else None)
+        if path is not None and path.exists():
+            try:
+                stored = json.loads(path.read_text())
+                if stored.get("key") == key:
+                    return stored["stats"]
+            except (OSError, ValueError, AttributeError, KeyError):
+                pass  # recomputed and rewritten below
+        stats = self._statistics(train)
+        if path is not None:
+            try:
+                atomic_write_json(path, {"key": key, "stats": stats}, durable=False)
+            except OSError as err:  # a read-only cache folder: every start computes them, as before
+                logger.warning("crystal statistics not stored (%s): computed at every start", err)
+        return stats
 
     def _statistics(self, train) -> dict[str, Any]:
         """Target mean/std (standardisation) and the per-element baseline, fit on the training split."""

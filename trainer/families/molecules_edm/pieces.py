@@ -3,10 +3,11 @@ into an Arrow shard (parse, validate, perceive SMILES, write).
 
 The parent only cuts (`cut_molecule_file`: an xyz file by its atom-count lines, an SDF by its `$$$$` record
 ends; nothing is parsed), so the build's serial part is reading the bytes. Each worker (`build_piece`) parses its
-records with the same functions as `readers.iter_molecules`, numbered by their index in the file. What a piece
+records with the same functions as `readers.iter_molecules`, numbered by their index in the file, and writes its
+shard with pyarrow alone (`trainer.data.arrow_shards`: the bytes `datasets`' writer wrote). What a piece
 cannot know alone - an id kept in an earlier piece, the property columns' types over the whole file - the parent
-settles from the pieces' results in order (`dataset.build_molecule_dataset`). This module imports no torch: a
-spawned worker imports its task's module.
+settles from the pieces' results in order (`dataset.build_molecule_dataset`). This module imports neither torch nor
+`datasets`: a spawned worker imports its task's module, and those two are most of a worker's start.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import datasets
 import numpy as np
 import pyarrow as pa
 
-from trainer.data.arrow_cache import arrow_writer, list_array
+from trainer.data.arrow_cache import list_array
+from trainer.data.arrow_shards import Features, List, Value, arrow_schema, shard_writer, write_table
 from trainer.data.xyz_pieces import XyzCutError, cut_xyz_frames
 from trainer.families.molecules_edm.molecule import Molecule
 from trainer.families.molecules_edm.readers import (
@@ -111,18 +112,18 @@ def write_molecule_rows(molecules: list[Molecule], smiles: list[str | None] | No
     property columns ([(property, type name)], default `property_schema(molecules)`)."""
     schema = property_schema(molecules) if schema is None else list(schema)
     props = [(f"info_{key}" if key in CORE_COLUMNS else key, key, kind) for key, kind in schema]
-    feats: dict[str, Any] = {
-        "id": datasets.Value("string"),
-        "numbers": datasets.List(datasets.Value("int8")),
-        "positions": datasets.List(datasets.List(datasets.Value("float32"), length=3)),
-        "num_atoms": datasets.Value("int32"),
+    features: Features = {
+        "id": Value("string"),
+        "numbers": List(Value("int8")),
+        "positions": List(List(Value("float32"), length=3)),
+        "num_atoms": Value("int32"),
     }
     if smiles is not None:
-        feats["edm_smiles"] = datasets.Value("string")
+        features["edm_smiles"] = Value("string")
     for name, _, kind in props:
-        feats[name] = datasets.Value(kind)
-    features = datasets.Features(feats)
-    with arrow_writer(features, path) as writer:
+        features[name] = Value(kind)
+    arrow = arrow_schema(features)
+    with shard_writer(arrow, path) as writer:
         for start in range(0, len(molecules), ARROW_BATCH):
             chunk = molecules[start:start + ARROW_BATCH]
             cols = {
@@ -135,8 +136,7 @@ def write_molecule_rows(molecules: list[Molecule], smiles: list[str | None] | No
                 cols["edm_smiles"] = pa.array(smiles[start:start + ARROW_BATCH], pa.string())
             for name, key, kind in props:
                 cols[name] = pa.array(_column_values([m.info.get(key) for m in chunk], kind), KINDS[kind])
-            writer.write_table(pa.Table.from_arrays([cols[n] for n in features], schema=features.arrow_schema))
-        writer.finalize()
+            write_table(writer, pa.Table.from_arrays([cols[n] for n in features], schema=arrow))
     return {"columns": list(features)}
 
 
