@@ -210,6 +210,7 @@ def test_a_stream_resumed_at_the_end_of_its_epoch_reads_no_batch_of_it():
 
 
 # --- scale: a stateless shuffled order, vectorised plans, resume without replaying earlier epochs -------------
+import hashlib  # noqa: E402
 import itertools  # noqa: E402
 import tracemalloc  # noqa: E402
 
@@ -407,7 +408,7 @@ def test_a_checkpoint_of_another_sample_order_is_said_on_resume(caplog):
 
 
 # --- the block-window order (data.shuffle_block, data.shuffle_window) and budget resume from an epoch start ---------
-from trainer.core.samplers import BlockWindowOrder, sample_order_name  # noqa: E402
+from trainer.core.samplers import BlockWindowOrder, compact_sizes, sample_order_name  # noqa: E402
 
 BLOCK_CASES = [(1, 4, 3), (3, 4, 3), (4, 4, 1), (10, 3, 100), (17, 4, 2), (100, 7, 3), (101, 1, 5), (256, 16, 4),
                (1000, 7, 8), (1001, 10, 1), (12345, 64, 8)]  # N < b, N mod b != 0, one window, b = 1, m = 1
@@ -517,6 +518,22 @@ def test_sequential_order_and_budget_plan_keys_name_what_they_depend_on():
     same_count_and_total = [10, 20, 30, 40], [40, 30, 20, 10]
     assert key(same_count_and_total[0]) != key(same_count_and_total[1])
     assert key([10, 20, 30, 40]) == key(np.array([10, 20, 30, 40])) and samplers_module.BUDGET_PLAN in key([10, 20])
+
+
+def test_sampler_sizes_are_held_as_int32_with_the_int64_plan_key_and_plans():
+    """Every rank holds one size per training row: int32 when they fit (int64 only past 2**31 - 1), hashed as int64
+    so a checkpoint's recorded budget plan key still matches; the plans are those of the same sizes in int64."""
+    sizes = np.random.default_rng(7).integers(1, 60, size=200_017)  # several of the digest's blocks
+    digest = hashlib.blake2b(sizes.astype(np.int64).tobytes(), digest_size=8).hexdigest()
+    for mode in ("balanced", "budget"):
+        kw = dict(mode=mode, max_units=200, batch_size=4, rank=1, world_size=3, seed=2)
+        held = BalancedBatchSampler(sizes.astype(np.int64), **kw)
+        assert held.sizes.dtype == np.int32 and held.sizes.nbytes == 4 * sizes.size
+        assert mode == "balanced" or f"sizes={digest}" in held.plan_key
+        small = BalancedBatchSampler(sizes[:600], **kw)
+        assert small.plan(0) == BalancedBatchSampler(sizes[:600].astype(np.int16), **kw).plan(0)
+    assert compact_sizes(np.array([1, 2**31])).dtype == np.int64
+    assert compact_sizes([3.0, 4.0]).dtype == np.int64
 
 
 @pytest.mark.parametrize("block", [0, 6])

@@ -317,6 +317,17 @@ def lpt_parts(sizes: np.ndarray, parts: int, capacity: int | None = None) -> np.
     return out_t.T
 
 
+def compact_sizes(sizes: Any) -> np.ndarray:
+    """Unit sizes as int32 when every value fits, else int64: every rank holds one per training row, so at a
+    hundred million rows the width is hundreds of MiB per rank. The plans do not depend on it (sums are int64)."""
+    arr = np.asarray(sizes)
+    if arr.dtype == np.int32:
+        return arr
+    if arr.dtype.kind in "iu" and (arr.size == 0 or (int(arr.min()) >= -2**31 and int(arr.max()) < 2**31)):
+        return arr.astype(np.int32)
+    return arr.astype(np.int64)
+
+
 class BalancedBatchSampler(Sampler[list[int]]):
     """This rank's batches when samples differ in cost (atoms, tokens, edges).
 
@@ -344,13 +355,17 @@ class BalancedBatchSampler(Sampler[list[int]]):
     def __init__(self, sizes, *, mode: str, seed: int, rank: int, world_size: int, shuffle: bool = True,
                  batch_size: int = 1, max_units: int = 0, bucket_size: int = 0, with_epoch: bool = False,
                  block: int = 0, window: int = 64):
-        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.sizes = compact_sizes(sizes)
         self.mode, self.seed, self.rank, self.world_size = mode, seed, rank, world_size
         self.shuffle, self.batch_size, self.max_units = shuffle, batch_size, max_units
         self.block, self.window = block, window
         self.with_epoch = with_epoch
         # plan_key: the sizes themselves (the same count and total could be other sizes, or the same in another order)
-        self._sizes_digest = hashlib.blake2b(np.ascontiguousarray(self.sizes).tobytes(), digest_size=8).hexdigest()
+        # Hashed as int64, block by block: the same key as when the sizes were held as int64, without a copy of them.
+        digest = hashlib.blake2b(digest_size=8)
+        for lo in range(0, self.sizes.size, _CHUNK):
+            digest.update(self.sizes[lo:lo + _CHUNK].astype(np.int64).tobytes())
+        self._sizes_digest = digest.hexdigest()
         if mode == "budget":
             too_big = np.flatnonzero(self.sizes > max_units)
             if too_big.size:
