@@ -100,8 +100,9 @@ def bundled_perturbation_path() -> Path:
 class PerturbationData:
     """Cells x genes expression (sparse) with canonical per-cell conditions and GEARS' per-condition fields.
 
-    Per-condition dicts are keyed by the canonical condition (a sorted gene tuple; () is the control)
-    and hold int64 gene positions into `gene_names`; the control has no DE entries.
+    Per-condition fields are mappings keyed by the canonical condition (a sorted gene tuple; () is the control)
+    to int64 gene positions into `gene_names`; the control has no DE entries. The reader stores them packed
+    (`ConditionArrays`, `ConditionGeneSets`: every rank holds them for the whole run); any mapping works.
     """
 
     X: sp.csr_matrix
@@ -120,10 +121,10 @@ class PerturbationData:
     """GEARS' condition_name (f"{cell_type}_{condition}_{dose}") of each condition's first cell."""
     pert_genes: list[str]
     """The perturbable genes (sorted): the nodes of the GO graph; `pert_idx` points into this list."""
-    de_idx: dict[Condition, np.ndarray]
+    de_idx: Mapping[Condition, np.ndarray]
     """Top-20 genes of the DE ranking (GEARS' training/eval `de_idx`), rank order."""
-    top_non_dropout_de_20: dict[Condition, np.ndarray]
-    top_non_zero_de_20: dict[Condition, np.ndarray]
+    top_non_dropout_de_20: Mapping[Condition, np.ndarray]
+    top_non_zero_de_20: Mapping[Condition, np.ndarray]
     non_zeros_gene_idx: Mapping[Condition, np.ndarray]
     """Genes with a non-zero mean in the condition (GEARS' loss uses only these); a `ConditionGeneSets` (bits)."""
     non_dropout_gene_idx: Mapping[Condition, np.ndarray]
@@ -136,13 +137,16 @@ class PerturbationData:
     dropped_cells: dict[str, int] = field(default_factory=dict)
     dropped_examples: dict[str, list[str]] = field(default_factory=dict)
     source: str = ""
-    ranked_de_idx: dict[Condition, np.ndarray] = field(default_factory=dict)
+    ranked_de_idx: Mapping[Condition, np.ndarray] = field(default_factory=dict)
     """The first `NUM_RANKED_DE_GENES` genes of the DE ranking (rank order; its first 20 are `de_idx`)."""
 
     def __post_init__(self) -> None:
-        order = np.argsort(self.cell_condition, kind="stable")
+        # one array of rows grouped by condition plus offsets (not a list of per-condition arrays), in the
+        # smallest integer type holding a row: it is per cell and in every rank for the whole run
         counts = np.bincount(self.cell_condition, minlength=len(self.conditions))
-        self._rows = np.split(order.astype(np.int64), np.cumsum(counts)[:-1])
+        self._row_order = np.argsort(self.cell_condition, kind="stable").astype(index_dtype(max(self.num_cells - 1, 0)))
+        self._row_offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=self._row_offsets[1:])
         self.condition_index: dict[Condition, int] = {c: i for i, c in enumerate(self.conditions)}
         self.pert_index: dict[str, int] = {g: i for i, g in enumerate(self.pert_genes)}
 
@@ -161,8 +165,9 @@ class PerturbationData:
         return [format_condition(c) for c in self.conditions]
 
     def rows_of(self, condition: Condition) -> np.ndarray:
-        """Row indices (int64, increasing) of the cells of `condition`."""
-        return self._rows[self.condition_index[condition]]
+        """Row indices (int64, increasing) of the cells of `condition` (a new array)."""
+        i = self.condition_index[condition]
+        return self._row_order[self._row_offsets[i]:self._row_offsets[i + 1]].astype(np.int64)
 
     def pert_idx(self, condition: Condition) -> list[int]:
         """Positions of the condition's genes in `pert_genes` ([] for the control)."""
@@ -232,24 +237,39 @@ def shared_strings(column: Any) -> np.ndarray:
     return np.asarray(uniques, dtype=object)[codes] if len(codes) else np.zeros(0, dtype=object)
 
 
+def index_dtype(largest: int) -> np.dtype:
+    """The smallest of int16 / int32 / int64 holding 0..`largest` (gene or perturbation positions)."""
+    for dtype in (np.int16, np.int32):
+        if largest <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int64)
+
+
 class ConditionGeneSets(Mapping):
     """{condition: int64 gene positions} kept as one bit-packed [conditions, G] matrix (a bit per gene).
 
     GEARS' `non_zeros_gene_idx` / `non_dropout_gene_idx` hold most genes of every condition: as int64 arrays that
     is conditions x genes x 8 bytes in every rank (hundreds of MB at Replogle's 2,000 groups x 8,000 genes); as
-    bits, conditions x genes / 8. A lookup unpacks one row.
+    bits, conditions x genes / 8. A lookup unpacks one row. `extra` (a packed row, or None) is OR-ed into every
+    row: GEARS' non-dropout genes are each condition's non-zero genes plus the genes zero in the control mean, so
+    they share the non-zero set's bits and keep one row of their own (`with_extra`).
     """
 
-    def __init__(self, keys: Sequence[Condition], bits: np.ndarray, num_genes: int):
-        self._row = {k: i for i, k in enumerate(keys)}
+    def __init__(self, keys: Sequence[Condition] | Mapping[Condition, int], bits: np.ndarray, num_genes: int,
+                 extra: np.ndarray | None = None):
+        # a {condition: row} given as is is shared, not copied: every per-condition field has the same keys
+        self._row = keys if isinstance(keys, Mapping) else {k: i for i, k in enumerate(keys)}
         self.bits = bits
         self.num_genes = int(num_genes)
+        self.extra = extra
 
     @classmethod
-    def from_packed_rows(cls, rows: Sequence[tuple[Condition, np.ndarray]], num_genes: int) -> ConditionGeneSets:
-        """From (condition, `_packed_row` bits) pairs, packed one at a time by the caller."""
+    def from_packed_rows(cls, rows: Sequence[tuple[Condition, np.ndarray]], num_genes: int,
+                         index: Mapping[Condition, int] | None = None) -> ConditionGeneSets:
+        """From (condition, `_packed_row` bits) pairs, packed one at a time by the caller; `index`: the shared
+        {condition: row} of these keys in this order (built when None)."""
         bits = np.stack([b for _, b in rows]) if rows else np.zeros((0, (num_genes + 7) // 8), dtype=np.uint8)
-        return cls([k for k, _ in rows], bits, num_genes)
+        return cls(index if index is not None else [k for k, _ in rows], bits, num_genes)
 
     @classmethod
     def from_positions(cls, items: Mapping[Condition, np.ndarray] | Iterable[tuple[Condition, np.ndarray]],
@@ -258,12 +278,86 @@ class ConditionGeneSets(Mapping):
         pairs = items.items() if isinstance(items, Mapping) else items
         return cls.from_packed_rows([(k, _packed_row(p, num_genes)) for k, p in pairs], num_genes)
 
+    def with_extra(self, other: ConditionGeneSets) -> ConditionGeneSets:
+        """`other` as this set's bits OR-ed with one common row, sharing this set's bits, when that is exactly
+        `other` (same keys in the same order, every row); else `other` unchanged."""
+        if (self.extra is not None or other.extra is not None or list(self._row) != list(other._row)
+                or self.bits.shape != other.bits.shape or self.num_genes != other.num_genes):
+            return other
+        common = np.bitwise_or.reduce(other.bits & ~self.bits, axis=0) if len(self.bits) else None
+        if common is None or not np.array_equal(other.bits, self.bits | common):
+            return other
+        return ConditionGeneSets(self._row, self.bits, self.num_genes, extra=common)
+
+    def row(self, key: Condition) -> int:
+        """The row of `key` in `bits`."""
+        return self._row[key]
+
+    def packed(self, key: Condition) -> np.ndarray:
+        """[ceil(G / 8)] uint8: the condition's bits (`extra` included)."""
+        bits = self.bits[self._row[key]]
+        return bits if self.extra is None else bits | self.extra
+
     def mask(self, key: Condition) -> np.ndarray:
         """[G] bool: the condition's genes."""
-        return np.unpackbits(self.bits[self._row[key]], count=self.num_genes).view(bool)
+        return np.unpackbits(self.packed(key), count=self.num_genes).view(bool)
 
     def __getitem__(self, key: Condition) -> np.ndarray:
         return np.flatnonzero(self.mask(key)).astype(np.int64)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._row
+
+    def __iter__(self) -> Iterator[Condition]:
+        return iter(self._row)
+
+    def __len__(self) -> int:
+        return len(self._row)
+
+
+class ConditionArrays(Mapping):
+    """{condition: int64 gene positions} kept as one packed array of positions plus offsets, not a dict of arrays.
+
+    GEARS' per-condition gene lists (the DE ranking's first 200 and 20, the top non-zero / non-dropout 20) are
+    short: as a dict of int64 arrays each costs an array object (about 110 bytes) plus 8 bytes a gene, for every
+    condition in every rank; here they are one array of the smallest integer type holding the gene positions
+    (`index_dtype`). A lookup returns a new int64 array. `limit` cuts each list to its first `limit` genes, so a
+    top-20 field can share the storage of the ranking it is the head of (`head`).
+    """
+
+    def __init__(self, keys: Sequence[Condition] | Mapping[Condition, int], values: np.ndarray, offsets: np.ndarray,
+                 limit: int | None = None):
+        self._row = keys if isinstance(keys, Mapping) else {k: i for i, k in enumerate(keys)}
+        self.flat = values  # not `values`: Mapping.values() is the mapping's
+        self.offsets = offsets
+        self.limit = limit
+
+    @classmethod
+    def from_items(cls, items: Mapping[Condition, Any] | Iterable[tuple[Condition, Any]],
+                   index: Mapping[Condition, int] | None = None) -> ConditionArrays:
+        """Pack {condition: gene positions} (or (condition, positions) pairs; `index`: the shared {condition: row}
+        of these keys in this order, built when None)."""
+        pairs = [(k, np.asarray(v, dtype=np.int64)) for k, v in (items.items() if isinstance(items, Mapping) else items)]
+        largest = max((int(v.max()) for _, v in pairs if v.size), default=0)
+        smallest = min((int(v.min()) for _, v in pairs if v.size), default=0)
+        lengths = np.fromiter((len(v) for _, v in pairs), dtype=np.int64, count=len(pairs))
+        offsets = np.zeros(len(pairs) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values = np.empty(int(offsets[-1]), dtype=index_dtype(largest) if smallest >= 0 else np.int64)
+        for (_, v), a, b in zip(pairs, offsets[:-1], offsets[1:]):
+            values[a:b] = v
+        return cls(index if index is not None else [k for k, _ in pairs], values, offsets)
+
+    def head(self, limit: int) -> ConditionArrays:
+        """The same lists cut to their first `limit` genes, sharing this storage."""
+        return ConditionArrays(self._row, self.flat, self.offsets, limit if self.limit is None else min(limit, self.limit))
+
+    def __getitem__(self, key: Condition) -> np.ndarray:
+        i = self._row[key]
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        if self.limit is not None:
+            b = min(b, a + self.limit)
+        return self.flat[a:b].astype(np.int64)
 
     def __contains__(self, key: object) -> bool:
         return key in self._row
@@ -540,12 +634,18 @@ def add_gears_fields(adata: anndata.AnnData, recompute: bool = False, X: Any = N
     X = adata.X if X is None else X
     obs = adata.obs
     condition = obs["condition"].astype(str)
+    # each value is computed once per distinct condition (and cell type) and spread by codes: a string made per
+    # cell is a small object per cell, and those freed between the rank's lasting objects keep its heap grown
+    text_codes, texts = pd.factorize(condition.to_numpy(dtype=object))
     if recompute or "dose_val" not in obs:
-        obs["dose_val"] = [dose_value(c) for c in condition]
+        obs["dose_val"] = np.asarray([dose_value(c) for c in texts], dtype=object)[text_codes]
     if recompute or "control" not in obs:
-        obs["control"] = [0 if len(c.split("+")) == 2 else 1 for c in condition]
+        obs["control"] = np.asarray([0 if len(c.split("+")) == 2 else 1 for c in texts], dtype=np.int64)[text_codes]
     if recompute or "condition_name" not in obs:
-        obs["condition_name"] = [condition_name(t, c) for t, c in zip(obs["cell_type"].astype(str), condition)]
+        type_codes, types = pd.factorize(obs["cell_type"].astype(str).to_numpy(dtype=object))
+        pairs, pair_codes = np.unique(type_codes.astype(np.int64) * max(len(texts), 1) + text_codes, return_inverse=True)
+        pair_names = [condition_name(types[k // max(len(texts), 1)], texts[k % max(len(texts), 1)]) for k in pairs.tolist()]
+        obs["condition_name"] = np.asarray(pair_names, dtype=object)[pair_codes.ravel()]
     names = obs["condition_name"].astype(str).to_numpy()
     var_names = adata.var_names.to_numpy().astype(str)
     skipped: Counter = Counter()
@@ -979,11 +1079,12 @@ def _read(adata: anndata.AnnData, where: str, backed: bool, gene2go: str | Path 
                 raise DataError(f"{where}: uns['{field_name}'][{key!r}]: gene {v!r} is not in var")
         return np.asarray(out, dtype=np.int64)
 
-    per_condition: dict[str, dict[Condition, np.ndarray]] = {k: {} for k in GEARS_UNS_FIELDS}
+    lists: dict[str, list[tuple[Condition, np.ndarray]]] = {k: [] for k in (*GEARS_UNS_FIELDS[1:], "ranked")}
     gene_sets: dict[str, list[tuple[Condition, np.ndarray]]] = {k: [] for k in GENE_SET_FIELDS}
-    ranked: dict[Condition, np.ndarray] = {}
     num_genes = len(gene_names)
-    for cond in conditions[1:] if conditions[0] == () else conditions:
+    keyed = conditions[1:] if conditions[0] == () else conditions
+    shared_index = {c: i for i, c in enumerate(keyed)}  # one {condition: row} for every per-condition field
+    for cond in keyed:
         key = names[first_of[cond]]
         for field_name in GEARS_UNS_FIELDS:
             table = adata.uns[field_name]
@@ -991,15 +1092,21 @@ def _read(adata: anndata.AnnData, where: str, backed: bool, gene2go: str | Path 
                 raise DataError(f"{where}: uns['{field_name}'] has no entry {key!r} (condition "
                                 f"{format_condition(cond)!r}); pass recompute_de=True to recompute GEARS' fields")
             values = np.asarray(table[key])
-            if field_name == "rank_genes_groups_cov_all":
-                ranked[cond] = positions(field_name, key, values[:NUM_RANKED_DE_GENES])
-                values = values[:NUM_DE_GENES]
-            if field_name in gene_sets:  # most genes of every condition: packed as bits, a row at a time
+            if field_name == "rank_genes_groups_cov_all":  # de_idx is the head of this list (ConditionArrays.head)
+                lists["ranked"].append((cond, positions(field_name, key, values[:NUM_RANKED_DE_GENES])))
+            elif field_name in gene_sets:  # most genes of every condition: packed as bits, a row at a time
                 gene_sets[field_name].append((cond, _packed_row(positions(field_name, key, values), num_genes)))
             else:
-                per_condition[field_name][cond] = positions(field_name, key, values)
+                lists[field_name].append((cond, positions(field_name, key, values)))
+    per_condition: dict[str, Mapping[Condition, np.ndarray]] = {
+        k: ConditionArrays.from_items(v, index=shared_index) for k, v in lists.items()}
+    del lists
+    per_condition["rank_genes_groups_cov_all"] = per_condition["ranked"].head(NUM_DE_GENES)  # type: ignore[attr-defined]
     for field_name, rows in gene_sets.items():
-        per_condition[field_name] = ConditionGeneSets.from_packed_rows(rows, num_genes)  # type: ignore[assignment]
+        per_condition[field_name] = ConditionGeneSets.from_packed_rows(rows, num_genes, index=shared_index)
+    del gene_sets
+    non_zeros = per_condition["non_zeros_gene_idx"]
+    per_condition["non_dropout_gene_idx"] = non_zeros.with_extra(per_condition["non_dropout_gene_idx"])  # type: ignore
 
     if backed:
         X = read_x_rows(file_x, kept, file_obs_names, where, x_cache_dir,
@@ -1030,4 +1137,5 @@ def _read(adata: anndata.AnnData, where: str, backed: bool, gene2go: str | Path 
         non_dropout_gene_idx=per_condition["non_dropout_gene_idx"], ctrl_rows=ctrl_rows, ctrl_mean=ctrl_mean,
         dropped={r: int(drops.conditions[r]) for r in DROP_REASONS if drops.conditions[r]},
         dropped_cells={r: int(drops.cells[r]) for r in DROP_REASONS if drops.cells[r]},
-        dropped_examples={r: list(v) for r, v in drops.examples.items()}, source=where, ranked_de_idx=ranked)
+        dropped_examples={r: list(v) for r, v in drops.examples.items()}, source=where,
+        ranked_de_idx=per_condition["ranked"])

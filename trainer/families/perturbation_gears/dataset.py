@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainer.families.perturbation_gears.anndata_reader import NUM_DE_GENES, PerturbationData, dense_rows
+from trainer.families.perturbation_gears.anndata_reader import NUM_DE_GENES, PerturbationData, dense_rows, index_dtype
 from trainer.families.perturbation_gears.conditions import Condition, as_condition, format_condition
 from trainer.seeding import derive_seed
 
@@ -41,12 +41,30 @@ def _padded(values: Sequence[int] | np.ndarray, length: int) -> np.ndarray:
 
 
 class _ConditionTables:
-    """Per-condition pert_idx / de_idx arrays, padded once (shared by both datasets)."""
+    """Per-condition pert_idx / de_idx arrays, padded once (-1), in the smallest integer type holding them; a
+    row is read back as int64 (`pert_idx_of`, `de_idx_of`)."""
 
     def __init__(self, data: PerturbationData, de_field: str):
         table = getattr(data, de_field)
-        self.pert_idx = np.stack([_padded(data.pert_idx(c), MAX_PERTURBED_GENES) for c in data.conditions])
-        self.de_idx = np.stack([_padded(table.get(c, ()), NUM_DE_GENES) for c in data.conditions])
+        pert_idx = np.stack([_padded(data.pert_idx(c), MAX_PERTURBED_GENES) for c in data.conditions])
+        de_idx = np.stack([_padded(table.get(c, ()), NUM_DE_GENES) for c in data.conditions])
+        self.pert_idx = pert_idx.astype(index_dtype(max(int(pert_idx.max(initial=0)), 0)))
+        self.de_idx = de_idx.astype(index_dtype(max(int(de_idx.max(initial=0)), 0)))
+
+    def pert_idx_of(self, code: int) -> torch.Tensor:
+        return torch.from_numpy(self.pert_idx[code].astype(np.int64))
+
+    def de_idx_of(self, code: int) -> torch.Tensor:
+        return torch.from_numpy(self.de_idx[code].astype(np.int64))
+
+
+def condition_tables(data: PerturbationData, de_field: str) -> _ConditionTables:
+    """The padded tables of `data` for `de_field`, built once and shared by every dataset over the same data (the
+    training pairs and the val and test sets each held their own copy)."""
+    cache = data.__dict__.setdefault("_condition_tables", {})
+    if de_field not in cache:
+        cache[de_field] = _ConditionTables(data, de_field)
+    return cache[de_field]
 
 
 class PerturbationPairs(Dataset):
@@ -67,8 +85,9 @@ class PerturbationPairs(Dataset):
         if unknown:
             raise KeyError(f"conditions not in the data: {unknown[:5]}")
         self.conditions = wanted
-        self.rows = np.concatenate([data.rows_of(c) for c in wanted]) if wanted else np.zeros(0, dtype=np.int64)
-        self.tables = _ConditionTables(data, de_field)
+        rows = np.concatenate([data.rows_of(c) for c in wanted]) if wanted else np.zeros(0, dtype=np.int64)
+        self.rows = rows.astype(index_dtype(max(data.num_cells - 1, 0)))  # per cell, in every rank: no wider than needed
+        self.tables = condition_tables(data, de_field)
         self.ctrl_code = data.condition_index[()]
 
     def __len__(self) -> int:
@@ -89,8 +108,8 @@ class PerturbationPairs(Dataset):
         control = self.control_row(row, epoch)
         pair = dense_rows(self.data.X, [control, row])
         return {"x": torch.from_numpy(pair[0]), "y": torch.from_numpy(pair[1]),
-                "pert_idx": torch.tensor(self.tables.pert_idx[code]), "condition": code,
-                "de_idx": torch.tensor(self.tables.de_idx[code]), "cell": row}
+                "pert_idx": self.tables.pert_idx_of(code), "condition": code,
+                "de_idx": self.tables.de_idx_of(code), "cell": row}
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.get_item(index, 0)
@@ -124,7 +143,7 @@ class ConditionMeans(Dataset):
         unknown = [format_condition(c) for c in self.conditions if c not in data.condition_index]
         if unknown:
             raise KeyError(f"conditions not in the data: {unknown[:5]}")
-        self.tables = _ConditionTables(data, de_field)
+        self.tables = condition_tables(data, de_field)
         self.ctrl_code = data.condition_index[()]
 
     def __len__(self) -> int:
@@ -153,8 +172,8 @@ class ConditionMeans(Dataset):
              else torch.zeros(len(rows), 0))
         return {"condition": code, "x": x,
                 "y": torch.from_numpy(dense_rows(self.data.X, rows)),
-                "pert_idx": torch.tensor(self.tables.pert_idx[code]),
-                "de_idx": torch.tensor(self.tables.de_idx[code]), "cells": torch.from_numpy(rows)}
+                "pert_idx": self.tables.pert_idx_of(code),
+                "de_idx": self.tables.de_idx_of(code), "cells": torch.from_numpy(rows)}
 
 
 def collate_conditions(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

@@ -13,9 +13,10 @@ eval, report and `predict` need without the data: gene names, perturbable genes,
 the control mean, each condition's DE genes, the split with its subgroups, and both graphs' edges. The graphs
 go through the statistics because `build_model(stats)` must rebuild the model from an export alone; their
 size is ~21 edges a gene (Norman: ~5k genes -> about 2 x 100k edges), small next to the model's per-gene
-weights. Edges and DE genes are stored as arrays (`encode_array`: int32 / float32 bytes in base64, still
-JSON), not lists of Python numbers: every rank holds the statistics for the whole run, and a list costs an
-int object and a pointer per element. Readers go through `decode_array` / `per_condition_stats`, which also
+weights. Edges and DE genes are stored as arrays (`encode_array`: the smallest integer type holding the genes /
+float32 bytes in base64, still JSON), not lists of Python numbers: every rank holds the statistics for the whole
+run, and a list costs an int object and a pointer per element. Each per-condition DE field is one matrix, a row per
+condition (`encode_condition_rows`). Readers go through `decode_array` / `per_condition_stats`, which also
 read the lists that older exports hold. The split is also written as the artifact `split.json`.
 
 The test report (`write_report`) scores the four baselines (`baselines.py`, fit on the training
@@ -45,10 +46,11 @@ from trainer.families.perturbation_gears.anndata_reader import (
     PerturbationData,
     bundled_perturbation_path,
     group_means,
+    index_dtype,
     read_perturbation_data,
 )
 from trainer.families.perturbation_gears.baselines import BASELINE_NAMES, fit_baselines
-from trainer.families.perturbation_gears.conditions import as_condition, format_condition
+from trainer.families.perturbation_gears.conditions import Condition, as_condition
 from trainer.families.perturbation_gears.dataset import (
     ConditionMeans,
     PerturbationPairs,
@@ -81,25 +83,62 @@ CACHE_ENV = "TRAINER_CACHE_DIR"
 REPORT_CONDITIONS = 4
 """Test conditions drawn in the report's plot of predicted vs true change."""
 class TrainingPairs(Dataset):
-    """`PerturbationPairs` plus each cell's loss mask (its condition's non-zero genes; all genes for control)."""
+    """`PerturbationPairs` plus each cell's loss mask (its condition's non-zero genes; all genes for control).
 
-    def __init__(self, pairs: PerturbationPairs, nonzero_masks: np.ndarray):
+    The masks are a bit per (condition, gene), unpacked per item. Without `nonzero_masks` they are the bits the
+    data already holds (`PerturbationData.non_zeros_gene_idx` as `ConditionGeneSets`), shared, not copied;
+    a dense [conditions, G] bool `nonzero_masks` is packed here."""
+
+    def __init__(self, pairs: PerturbationPairs, nonzero_masks: np.ndarray | None = None):
         self.pairs = pairs
-        # a bit per (condition, gene), unpacked per item: conditions x genes bytes per rank otherwise
-        self.num_genes = int(nonzero_masks.shape[1])
-        self.packed_masks = np.packbits(np.asarray(nonzero_masks, dtype=bool), axis=1)
+        data = pairs.data
+        if nonzero_masks is None:
+            self.num_genes = data.num_genes
+            self.packed_masks, self.mask_row = packed_nonzero_masks(data)
+        else:
+            self.num_genes = int(nonzero_masks.shape[1])
+            self.packed_masks = np.packbits(np.asarray(nonzero_masks, dtype=bool), axis=1)
+            self.mask_row = np.arange(len(self.packed_masks), dtype=np.int32)
 
     def __len__(self) -> int:
         return len(self.pairs)
 
     def get_item(self, index: int, epoch: int) -> dict[str, Any]:
         item = self.pairs.get_item(index, epoch)
-        mask = np.unpackbits(self.packed_masks[item["condition"]], count=self.num_genes).view(bool)
+        row = int(self.mask_row[item["condition"]])
+        if row < 0:  # the control (or a condition without a non-zero set): every gene
+            mask = np.ones(self.num_genes, dtype=bool)
+        else:
+            mask = np.unpackbits(self.packed_masks[row], count=self.num_genes).view(bool)
         item["nonzero_mask"] = torch.from_numpy(mask)
         return item
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.get_item(index, 0)
+
+
+def packed_nonzero_masks(data: PerturbationData) -> tuple[np.ndarray, np.ndarray]:
+    """(bits [R, ceil(G / 8)] uint8, [conditions] int32 row of each condition's loss mask, -1 for every gene): the
+    masks of `nonzero_masks`, packed. Bits the data holds already (`ConditionGeneSets`) are returned as they are."""
+    gene_sets = data.non_zeros_gene_idx
+    row_of = np.full(len(data.conditions), -1, dtype=np.int32)
+    if isinstance(gene_sets, ConditionGeneSets) and gene_sets.extra is None:
+        for code, cond in enumerate(data.conditions):
+            if cond and cond in gene_sets:
+                row_of[code] = gene_sets.row(cond)
+        return gene_sets.bits, row_of
+    rows = []
+    for code, cond in enumerate(data.conditions):
+        if cond and cond in gene_sets:
+            row_of[code] = len(rows)
+            if isinstance(gene_sets, ConditionGeneSets):
+                rows.append(gene_sets.packed(cond))
+            else:
+                mask = np.zeros(data.num_genes, dtype=bool)
+                mask[gene_sets[cond]] = True
+                rows.append(np.packbits(mask))
+    bits = np.stack(rows) if rows else np.zeros((0, (data.num_genes + 7) // 8), dtype=np.uint8)
+    return bits, row_of
 
 
 def nonzero_masks(data: PerturbationData) -> np.ndarray:
@@ -178,12 +217,19 @@ def decode_array(value: Any, dtype: str | np.dtype | None = None) -> np.ndarray:
     return arr if dtype is None else arr.astype(dtype, copy=False)
 
 
+def _index_dtype_name(values: np.ndarray) -> str:
+    """The smallest signed integer type holding `values` (and -1), by name."""
+    return index_dtype(max(int(np.max(values, initial=0)), 0)).name
+
+
 def graphs_to_stats(graphs: GeneGraphs) -> dict[str, Any]:
-    """The graphs' edges as encoded arrays (int32 gene indices, float32 weights; `decode_array`)."""
+    """The graphs' edges as encoded arrays (gene indices in the smallest integer type holding them, float32
+    weights; `decode_array`)."""
     return {"key": graphs.key,
-            "go_edge_index": encode_array(graphs.go_edge_index, "int32"),
+            "go_edge_index": encode_array(graphs.go_edge_index, _index_dtype_name(graphs.go_edge_index)),
             "go_edge_weight": encode_array(graphs.go_edge_weight, "float32"),
-            "coexpression_edge_index": encode_array(graphs.coexpression_edge_index, "int32"),
+            "coexpression_edge_index": encode_array(graphs.coexpression_edge_index,
+                                                    _index_dtype_name(graphs.coexpression_edge_index)),
             "coexpression_edge_weight": encode_array(graphs.coexpression_edge_weight, "float32")}
 
 
@@ -192,9 +238,64 @@ def _edges(stats_graphs: Mapping[str, Any], name: str) -> tuple[torch.Tensor, to
     return index, torch.from_numpy(decode_array(stats_graphs[f"{name}_edge_weight"], np.float32).copy())
 
 
-def per_condition_stats(stats: Mapping[str, Any], field: str, condition: str) -> np.ndarray | None:
-    """A condition's genes of a per-condition statistics field (`de_idx`, `ranked_de_idx`) as int64, or None."""
-    value = stats[field].get(condition)
+CONDITION_ROWS = "conditions"
+"""`rows` of a per-condition statistics field stored as one matrix (`encode_condition_rows`)."""
+
+
+def encode_condition_rows(conditions: Sequence[Condition], table: Mapping[Condition, np.ndarray]) -> dict[str, Any]:
+    """A per-condition field of gene lists as ONE encoded [len(conditions), width] matrix, a row per position in
+    `conditions` (the statistics' condition list), padded with -1; a row of -1 only: no entry (the control).
+
+    A dict of one small encoded array per condition costs a dict, a shape list and a string per condition in every
+    rank; one matrix is one string. `per_condition_stats` decodes a single row from it (no copy of the matrix)."""
+    width = max((len(v) for v in table.values()), default=0)
+    largest = max((int(np.max(v)) for v in table.values() if len(v)), default=0)
+    dtype = index_dtype(largest)
+    matrix = np.full((len(conditions), width), -1, dtype=dtype)
+    for row, cond in enumerate(conditions):
+        if cond in table:
+            genes = table[cond]
+            matrix[row, :len(genes)] = genes
+    return {**encode_array(matrix, dtype.name), "rows": CONDITION_ROWS}
+
+
+def _decode_row(value: Mapping[str, Any], row: int) -> np.ndarray:
+    """Row `row` of an `encode_condition_rows` matrix, decoded from its slice of the base64 text."""
+    try:
+        dtype = np.dtype(value["dtype"]).newbyteorder("<")
+        num_rows, width = (int(n) for n in value["shape"])
+        if not 0 <= row < num_rows:
+            raise ValueError(f"row {row} of {num_rows}")
+        start, stop = row * width * dtype.itemsize, (row + 1) * width * dtype.itemsize
+        text = value[ARRAY_KEY][start // 3 * 4:-(-stop // 3) * 4]  # whole 4-character groups of 3 bytes
+        raw = base64.b64decode(text, validate=True)[start % 3:start % 3 + stop - start]
+        out = np.frombuffer(raw, dtype=dtype)
+        if out.size != width:
+            raise ValueError(f"{out.size} values for a row of {width}")
+    except (ValueError, TypeError, KeyError) as err:
+        raise DataError(f"statistics: malformed per-condition matrix (dtype {value.get('dtype')!r}, shape "
+                        f"{value.get('shape')!r}): {err}") from err
+    return out
+
+
+def per_condition_stats(stats: Mapping[str, Any], field: str, condition: str, code: int | None = None
+                        ) -> np.ndarray | None:
+    """A condition's genes of a per-condition statistics field (`de_idx`, `ranked_de_idx`) as int64, or None.
+
+    `code`: the condition's position in stats["conditions"] when the caller has it (else looked up). Reads the
+    one-matrix form (`encode_condition_rows`) and the per-condition dicts older statistics hold (each an encoded
+    array or a list)."""
+    value = stats[field]
+    if isinstance(value, Mapping) and ARRAY_KEY in value:
+        if code is None:
+            try:
+                code = stats["conditions"].index(condition)
+            except ValueError:
+                return None
+        genes = _decode_row(value, code)
+        genes = genes[genes >= 0]
+        return genes.astype(np.int64) if genes.size else None
+    value = value.get(condition)
     return None if value is None else decode_array(value, np.int64)
 
 
@@ -295,7 +396,7 @@ class PerturbationGearsTask(Task):
         options = {"seed": self.seed, "max_cells": c.eval_max_cells or None, "paired_controls": c.eval_controls == "paired"}
         val = ConditionMeans(data, split.conditions("val"), **options) if split.val else None
         test = ConditionMeans(data, split.conditions("test"), **options) if split.test else None
-        return TaskData(train=TrainingPairs(pairs, nonzero_masks(data)), eval=val, test=test,
+        return TaskData(train=TrainingPairs(pairs), eval=val, test=test,
                         stats=self.statistics(data, split, graphs))
 
     @staticmethod
@@ -304,8 +405,8 @@ class PerturbationGearsTask(Task):
         conditions = data.condition_strings
         return {"gene_names": data.gene_names.tolist(), "pert_genes": list(data.pert_genes),
                 "conditions": conditions, "ctrl_mean": data.ctrl_mean.astype(np.float32).tolist(),
-                "de_idx": {format_condition(k): encode_array(v, "int32") for k, v in data.de_idx.items()},
-                "ranked_de_idx": {format_condition(k): encode_array(v, "int32") for k, v in data.ranked_de_idx.items()},
+                "de_idx": encode_condition_rows(data.conditions, data.de_idx),
+                "ranked_de_idx": encode_condition_rows(data.conditions, data.ranked_de_idx),
                 "split": {"mode": split.mode, "seed": split.seed, "train": split.train, "val": split.val,
                           "test": split.test, "subgroups": split.subgroups, "held_out": split.held_out,
                           "params": split.params},
@@ -372,9 +473,9 @@ class PerturbationGearsTask(Task):
         out = {}
         for row, code in enumerate(codes):
             name = names[code]
-            de = per_condition_stats(self.stats, "de_idx", name)
+            de = per_condition_stats(self.stats, "de_idx", name, code)
             profile = pred[row] if predictions is None else predictions[name]
-            ranked = per_condition_stats(self.stats, "ranked_de_idx", name)
+            ranked = per_condition_stats(self.stats, "ranked_de_idx", name, code)
             out[name] = condition_metrics(profile, true[row], ctrl, de, ranked_de_idx=ranked, top_expressed_idx=top)
         return out
 
@@ -444,7 +545,7 @@ class PerturbationGearsTask(Task):
         fig, axes = plt.subplots(len(picks), 1, figsize=(7, 2.6 * len(picks)), squeeze=False)
         for ax, row in zip(axes[:, 0], picks):
             name = names[codes[row]]
-            de = per_condition_stats(self.stats, "de_idx", name)
+            de = per_condition_stats(self.stats, "de_idx", name, codes[row])
             de = np.zeros(0, dtype=np.int64) if de is None else de
             if de.size == 0:
                 ax.set_axis_off()
