@@ -280,8 +280,7 @@ batches = TrainBatches(cfg, plan, task, data.train, rank, world, torch.device("c
 next(batches)  # the loader's start (workers, the epoch's order) is the launch's cost, measured there
 n, t0, c0 = 0, time.perf_counter(), time.process_time()
 while n < samples:
-    next(batches)
-    n += plan.per_device_batch_size
+    n += task.batch_size(next(batches).batch)  # budget batching: micro-batches differ in size
 print(json.dumps({"samples": n, "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
                   "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """

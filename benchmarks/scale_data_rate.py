@@ -7,8 +7,11 @@ For one config (any family) whose caches are built, and each W in `--worlds`:
   data rate     W processes at once, each iterating its rank's training DataLoader (`TrainBatches`, no model,
                 `scale.data_rate`) over `--loader-samples` samples: samples/s per rank, and the CPU µs a rank spends
                 per sample, which does not depend on what else shares the cores
-  headroom      data rate / step rate per rank: above 1 the loader keeps up with the step on these cores; the CPU
-                µs per sample says how many samples/s one loader core gives a faster (GPU) step
+  step alone    both runs read in the rank's own process (data.num_workers=0 is appended), so the logged step time
+                includes the reading: the step alone takes 1 / step rate - 1 / data rate per sample
+  headroom      data rate / the step alone's rate per rank: above 1 a loader with one worker keeps up with the step
+                on these cores; the CPU µs per sample says how many samples/s one loader core gives a faster (GPU)
+                step
 
 The load average is given with each row: on a shared machine the wall rates move with it, the CPU µs do not.
 
@@ -35,8 +38,8 @@ from scale import TRAINER, check, data_rate, first_step_s, launch, log, table, w
 
 TOPIC = "Field-size data: crystals, molecules, perturbations"
 COLS = [("label", "data"), ("W", "W"), ("first_step_s", "launch to 1st step s"),
-        ("step_rank", "step consumes samples/s/rank"), ("loader_rank", "loader samples/s/rank"),
-        ("headroom", "loader / step"), ("loader_cpu_us", "loader CPU µs/sample"),
+        ("step_rank", "step with reading, samples/s/rank"), ("step_alone", "step alone, samples/s/rank"),
+        ("loader_rank", "loader samples/s/rank"), ("headroom", "loader / step alone"), ("loader_cpu_us", "loader CPU µs/sample"),
         ("core_rate", "samples/s one loader core gives"), ("load1", "load avg")]
 
 
@@ -52,6 +55,7 @@ def step_rate(w: Any, world: int) -> float:
 def measure(a: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per W."""
     run_dir = a.workdir / "run"
+    a.overrides = [*a.overrides, "data.num_workers=0"]  # reading in the rank's process: the CPU clock sees it
     common = [*a.overrides, "log.every_steps=1", "log.progress_bar=false", "log.tensorboard=false"]
     check(watch([*TRAINER, "data", "prepare", str(a.config), *a.overrides]), "trainer data prepare")
     rows = []
@@ -62,7 +66,9 @@ def measure(a: argparse.Namespace) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"label": a.label, "W": world, "first_step_s": first_step_s(w),
                                "step_rank": step_rate(w, world), "load1": os.getloadavg()[0]}
         row["loader_rank"], _, row["loader_cpu_us"] = data_rate(a, world, a.overrides)
-        row["headroom"] = row["loader_rank"] / row["step_rank"]
+        per_sample = 1 / row["step_rank"] - 1 / row["loader_rank"]
+        row["step_alone"] = 1 / per_sample if per_sample > 0 else float("nan")
+        row["headroom"] = row["loader_rank"] / row["step_alone"]
         row["core_rate"] = 1e6 / row["loader_cpu_us"]
         log(f"{a.label} W={world}: {row}")
         rows.append(row)

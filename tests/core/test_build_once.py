@@ -160,7 +160,7 @@ def test_a_build_longer_than_the_collective_timeout_does_not_fail(tmp_path):
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path / "built"), TINY,
            "train.max_steps=2", "train.per_device_batch_size=4", "eval.every_steps=0", "ckpt.every_steps=0",
            "log.tensorboard=false", "log.progress_bar=false",
-           # above the ranks' skew on a loaded machine (DDP's first collective), far below the build's 20 s
+           # above the ranks' skew on a loaded machine (DDP's first collective), well below the slow build's sleep
            "run.collective_timeout_s=8", f"run.output_dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=Path(TRAIN).parents[1])
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

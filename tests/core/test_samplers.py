@@ -533,6 +533,7 @@ def test_sampler_sizes_are_held_as_int32_with_the_int64_plan_key_and_plans():
         small = BalancedBatchSampler(sizes[:600], **kw)
         assert small.plan(0) == BalancedBatchSampler(sizes[:600].astype(np.int16), **kw).plan(0)
     assert compact_sizes(np.array([1, 2**31])).dtype == np.int64
+    assert compact_sizes(np.array([-2**31, 5])).dtype == np.int64  # negated by the plans: no int32 overflow
     assert compact_sizes([3.0, 4.0]).dtype == np.int64
 
 

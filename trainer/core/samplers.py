@@ -318,12 +318,13 @@ def lpt_parts(sizes: np.ndarray, parts: int, capacity: int | None = None) -> np.
 
 
 def compact_sizes(sizes: Any) -> np.ndarray:
-    """Unit sizes as int32 when every value fits, else int64: every rank holds one per training row, so at a
-    hundred million rows the width is hundreds of MiB per rank. The plans do not depend on it (sums are int64)."""
+    """Unit sizes as int32 when every value fits, else int64: every rank holds one per training row, so the width
+    is what a rank pays per row of the data set. The plans do not depend on it (sums are int64; -2**31 is kept in
+    int64, where negating it does not overflow)."""
     arr = np.asarray(sizes)
     if arr.dtype == np.int32:
         return arr
-    if arr.dtype.kind in "iu" and (arr.size == 0 or (int(arr.min()) >= -2**31 and int(arr.max()) < 2**31)):
+    if arr.dtype.kind in "iu" and (arr.size == 0 or (int(arr.min()) > -2**31 and int(arr.max()) < 2**31)):
         return arr.astype(np.int32)
     return arr.astype(np.int64)
 

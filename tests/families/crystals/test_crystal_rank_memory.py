@@ -39,6 +39,9 @@ def test_select_rows_equals_select(bundled):
     assert len(D.select_rows(bundled, np.zeros(0, np.int64))) == 0
     a, b = D.select_rows(bundled, [1, 2]), D.select_rows(bundled, [2, 1])
     assert a._fingerprint != b._fingerprint  # a derived dataset must not reuse the other order's caches
+    run = D.select_rows(bundled, np.arange(10, 20))  # a contiguous run is a slice, as `select` makes it
+    assert selected_rows(run) is None and run["id"] == bundled.select(range(10, 20))["id"]
+    assert D.select_rows(inner, np.arange(3, 9))["id"] == inner.select(range(3, 9))["id"]
 
 
 def test_select_rows_refuses_bad_rows(bundled):

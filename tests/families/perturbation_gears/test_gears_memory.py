@@ -166,6 +166,20 @@ def test_statistics_of_the_previous_format_still_load_and_score_alike(bundled_st
     assert scored[0] == scored[1] and len(scored[0]) == len(codes)
 
 
+def test_an_empty_gene_list_reads_back_empty_not_absent():
+    """A condition whose list is empty reads back as an empty list (the metrics then refuse it, as they refused
+    the per-condition form's empty array), not as a condition without an entry."""
+    from trainer.families.perturbation_gears.task import encode_condition_rows
+
+    conditions = [("A",), ("B",), ()]
+    for table in ({("A",): np.zeros(0, np.int64), ("B",): np.array([3, 1])}, {("A",): np.zeros(0, np.int64)}):
+        stats = {"conditions": [format_condition(c) for c in conditions],
+                 "de_idx": json.loads(json.dumps(encode_condition_rows(conditions, table)))}
+        assert per_condition_stats(stats, "de_idx", format_condition(("A",))).tolist() == []
+        assert per_condition_stats(stats, "de_idx", format_condition(())) is None
+    assert per_condition_stats(stats, "de_idx", format_condition(("B",))) is None
+
+
 @pytest.mark.parametrize("dtype", ["int16", "int32"])
 @pytest.mark.parametrize("width", [1, 2, 3, 7, 20])
 def test_one_row_decoded_from_its_slice_of_the_matrix(dtype, width):

@@ -434,6 +434,8 @@ def select_rows(ds: datasets.Dataset, rows: np.ndarray | Sequence[int]) -> datas
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     if len(rows) and (rows.min() < 0 or rows.max() >= len(ds)):
         raise IndexError(f"row {int(rows.min() if rows.min() < 0 else rows.max())} out of range for {len(ds)} rows")
+    if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and bool(np.all(np.diff(rows) == 1)):
+        return ds.select(range(int(rows[0]), int(rows[-1]) + 1))  # a contiguous run: `select` slices, no indices
     indices = pa.array(rows.view(np.uint64))  # non-negative: the same bits; a view, no copy
     if ds._indices is not None:
         indices = ds._indices.column(0).take(indices)

@@ -319,7 +319,7 @@ class ConditionArrays(Mapping):
     """{condition: int64 gene positions} kept as one packed array of positions plus offsets, not a dict of arrays.
 
     GEARS' per-condition gene lists (the DE ranking's first 200 and 20, the top non-zero / non-dropout 20) are
-    short: as a dict of int64 arrays each costs an array object (about 110 bytes) plus 8 bytes a gene, for every
+    short: as a dict of int64 arrays each costs an array object's header plus 8 bytes a gene, for every
     condition in every rank; here they are one array of the smallest integer type holding the gene positions
     (`index_dtype`). A lookup returns a new int64 array. `limit` cuts each list to its first `limit` genes, so a
     top-20 field can share the storage of the ranking it is the head of (`head`).

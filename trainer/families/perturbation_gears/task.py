@@ -239,16 +239,21 @@ def _edges(stats_graphs: Mapping[str, Any], name: str) -> tuple[torch.Tensor, to
 
 
 CONDITION_ROWS = "conditions"
+EMPTY_ROW = -2
+"""First value of a one-matrix row that holds an entry with no genes (-1 pads, and a row of -1 is no entry)."""
 """`rows` of a per-condition statistics field stored as one matrix (`encode_condition_rows`)."""
 
 
 def encode_condition_rows(conditions: Sequence[Condition], table: Mapping[Condition, np.ndarray]) -> dict[str, Any]:
     """A per-condition field of gene lists as ONE encoded [len(conditions), width] matrix, a row per position in
-    `conditions` (the statistics' condition list), padded with -1; a row of -1 only: no entry (the control).
+    `conditions` (the statistics' condition list), padded with -1; a row of -1 only: no entry (the control); a row
+    starting with -2: an entry with no genes (read back as an empty list, which the metrics refuse, as before).
 
     A dict of one small encoded array per condition costs a dict, a shape list and a string per condition in every
     rank; one matrix is one string. `per_condition_stats` decodes a single row from it (no copy of the matrix)."""
     width = max((len(v) for v in table.values()), default=0)
+    if width == 0 and any(cond in table for cond in conditions):
+        width = 1  # room for the marker of an empty list
     largest = max((int(np.max(v)) for v in table.values() if len(v)), default=0)
     dtype = index_dtype(largest)
     matrix = np.full((len(conditions), width), -1, dtype=dtype)
@@ -256,6 +261,8 @@ def encode_condition_rows(conditions: Sequence[Condition], table: Mapping[Condit
         if cond in table:
             genes = table[cond]
             matrix[row, :len(genes)] = genes
+            if len(genes) == 0:
+                matrix[row, 0] = EMPTY_ROW
     return {**encode_array(matrix, dtype.name), "rows": CONDITION_ROWS}
 
 
@@ -293,6 +300,8 @@ def per_condition_stats(stats: Mapping[str, Any], field: str, condition: str, co
             except ValueError:
                 return None
         genes = _decode_row(value, code)
+        if genes.size and genes[0] == EMPTY_ROW:
+            return np.zeros(0, np.int64)
         genes = genes[genes >= 0]
         return genes.astype(np.int64) if genes.size else None
     value = value.get(condition)
