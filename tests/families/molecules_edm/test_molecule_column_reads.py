@@ -33,3 +33,18 @@ def test_build_data_reads_no_column_row_by_row(tmp_path, monkeypatch):
     parts = split_indices(ids, {"train": 0.8, "validation": 0.1, "test": 0.1}, key=0)
     for name, rows in (("train", data.train), ("validation", data.eval), ("test", data.test)):
         assert list(rows.dataset["id"]) == [ids[k] for k in parts[name]]
+
+
+def test_splits_are_selected_without_a_python_list_of_rows(tmp_path, monkeypatch):
+    """The splits come from the row-number arrays directly (`select_rows`): `datasets`' select, which makes a Python
+    int per row of the split on every rank at every start, is never called; the rows are the ones it gave."""
+    task = MoleculesEDMTask(MoleculesEDMConfig(cache_dir=str(tmp_path)), seed=0)
+    want = task.build_data()
+
+    def refuse(*a, **k):
+        raise AssertionError("datasets.Dataset.select's indices mapping was built")
+
+    monkeypatch.setattr(arrow_dataset.Dataset, "_select_with_indices_mapping", refuse)
+    got = task.build_data()
+    for a, b in ((got.train, want.train), (got.eval, want.eval), (got.test, want.test)):
+        assert a.dataset["id"] == b.dataset["id"]

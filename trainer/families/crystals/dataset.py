@@ -33,6 +33,7 @@ from trainer.data.arrow_cache import (
     file_keys,
     load_arrow,
     read_meta,
+    select_rows,
     selected_column,
     selected_rows,
     write_meta,
@@ -416,38 +417,6 @@ class CrystalRows(torch.utils.data.Dataset):
                 row["row"] = p
             out.append(row)
         return out
-
-
-def select_rows(ds: datasets.Dataset, rows: np.ndarray | Sequence[int]) -> datasets.Dataset:
-    """`ds.select(rows)` for a split's row numbers, without a Python object per row.
-
-    `datasets.Dataset.select` turns non-contiguous indices into a Python list (an int object per row, then Python
-    loops for the bounds and the Arrow array), transient memory and CPU in proportion to the rows selected on
-    every rank at every start. This builds the same indices table from the numpy array at once: the same rows, in
-    the same order (a selection of a selection is composed, as `select` does); the fingerprint is a hash of the
-    parent's and of the rows."""
-    from datasets.table import InMemoryTable
-
-    rows = np.asarray(rows)
-    if rows.ndim != 1 or (len(rows) and not np.issubdtype(rows.dtype, np.integer)):
-        raise TypeError(f"rows must be a 1-d array of integers, got {rows.dtype} of shape {rows.shape}")
-    rows = np.ascontiguousarray(rows, dtype=np.int64)
-    if len(rows) and (rows.min() < 0 or rows.max() >= len(ds)):
-        raise IndexError(f"row {int(rows.min() if rows.min() < 0 else rows.max())} out of range for {len(ds)} rows")
-    if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and bool(np.all(np.diff(rows) == 1)):
-        return ds.select(range(int(rows[0]), int(rows[-1]) + 1))  # a contiguous run: `select` slices, no indices
-    indices = pa.array(rows.view(np.uint64))  # non-negative: the same bits; a view, no copy
-    if ds._indices is not None:
-        indices = ds._indices.column(0).take(indices)
-    h = hashlib.blake2b(str(ds._fingerprint).encode(), digest_size=16)
-    h.update(memoryview(rows))
-    out = datasets.Dataset(ds._data, info=ds.info.copy(), split=ds.split,
-                           indices_table=InMemoryTable(pa.table({"indices": indices})), fingerprint=h.hexdigest())
-    # the parent's output format, as `select` transmits it
-    out._format_type, out._format_kwargs = ds._format_type, dict(ds._format_kwargs)
-    out._format_columns = None if ds._format_columns is None else list(ds._format_columns)
-    out._output_all_columns = ds._output_all_columns
-    return out
 
 
 def _sizes(dataset: Any, column: str) -> np.ndarray:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainer.data.arrow_cache import column_array
+from trainer.data.arrow_cache import column_array, select_rows
 from trainer.data.splits import split_indices
 from trainer.errors import ConfigError
 from trainer.families.molecules_edm import sampling_report as report
@@ -110,9 +110,9 @@ class MoleculesEDMTask(Task):
                                         "validation": c.val_fraction, "test": c.test_fraction}, key=split_key)
         if len(parts["train"]) == 0:
             raise ConfigError(f"{source}: no training molecules left after the validation/test split")
-        train = full.select(parts["train"])
-        val = full.select(parts["validation"]) if len(parts["validation"]) else None
-        test = full.select(parts["test"]) if len(parts["test"]) else None
+        train = select_rows(full, parts["train"])
+        val = select_rows(full, parts["validation"]) if len(parts["validation"]) else None
+        test = select_rows(full, parts["test"]) if len(parts["test"]) else None
         self.train_smiles = set(training_smiles(train))
         histogram = node_count_histogram(train)
         stats = {"elements": list(self.elements), "node_count_histogram": {str(n): int(c) for n, c in histogram.items()},
