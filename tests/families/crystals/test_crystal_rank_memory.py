@@ -11,6 +11,7 @@ import pytest
 
 from trainer.data.arrow_cache import selected_rows
 from trainer.families.crystals import dataset as D
+from trainer.families.crystals import shards as S
 from trainer.families.crystals import task as T
 from trainer.families.crystals.readers import bundled_crystal_path
 from trainer.families.crystals.spec import CrystalPropertyConfig
@@ -70,8 +71,9 @@ def test_task_splits_make_no_python_list_of_rows(tmp_path, monkeypatch):
     assert np.array_equal(selected_rows(data.eval.dataset), parts["validation"])
 
 
-def test_a_shard_is_one_record_batch(tmp_path):
-    """A shard of more structures than the old 256-row batches is written as one Arrow record batch."""
+def test_a_shard_is_one_record_batch(tmp_path, monkeypatch):
+    """A shard of more structures than the old 256-row batches is written as one Arrow record batch, unless its
+    graphs outgrow the batch's byte bound."""
     from ase.build import bulk
 
     rng = np.random.default_rng(0)
@@ -88,6 +90,12 @@ def test_a_shard_is_one_record_batch(tmp_path):
     with pa.memory_map(str(shards[0])) as source:
         batches = list(pa.ipc.open_stream(source))
     assert [b.num_rows for b in batches] == [300]
+    # Dense graphs of large cells: a batch is written once its graphs reach ARROW_BATCH_BYTES; the same rows.
+    monkeypatch.setattr(S, "ARROW_BATCH_BYTES", 50_000)
+    cut = D.build_crystal_dataset(frames, cache_dir=tmp_path / "cut")
+    with pa.memory_map(str(sorted((tmp_path / "cut").rglob("*.arrow"))[0])) as source:
+        sizes = [b.num_rows for b in pa.ipc.open_stream(source)]
+    assert len(sizes) > 1 and sum(sizes) == 300 and cut["id"] == ds["id"] and cut["edge_src"] == ds["edge_src"]
 
 
 def test_statistics_computed_once_per_cache(tmp_path, monkeypatch):

@@ -26,6 +26,10 @@ batch. Every rank maps each batch's header when it opens the cache and each batc
 at start-up (sizes, targets, element counts); the kernel maps whole runs of pages around each byte touched, so
 the pages a rank maps at start-up grow with the number of batches: few, large batches keep that small."""
 
+ARROW_BATCH_BYTES = 256 << 20
+"""A batch is also written once the graphs held for it reach this many bytes (atoms and edges), so that a worker's
+memory stays bounded for large cells with dense graphs, where a shard's graphs would not fit comfortably."""
+
 _EDGE_DTYPE = np.int8
 
 
@@ -139,6 +143,7 @@ def _write_graph_rows(records: list[dict[str, Any]], spec: GraphSpec, features: 
             writer.write_table(pa.Table.from_arrays(cols, schema=schema))
             rows.clear()
 
+        held = 0  # bytes of the graphs in `rows`
         for rec in records:
             g = _record_graph(rec, spec)
             if isinstance(g, CrystalDataError):
@@ -148,8 +153,10 @@ def _write_graph_rows(records: list[dict[str, Any]], spec: GraphSpec, features: 
             row.update(g, num_atoms=len(rec["atomic_numbers"]), num_edges=len(g["edge_src"]))
             rows.append(row)
             kept.append(rec["id"])
-            if len(rows) == ARROW_BATCH:
+            held += sum(v.nbytes for v in row.values() if isinstance(v, np.ndarray))
+            if len(rows) == ARROW_BATCH or held >= ARROW_BATCH_BYTES:
                 flush()
+                held = 0
         if rows:
             flush()
     return dict(skipped), kept
