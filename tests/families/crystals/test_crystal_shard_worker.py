@@ -3,7 +3,6 @@ ArrowWriter wrote them."""
 
 from __future__ import annotations
 
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import datasets
 import pyarrow as pa
 from datasets.arrow_writer import ArrowWriter
+from shard_worker_support import run_job_in_spawned_worker
 
 from trainer.families.crystals import dataset as D
 from trainer.families.crystals import shards as S
@@ -48,25 +48,8 @@ def test_shard_worker_imports_neither_torch_nor_datasets(tmp_path, monkeypatch):
     build_crystal_dataset(bundled_crystal_path("mlearn_Si_test"), graph=SPEC, cache_dir=tmp_path / "c")
     fn, args, final = jobs[0]
     assert fn.__module__ == "trainer.families.crystals.shards"
-    job = tmp_path / "job.pkl"
-    job.write_bytes(pickle.dumps((fn, args)))
     out = tmp_path / "shard.arrow"
-    # the job runs in a spawned worker, as the build's pool runs it; the probe reports the worker's modules
-    (tmp_path / "worker_probe.py").write_text(
-        "import sys\n"
-        "def run(fn, args, out):\n"
-        "    loaded = [m for m in ('torch', 'datasets') if m in sys.modules]\n"
-        "    assert not loaded, ('on import', loaded)\n"
-        "    fn(*args, out)\n"
-        "    return [m for m in ('torch', 'datasets') if m in sys.modules]\n")
-    code = ("import multiprocessing, pickle, sys\n"
-            f"sys.path.insert(0, {str(tmp_path)!r})\n"
-            "import worker_probe\n"
-            f"fn, args = pickle.loads(open({str(job)!r}, 'rb').read())\n"
-            "with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
-            f"    loaded = pool.apply(worker_probe.run, (fn, args, {str(out)!r}))\n"
-            "assert not loaded, ('after the job', loaded)\n")
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    run = run_job_in_spawned_worker(fn, args, out, tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     assert out.read_bytes() == Path(final).read_bytes()
 

@@ -3,9 +3,6 @@ for byte as `datasets`' ArrowWriter wrote them (the caches of earlier versions s
 
 from __future__ import annotations
 
-import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import datasets
@@ -13,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from datasets.arrow_writer import ArrowWriter
+from shard_worker_support import run_job_in_spawned_worker
 
 pytest.importorskip("rdkit")
 msgpack = pytest.importorskip("msgpack")
@@ -97,25 +95,9 @@ def test_molecule_shard_workers_import_neither_torch_nor_datasets(tmp_path, monk
                        on_invalid="skip")
     assert [fn.__module__ for fn, _, _ in jobs] == ["trainer.families.molecules_edm.pieces",
                                                     "trainer.families.molecules_edm.geom"]
-    (tmp_path / "worker_probe.py").write_text(
-        "import sys\n"
-        "def run(fn, args, out):\n"
-        "    loaded = [m for m in ('torch', 'datasets') if m in sys.modules]\n"
-        "    assert not loaded, ('on import', loaded)\n"
-        "    fn(*args, out)\n"
-        "    return [m for m in ('torch', 'datasets') if m in sys.modules]\n")
     for k, (fn, args, final) in enumerate(jobs):
-        job = tmp_path / f"job{k}.pkl"
-        job.write_bytes(pickle.dumps((fn, args)))
         out = tmp_path / f"shard{k}.arrow"
-        code = ("import multiprocessing, pickle, sys\n"
-                f"sys.path.insert(0, {str(tmp_path)!r})\n"
-                "import worker_probe\n"
-                f"fn, args = pickle.loads(open({str(job)!r}, 'rb').read())\n"
-                "with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
-                f"    loaded = pool.apply(worker_probe.run, (fn, args, {str(out)!r}))\n"
-                "assert not loaded, ('after the job', loaded)\n")
-        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+        run = run_job_in_spawned_worker(fn, args, out, tmp_path)
         assert run.returncode == 0, (fn.__module__, run.stderr[-2000:])
         assert out.read_bytes() == Path(final).read_bytes(), fn.__module__
 

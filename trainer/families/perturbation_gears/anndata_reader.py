@@ -245,7 +245,23 @@ def index_dtype(largest: int) -> np.dtype:
     return np.dtype(np.int64)
 
 
-class ConditionGeneSets(Mapping):
+class ConditionRows(Mapping):
+    """A read-only {condition: value} whose conditions are rows of packed storage (`_row`: {condition: row},
+    shared between the fields of one data set)."""
+
+    _row: Mapping[Condition, int]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._row
+
+    def __iter__(self) -> Iterator[Condition]:
+        return iter(self._row)
+
+    def __len__(self) -> int:
+        return len(self._row)
+
+
+class ConditionGeneSets(ConditionRows):
     """{condition: int64 gene positions} kept as one bit-packed [conditions, G] matrix (a bit per gene).
 
     GEARS' `non_zeros_gene_idx` / `non_dropout_gene_idx` hold most genes of every condition: as int64 arrays that
@@ -305,17 +321,8 @@ class ConditionGeneSets(Mapping):
     def __getitem__(self, key: Condition) -> np.ndarray:
         return np.flatnonzero(self.mask(key)).astype(np.int64)
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._row
 
-    def __iter__(self) -> Iterator[Condition]:
-        return iter(self._row)
-
-    def __len__(self) -> int:
-        return len(self._row)
-
-
-class ConditionArrays(Mapping):
+class ConditionArrays(ConditionRows):
     """{condition: int64 gene positions} kept as one packed array of positions plus offsets, not a dict of arrays.
 
     GEARS' per-condition gene lists (the DE ranking's first 200 and 20, the top non-zero / non-dropout 20) are
@@ -358,15 +365,6 @@ class ConditionArrays(Mapping):
         if self.limit is not None:
             b = min(b, a + self.limit)
         return self.flat[a:b].astype(np.int64)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._row
-
-    def __iter__(self) -> Iterator[Condition]:
-        return iter(self._row)
-
-    def __len__(self) -> int:
-        return len(self._row)
 
 
 # --------------------------------------------------------------------------------------------------
