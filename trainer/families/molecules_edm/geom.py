@@ -42,7 +42,8 @@ from trainer.data.arrow_cache import (
     read_meta,
     write_meta,
 )
-from trainer.data.arrow_shards import Features, List, Value, arrow_schema, shard_writer, write_table
+from trainer.data.arrow_shards import Features, Value, arrow_schema, shard_writer, write_table
+from trainer.families.molecules_edm.pieces import core_features
 from trainer.families.molecules_edm.readers import MoleculeDataError, ReadReport, element_numbers, log_skips
 
 if TYPE_CHECKING:
@@ -76,14 +77,7 @@ def _cores() -> int:
 
 
 def _features(compute_smiles: bool) -> Features:
-    feats: Features = {
-        "id": Value("string"),
-        "numbers": List(Value("int8")),
-        "positions": List(List(Value("float32"), length=3)),
-        "num_atoms": Value("int32"),
-    }
-    if compute_smiles:
-        feats["edm_smiles"] = Value("string")
+    feats = core_features(compute_smiles)
     feats.update({"smiles": Value("string"), "molecule": Value("int64"), "conformer": Value("int32"),
                   "totalenergy": Value("float64"), "boltzmannweight": Value("float64")})
     return feats

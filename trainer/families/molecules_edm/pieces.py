@@ -48,6 +48,15 @@ its work."""
 KINDS = {"bool": pa.bool_(), "int64": pa.int64(), "float64": pa.float64(), "string": pa.string()}
 
 
+def core_features(with_smiles: bool) -> Features:
+    """The columns every molecule shard starts with (GEOM's and the xyz/SDF pieces'), `edm_smiles` when perceived."""
+    features: Features = {"id": Value("string"), "numbers": List(Value("int8")),
+                          "positions": List(List(Value("float32"), length=3)), "num_atoms": Value("int32")}
+    if with_smiles:
+        features["edm_smiles"] = Value("string")
+    return features
+
+
 # --------------------------------------------------------------------------------------------------
 # property columns
 
@@ -112,14 +121,7 @@ def write_molecule_rows(molecules: list[Molecule], smiles: list[str | None] | No
     property columns ([(property, type name)], default `property_schema(molecules)`)."""
     schema = property_schema(molecules) if schema is None else list(schema)
     props = [(f"info_{key}" if key in CORE_COLUMNS else key, key, kind) for key, kind in schema]
-    features: Features = {
-        "id": Value("string"),
-        "numbers": List(Value("int8")),
-        "positions": List(List(Value("float32"), length=3)),
-        "num_atoms": Value("int32"),
-    }
-    if smiles is not None:
-        features["edm_smiles"] = Value("string")
+    features = core_features(smiles is not None)
     for name, _, kind in props:
         features[name] = Value(kind)
     arrow = arrow_schema(features)
