@@ -19,12 +19,16 @@ below), as extended XYZ and as an ASE LMDB database (`.aselmdb`, fairchem's form
                 cache's mapped pages (Rss of the shards in /proc/self/smaps), the private memory and the CPU
                 seconds after each stage, twice (the first start stores the statistics, the second reads them):
                 what of a rank's RSS grows with N
+  per row       (`--per-row N ...`, alone) a rank's per-row start-up steps on N rows of tiny data, no build: what
+                the split rows, selections, sizes and the iterating sampler keep and peak at, and the bytes a
+                training row (the slope from the smallest to the largest N)
 
 Then the cost per doubling of N and an extrapolation (a power law in N over the measured sizes) to Alexandria and
 OMat24: extrapolated, not measured. Prints markdown; `--out FILE` files it into FILE (`bench_report`).
 
     .venv/bin/python benchmarks/scale_crystals.py --sizes 25000 50000 100000 --worlds 1 2 --workdir /scratch/c
     .venv/bin/python benchmarks/scale_crystals.py --smoke
+    .venv/bin/python benchmarks/scale_crystals.py --per-row 48000 1000000 --worlds 1 4
 """
 
 from __future__ import annotations
@@ -261,6 +265,80 @@ def stages(a: argparse.Namespace, data: Path, cache: Path) -> list[dict[str, Any
     return out
 
 
+# One process doing a rank's per-row start-up steps on N rows of tiny data (no structures, no cache): the sizes
+# column in shards of 4,096 rows, random split hashes; numpy's allocations through tracemalloc (kept after each
+# step, peak within it) and Arrow's through its memory pool. Cheap enough to run at 1 M or 10 M rows.
+_PER_ROW = r"""
+import gc, json, sys, tracemalloc
+import datasets, numpy as np, pyarrow as pa
+from datasets.table import InMemoryTable
+from trainer.core.samplers import BalancedBatchSampler
+from trainer.families.crystals import task as T
+from trainer.families.crystals.dataset import atom_counts, select_rows
+
+n, world, batch = (int(v) for v in sys.argv[1:4])
+rng = np.random.default_rng(0)
+sizes = rng.integers(1, 200, n).astype(np.int32)
+ds = datasets.Dataset(InMemoryTable(pa.Table.from_batches(
+    [pa.record_batch([pa.array(sizes[lo:lo + 4096])], names=["num_atoms"]) for lo in range(0, n, 4096)])))
+ds.split_hashes, ds.split_key = rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True), 0
+del sizes
+out, keep, arrow0 = {"N": n, "W": world}, [], pa.total_allocated_bytes()
+tracemalloc.start()
+
+def step(name, fn):
+    gc.collect()
+    tracemalloc.reset_peak()
+    t0, a0 = tracemalloc.get_traced_memory()[0], pa.total_allocated_bytes()
+    keep.append(fn())
+    gc.collect()
+    t1, peak = tracemalloc.get_traced_memory()
+    out[name + "_kept"] = (t1 - t0 + pa.total_allocated_bytes() - a0) / 2**20
+    out[name + "_peak"] = (peak - t0) / 2**20
+    return keep[-1]
+
+parts = step("split", lambda: T._split_rows(ds, {"train": 0.9, "validation": 0.05, "test": 0.05}, key=0))
+train = step("select", lambda: {k: select_rows(ds, v, narrow=True) for k, v in parts.items()})["train"]
+del parts
+keep[0] = None  # the task drops its row arrays once selected: the selections hold what they need
+sz = step("sizes", lambda: atom_counts(train))
+sampler = step("sampler", lambda: BalancedBatchSampler(sz, mode="balanced", seed=0, rank=0, world_size=world,
+                                                        batch_size=batch, with_epoch=True))
+it = iter(sampler)
+step("batch", lambda: next(it))
+gc.collect()
+out["train_rows"], out["kept_MiB"] = len(train), tracemalloc.get_traced_memory()[0] / 2**20
+out["arrow_MiB"] = (pa.total_allocated_bytes() - arrow0) / 2**20
+print(json.dumps(out))
+"""
+
+PER_ROW_COLS = [("N", "N"), ("W", "W"), ("train_rows", "training rows"), ("split_kept", "split rows kept MiB"),
+                ("split_peak", "split peak MiB"), ("select_kept", "selections kept MiB"),
+                ("sizes_kept", "sizes kept MiB"), ("sizes_peak", "sizes peak MiB"), ("sampler_peak", "sampler peak MiB"),
+                ("batch_kept", "iterating sampler kept MiB"), ("batch_peak", "1st batch peak MiB"),
+                ("kept_MiB", "all kept MiB"), ("bytes_per_row", "kept bytes a training row (slope)")]
+
+
+def per_row(a: argparse.Namespace) -> str:
+    """What a rank keeps per training row along its start-up (split rows, selections, sizes, sampler, its first
+    batch) at each N of `--per-row` and W of `--worlds`, each in a fresh process: a table, and the slope in bytes
+    a training row between the smallest and largest N."""
+    rows = []
+    for world in a.worlds:
+        found = []
+        for n in a.per_row:
+            run = subprocess.run([sys.executable, "-c", _PER_ROW, str(n), str(world), str(a.batch)], cwd=ROOT,
+                                 capture_output=True, text=True)
+            if run.returncode != 0:
+                raise SystemExit(f"the per-row measurement failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+            found.append(json.loads(run.stdout.strip().splitlines()[-1]))
+        lo, hi = found[0], found[-1]
+        if hi["train_rows"] > lo["train_rows"]:
+            hi["bytes_per_row"] = (hi["kept_MiB"] - lo["kept_MiB"]) * 2**20 / (hi["train_rows"] - lo["train_rows"])
+        rows += found
+    return table(rows, PER_ROW_COLS)
+
+
 def _job(a: argparse.Namespace, data: Path, cache: Path, procs: int) -> list[str]:
     return [f"task.data_path={data}", f"task.cache_dir={cache}", f"task.num_proc={procs}", "task.val_fraction=0.05",
             "task.test_fraction=0.05", f"train.per_device_batch_size={a.batch}", "train.max_steps=2",
@@ -408,9 +486,14 @@ def main() -> None:
                    "(the config's)")
     p.add_argument("--stages", action="store_true",
                    help="also measure what a rank maps of the cache after each start-up stage (first and later start)")
+    p.add_argument("--per-row", type=int, nargs="+", metavar="N",
+                   help="only measure what a rank keeps per training row (no data, no build) at these N and --worlds")
     p.add_argument("--out", type=Path, help="file the report into this markdown file (bench_report)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that the script runs")
     a = p.parse_args()
+    if a.per_row:
+        print(per_row(a))
+        return
     if a.smoke:
         a.sizes, a.worlds = [300, 600], [1]
     sizes, worlds = [], []

@@ -628,3 +628,58 @@ def test_block_window_settings_are_checked(override, message):
     assert load_config(overrides=["data.shuffle_block=64"]).data.shuffle_block == 64
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=[override])
+
+
+def _held_after_first_batch(batch_sampler) -> int:
+    """Bytes (numpy and Python objects) a batch sampler's iterator holds once it has given its first batch."""
+    tracemalloc.start()
+    try:
+        it = iter(batch_sampler)
+        next(it)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return held
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_an_iterating_sampler_holds_little_whatever_the_data_set_size(world):
+    """What a rank keeps through training while its batch sampler iterates does not depend on N: the arrays and
+    Python lists of one vectorised call, for a few thousand samples (a call planned up to a quarter million samples,
+    so what was held grew with N up to that size)."""
+    sizes = np.random.default_rng(0).integers(1, 200, size=400_000).astype(np.int32)
+    balanced = BalancedBatchSampler(sizes, mode="balanced", batch_size=16, seed=0, rank=world - 1, world_size=world,
+                                    with_epoch=True)
+    fixed = RankBatchSampler(EpochSampler(400_000, 0, multiple_of=16 * world), 16, world - 1, world, with_epoch=True)
+    assert _held_after_first_batch(balanced) < 2**20
+    assert _held_after_first_batch(fixed) < 2**20
+
+
+def test_balanced_iteration_across_many_calls_equals_the_plan():
+    """Balanced batches depend on their own samples only: iterating in many small calls gives the plan's batches."""
+    sizes = np.random.default_rng(3).integers(1, 300, size=20_000)
+    for rank in range(2):
+        sampler = BalancedBatchSampler(sizes, mode="balanced", batch_size=4, seed=7, rank=rank, world_size=2)
+        plan = sampler.plan(1)
+        sampler.set_epoch(1, skip=3)
+        assert list(sampler) == [batch[rank] for batch in plan][3:]
+
+
+def test_budget_plan_working_memory_is_bounded_and_the_plan_does_not_depend_on_it(monkeypatch):
+    """Building a budget plan allocates the plan (a few bytes a sample) and one group's working memory: not tens of
+    bytes for every sample of the data set; the plan is the same whatever the group size."""
+    sizes = np.random.default_rng(4).integers(1, 200, size=600_000).astype(np.int32)
+    tracemalloc.start()
+    try:
+        sampler = BalancedBatchSampler(sizes, mode="budget", seed=2, rank=1, world_size=4, max_units=2048)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20, peak  # the whole set cut at once needs more
+    small = sizes[:20_000]
+    plans = []
+    for group in (samplers_module._GROUP, 5120, 3 * 5120 + 7):
+        monkeypatch.setattr(samplers_module, "_GROUP", group)
+        plans.append(BalancedBatchSampler(small, mode="budget", seed=2, rank=1, world_size=4, max_units=2048).plan(0))
+    assert plans[0] == plans[1] == plans[2]
+    assert sampler.bucket_size == 5120

@@ -42,7 +42,15 @@ def sample_order_name(block: int = 0, window: int = 64, shuffle: bool = True) ->
 
 
 _CHUNK = 1 << 16  # positions mapped per vectorised call: bounds a sampler's working memory whatever N is
-_GROUP = 1 << 22  # samples of the budget windows cut together: bounds the plan's working memory
+# Samples a sampler maps per vectorised call while it iterates. The generator holds that call's arrays and Python
+# lists while their batches are read, i.e. through training: a bound reached only at large N (several times _CHUNK)
+# looks like per-row growth at every size below it, so this one is reached by the smallest data sets; still enough
+# samples to amortise a call's fixed Python steps (LPT takes one per sample of a batch).
+_ITER_SAMPLES = 1 << 12
+# Samples of the budget windows cut together: the cut's working memory is tens of bytes a sample of a group, and
+# grows with N until N reaches the group, so a group smaller than the data sets trained on keeps it flat; the plan
+# does not depend on it (windows are cut independently), only the count of Python steps (a window's per group).
+_GROUP = 1 << 18
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -242,8 +250,8 @@ class EpochSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         order = self._order
-        for start in range(0, len(self), _CHUNK):
-            yield from order(np.arange(start, min(start + _CHUNK, len(self)))).tolist()
+        for start in range(0, len(self), _ITER_SAMPLES):
+            yield from order(np.arange(start, min(start + _ITER_SAMPLES, len(self)))).tolist()
 
 
 class WorkerSeeder:
@@ -287,7 +295,7 @@ class RankBatchSampler(Sampler[list[int]]):
         # This epoch's order taken once: another batch sampler may move a shared EpochSampler on meanwhile.
         epoch, order = self.sampler.epoch, self.sampler.order
         size, step = self.batch_size, self.batch_size * self.world_size
-        per_chunk = max(1, _CHUNK // size)
+        per_chunk = max(1, _ITER_SAMPLES // size)
         for first in range(self.skip, len(self), per_chunk):
             batches = np.arange(first, min(first + per_chunk, len(self)), dtype=np.int64)
             positions = batches[:, None] * step + self.rank * size + np.arange(size, dtype=np.int64)
@@ -557,7 +565,7 @@ class BalancedBatchSampler(Sampler[list[int]]):
         epoch, rank, world = self.epoch, self.rank, self.world_size
         if self.mode == "balanced":
             total = self.num_batches(epoch)
-            per_chunk = max(1, 4 * _CHUNK // (self.batch_size * world))  # rows enough to amortise each LPT step
+            per_chunk = max(1, _ITER_SAMPLES // (self.batch_size * world))  # global batches per vectorised call
             for first in range(self.skip, total, per_chunk):
                 samples, parts = self._balanced(epoch, first, min(first + per_chunk, total))
                 for batch in samples[parts == rank].reshape(len(samples), self.batch_size).tolist():

@@ -270,14 +270,31 @@ def selected_column(ds: Any, name: str) -> Any:
     return column
 
 
-def select_rows(ds: Any, rows: np.ndarray | Sequence[int]) -> Any:
+_FINGERPRINT_BLOCK = 1 << 16
+
+
+def _runs_by_one(rows: np.ndarray) -> bool:
+    """Whether each row is the one before plus one, checked block by block (no N-sized difference array)."""
+    for lo in range(0, len(rows), _FINGERPRINT_BLOCK):
+        block = rows[lo:lo + _FINGERPRINT_BLOCK + 1].astype(np.int64)
+        if not bool(np.all(np.diff(block) == 1)):
+            return False
+    return True
+
+
+def select_rows(ds: Any, rows: np.ndarray | Sequence[int], narrow: bool = False) -> Any:
     """`ds.select(rows)` for a split's row numbers, without a Python object per row.
 
     `datasets.Dataset.select` turns non-contiguous indices into a Python list (an int object per row, then Python
     loops for the bounds and the Arrow array), transient memory and CPU in proportion to the rows selected on
     every rank at every start. This builds the same indices table from the numpy array at once: the same rows, in
     the same order (a selection of a selection is composed, as `select` does); the fingerprint is a hash of the
-    parent's and of the rows."""
+    parent's and of the rows (as int64, whatever their type).
+
+    `narrow`: indices as uint32 (4 bytes a row instead of 8) when the table has fewer than 2**32 rows, for a
+    selection a process keeps for its whole run; int32 rows are then used without a copy. Every `datasets`
+    operation reads such indices except `concatenate_datasets`, which offsets indices as uint64 and then refuses
+    to merge them with uint32 ones: leave `narrow` off for a selection that may be concatenated."""
     import datasets
     import pyarrow as pa
     from datasets.table import InMemoryTable
@@ -285,16 +302,22 @@ def select_rows(ds: Any, rows: np.ndarray | Sequence[int]) -> Any:
     rows = np.asarray(rows)
     if rows.ndim != 1 or (len(rows) and not np.issubdtype(rows.dtype, np.integer)):
         raise TypeError(f"rows must be a 1-d array of integers, got {rows.dtype} of shape {rows.shape}")
-    rows = np.ascontiguousarray(rows, dtype=np.int64)
-    if len(rows) and (rows.min() < 0 or rows.max() >= len(ds)):
+    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= len(ds)):
         raise IndexError(f"row {int(rows.min() if rows.min() < 0 else rows.max())} out of range for {len(ds)} rows")
-    if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and bool(np.all(np.diff(rows) == 1)):
+    if len(rows) and int(rows[-1]) - int(rows[0]) == len(rows) - 1 and _runs_by_one(rows):
         return ds.select(range(int(rows[0]), int(rows[-1]) + 1))  # a contiguous run: `select` slices, no indices
-    indices = pa.array(rows.view(np.uint64))  # non-negative: the same bits; a view, no copy
+    # The selection keeps one index per row for as long as it lives; the caller's array itself when it already has
+    # the indices' width (non-negative ints viewed as unsigned: no copy).
+    width = np.uint32 if narrow and len(ds._data) < 2**32 else np.uint64
+    if rows.dtype.itemsize == np.dtype(width).itemsize and rows.dtype.kind in "iu":
+        indices = pa.array(np.ascontiguousarray(rows).view(width))
+    else:
+        indices = pa.array(rows.astype(width))
     if ds._indices is not None:
         indices = ds._indices.column(0).take(indices)
     h = hashlib.blake2b(str(ds._fingerprint).encode(), digest_size=16)
-    h.update(memoryview(rows))
+    for lo in range(0, len(rows), _FINGERPRINT_BLOCK):  # the int64 rows' bytes, as before, without an int64 copy
+        h.update(memoryview(np.ascontiguousarray(rows[lo:lo + _FINGERPRINT_BLOCK], dtype=np.int64)))
     out = datasets.Dataset(ds._data, info=ds.info.copy(), split=ds.split,
                            indices_table=InMemoryTable(pa.table({"indices": indices})), fingerprint=h.hexdigest())
     # the parent's output format, as `select` transmits it

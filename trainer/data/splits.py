@@ -36,20 +36,57 @@ def assign_splits(record_ids: Sequence[str], fractions: Sequence[float], key: st
     return assign_hashed(id_hashes(record_ids, key), fractions)
 
 
+HASH_BLOCK = 1 << 16
+"""Hashes assigned at a time: the transients of an assignment (masks, positions) stay this size whatever N is."""
+
+
+def _thresholds(fractions: Sequence[float]) -> np.ndarray:
+    """The splits' upper hash bounds (uint64, ascending), those at or past 2**64 left out: a hash h goes to the
+    number of bounds <= h (the first split whose cumulative fraction x has h < x; none: the last split)."""
+    bounds, upper = [], 0.0
+    for fraction in _check(fractions)[:-1]:
+        upper += fraction
+        threshold = math.ceil(upper * 2.0**64)  # the exact comparison of an integer h with the float x: h < ceil(x)
+        if threshold >= 2**64:
+            break  # every hash is below it, and below the later ones (fractions are >= 0)
+        bounds.append(threshold)
+    return np.array(bounds, dtype=np.uint64)
+
+
+def _assign_block(hashes: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    return np.searchsorted(bounds, np.asarray(hashes, dtype=np.uint64), side="right")
+
+
 def assign_hashed(hashes: np.ndarray, fractions: Sequence[float]) -> np.ndarray:
     """`assign_splits` from the ids' `id_hashes` (computed once, e.g. at build time, and stored)."""
-    values = _check(fractions)
-    hashes = np.asarray(hashes, dtype=np.uint64)
-    out = np.full(len(hashes), len(values) - 1, dtype=np.int64)
-    assigned = np.zeros(len(hashes), dtype=bool)
-    upper = 0.0
-    for k, fraction in enumerate(values[:-1]):
-        upper += fraction
-        # the exact comparison of an integer hash h with the float x: h < x <=> h < ceil(x)
-        threshold = math.ceil(upper * 2.0**64)
-        inside = ~assigned & ((hashes < np.uint64(threshold)) if threshold < 2**64 else True)
-        out[inside] = k
-        assigned |= inside
+    bounds = _thresholds(fractions)
+    out = np.empty(len(hashes), dtype=np.int64)
+    for lo in range(0, len(hashes), HASH_BLOCK):
+        out[lo:lo + HASH_BLOCK] = _assign_block(hashes[lo:lo + HASH_BLOCK], bounds)
+    return out
+
+
+def hashed_split_rows(hashes: np.ndarray, fractions: Sequence[float]) -> list[np.ndarray]:
+    """Per split (in the order of `fractions`), the ascending row numbers whose hash falls in it: the rows of
+    `assign_hashed(hashes, fractions) == k`, int32 when there are fewer than 2**31 rows (else int64).
+
+    A rank keeps its splits' row numbers for the whole run, so they are as narrow as the row count allows; they
+    are found `HASH_BLOCK` hashes at a time (a count, then a fill), with no array of every row's split or mask on
+    the way. `hashes` may be a memory map: it is read block by block."""
+    bounds, n = _thresholds(fractions), len(hashes)
+    splits = len(_check(fractions))
+    counts = np.zeros(splits, dtype=np.int64)
+    for lo in range(0, n, HASH_BLOCK):
+        counts += np.bincount(_assign_block(hashes[lo:lo + HASH_BLOCK], bounds), minlength=splits)
+    dtype = np.int32 if n < 2**31 else np.int64
+    out = [np.empty(int(c), dtype=dtype) for c in counts]
+    filled = np.zeros(splits, dtype=np.int64)
+    for lo in range(0, n, HASH_BLOCK):
+        which = _assign_block(hashes[lo:lo + HASH_BLOCK], bounds)
+        for k in np.unique(which).tolist():
+            rows = np.flatnonzero(which == k)
+            out[k][filled[k]:filled[k] + rows.size] = rows + lo
+            filled[k] += rows.size
     return out
 
 

@@ -28,16 +28,18 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from trainer.atomic_io import atomic_write_json, atomic_write_text
-from trainer.data.arrow_cache import ListColumn, column_array, digest, selected_column, selected_rows
-from trainer.data.splits import assign_hashed, split_indices
+from trainer.data.arrow_cache import ListColumn, digest, selected_column, selected_rows
+from trainer.data.splits import hashed_split_rows, split_indices
 from trainer.families.crystals.comformer import build_comformer, comformer_config
 from trainer.families.crystals.dataset import (
     CrystalRows,
     atom_counts,
     build_crystal_dataset,
     collate_graphs,
+    column_rows,
     edge_counts,
     select_rows,
+    strings_at,
 )
 from trainer.families.crystals.graphs import GraphSpec
 from trainer.families.crystals.readers import bundled_crystal_path
@@ -162,9 +164,8 @@ def _split_rows(ds: Any, fractions: dict[str, float], key: int) -> dict[str, np.
     either way: the rule is per id)."""
     hashes = getattr(ds, "split_hashes", None)
     if hashes is not None and getattr(ds, "split_key", None) == key and selected_rows(ds) is None:
-        names = list(fractions)
-        which = assign_hashed(hashes, [fractions[n] for n in names])
-        return {name: np.flatnonzero(which == k) for k, name in enumerate(names)}
+        names = list(fractions)  # the rows as narrow ints, found block by block: a rank keeps them for the run
+        return dict(zip(names, hashed_split_rows(hashes, [fractions[n] for n in names])))
     ids = selected_column(ds, "id")
     found: dict[str, list[np.ndarray]] = {name: [] for name in fractions}
     for lo in range(0, len(ids), SPLIT_BLOCK_ROWS):
@@ -215,14 +216,15 @@ class CrystalPropertyTask(Task):
         parts = _split_rows(full, fractions, key=self.seed)
         if len(parts["train"]) == 0:
             raise ValueError(f"{train_source}: no training structures left after the validation/test split")
-        train = select_rows(full, parts["train"])
+        # narrow: a rank keeps these selections for the run (4-byte indices); the task never concatenates them
+        train = select_rows(full, parts["train"], narrow=True)
         if test_source is not None:
             test_target = c.test_target or c.target
             test_per_atom = c.per_atom if c.test_per_atom is None else c.test_per_atom
             test = self._build(test_source, test_target, test_per_atom)
         else:
-            test = select_rows(full, parts["test"]) if len(parts["test"]) else None
-        val = select_rows(full, parts["validation"]) if len(parts["validation"]) else None
+            test = select_rows(full, parts["test"], narrow=True) if len(parts["test"]) else None
+        val = select_rows(full, parts["validation"], narrow=True) if len(parts["validation"]) else None
         reports = {str(train_source): full.crystal_report}
         if test_source is not None:
             reports[str(test_source)] = test.crystal_report
@@ -258,7 +260,8 @@ class CrystalPropertyTask(Task):
 
     def _statistics(self, train) -> dict[str, Any]:
         """Target mean/std (standardisation) and the per-element baseline, fit on the training split."""
-        targets = column_array(train, "target").astype(np.float64).reshape(len(train), -1)
+        # the column's values in the split's order, gathered shard by shard (no Arrow copy of the whole column)
+        targets = column_rows(train, "target").astype(np.float64).reshape(len(train), -1)
         numbers = ListColumn(train, "atomic_numbers")
         std = targets.std(axis=0)
         standardize = self.cfg.standardize
@@ -366,13 +369,13 @@ class CrystalPropertyTask(Task):
         pred_key = next(k for k in values if k.startswith("pred"))
         suffix = pred_key[len("pred"):]
         rows = values["row"].round().long().tolist()
-        # each prediction back to its structure id through the `row` column of the evaluated rows
-        test_ids = selected_column(dataset.dataset, "id").to_pylist()
+        # each prediction back to its structure id through the `row` column of the evaluated rows (their ids
+        # only, read from the shards holding them)
+        test_ids = strings_at(dataset, "id", rows)
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
         writer.writerow(["id", "pred", "target", "baseline", "num_atoms"])
-        for r, p, t, b, n in zip(rows, values[pred_key].tolist(), values[f"target{suffix}"].tolist(),
-                                 values[f"baseline{suffix}"].tolist(), values["num_atoms"].tolist()):
-            rid = test_ids[r]
+        for rid, p, t, b, n in zip(test_ids, values[pred_key].tolist(), values[f"target{suffix}"].tolist(),
+                                   values[f"baseline{suffix}"].tolist(), values["num_atoms"].tolist()):
             writer.writerow([rid, f"{p:.8g}", f"{t:.8g}", f"{b:.8g}", int(n)])
         atomic_write_text(directory / "predictions.csv", buffer.getvalue(), durable=False)
