@@ -5,7 +5,8 @@ values, `--genes` genes, `--groups` single-gene perturbation groups plus control
 gene<TAB>GO TSV), then, in a fresh process per size (its peak RSS is the set-up's):
 
   read + DE     `read_perturbation_data` on the raw file: X read, GEARS' DE fields (the vectorised Welch t-test
-                over every group) and the dropout fields computed
+                over every group) and the dropout fields computed (in a child process above the task's
+                `READ_APART_BYTES`, as a rank reads it; its CPU and peak RSS are counted)
   DE alone      `rank_genes_by_cell_type` again on the loaded X (one pass over X)
   group means   `group_means` over every condition (the baselines' fit)
   fingerprint   `PerturbationData.fingerprint` (the graph cache key)
@@ -17,7 +18,8 @@ then, in another fresh process, one rank's private (anonymous) memory stage by s
 torch and the task import, after the model and its Adam state (built from the statistics the set-up wrote, as
 many steps on zero batches as are measured below), after importing the reader's modules (anndata, h5py, scipy:
 the rank "before any data is opened"), after `build_data` (every cache built: X mapped, DE fields and
-graphs read back), after the first step and after 10 steps of gears_tiny's model at the launch's batch. The
+graphs read back), after the first step and after 10 steps of gears_tiny's model at the launch's batch (drawn by
+the trainer's `EpochSampler`). The
 data's cost is steady minus before-data, set against 2x the batch's share of X (x and y rows densified, float32)
 plus the model's parameters, gradients and Adam state.
 
@@ -156,9 +158,10 @@ def setup_stage(path: Path, cache: Path) -> dict[str, Any]:
                   coexpression_threshold=cfg.coexpression_threshold, coexpression_top_k=cfg.coexpression_top_k)
     out["graphs_s"] = time.perf_counter() - t
     out["setup_s"] = out["read_s"] + out["split_s"] + out["graphs_s"]
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    out["cpu_s"] = usage.ru_utime + usage.ru_stime
-    out["peak_MiB"] = usage.ru_maxrss / 1024
+    # a large file is read in a child process (`read_process`): its CPU counts, and the peak is the larger one
+    usage, child = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    out["cpu_s"] = usage.ru_utime + usage.ru_stime + child.ru_utime + child.ru_stime
+    out["peak_MiB"] = max(usage.ru_maxrss, child.ru_maxrss) / 1024
     graphs = cached_graphs(data, split, gene2go, cache, go_threshold=cfg.go_threshold, go_top_k=cfg.go_top_k,
                            coexpression_threshold=cfg.coexpression_threshold, coexpression_top_k=cfg.coexpression_top_k)
     (cache / "stats.json").write_text(json.dumps(PerturbationGearsTask.statistics(data, split, graphs)))
@@ -180,6 +183,7 @@ def memory_stage(path: Path, cache: Path, world: int = 1, steps: int = 10) -> di
 
     import torch
 
+    from trainer.core.samplers import EpochSampler
     from trainer.families.perturbation_gears.spec import PerturbationGearsConfig
     from trainer.families.perturbation_gears.task import PerturbationGearsTask, build_gears_model
 
@@ -220,7 +224,10 @@ def memory_stage(path: Path, cache: Path, world: int = 1, steps: int = 10) -> di
     task_data = task.build_data()
     gc.collect()
     out["data_MiB"] = _anon_mib()
-    loader = torch.utils.data.DataLoader(task_data.train, batch_size=batch, shuffle=True, collate_fn=task.collate)
+    # the trainer's sampler, which holds no permutation of the cells (`shuffle=True`'s RandomSampler holds a list of
+    # every training index for the epoch: a Python int per cell, which is the sampler's cost, not the data's)
+    sampler = EpochSampler(len(task_data.train), seed=0, multiple_of=batch)
+    loader = torch.utils.data.DataLoader(task_data.train, batch_size=batch, sampler=sampler, collate_fn=task.collate)
     for i, b in enumerate(loader):
         step(b["x"], b["y"], b["pert_idx"])
         if i == 0:

@@ -126,9 +126,9 @@ def test_group_sums_read_a_backed_x_in_row_blocks(tmp_path):
 
 
 def _old_fingerprint(data) -> str:
-    """The fingerprint as it was: every byte of X hashed."""
+    """The fingerprint as it was: every byte of X hashed, the per-cell conditions as the int32 they were stored as."""
     h = hashlib.blake2b(digest_size=16)
-    for arr in (data.X.indptr, data.X.indices, data.X.data, data.cell_condition):
+    for arr in (data.X.indptr, data.X.indices, data.X.data, data.cell_condition.astype(np.int32)):
         h.update(np.ascontiguousarray(arr).view(np.uint8))
     h.update("\0".join(data.gene_names.tolist()).encode())
     h.update("\0".join(data.condition_strings).encode())

@@ -114,9 +114,11 @@ class PerturbationData:
     conditions: list[Condition]
     """Every condition with cells, control first, then singles and doubles sorted."""
     cell_condition: np.ndarray
-    """[N] int32 position of each cell's condition in `conditions`."""
-    cell_type: np.ndarray
-    """[N] str."""
+    """[N] position of each cell's condition in `conditions`, in the smallest integer type holding them (int16 up to
+    32,767 conditions; any integer array given is converted)."""
+    cell_type: pd.Categorical
+    """[N] each cell's type: codes (int8 for up to 127 types) and the distinct names (any [N] array of str given is
+    converted; `np.asarray(cell_type)` is the [N] object array)."""
     condition_names: list[str]
     """GEARS' condition_name (f"{cell_type}_{condition}_{dose}") of each condition's first cell."""
     pert_genes: list[str]
@@ -141,8 +143,13 @@ class PerturbationData:
     """The first `NUM_RANKED_DE_GENES` genes of the DE ranking (rank order; its first 20 are `de_idx`)."""
 
     def __post_init__(self) -> None:
+        # per cell and in every rank for the whole run: codes in the smallest type, not a str pointer per cell
+        self.cell_condition = np.asarray(self.cell_condition).astype(index_dtype(max(len(self.conditions) - 1, 0)),
+                                                                      copy=False)
+        if not isinstance(self.cell_type, pd.Categorical):
+            self.cell_type = coded_strings(self.cell_type)
         # one array of rows grouped by condition plus offsets (not a list of per-condition arrays), in the
-        # smallest integer type holding a row: it is per cell and in every rank for the whole run
+        # smallest integer type holding a row
         counts = np.bincount(self.cell_condition, minlength=len(self.conditions))
         self._row_order = np.argsort(self.cell_condition, kind="stable").astype(index_dtype(max(self.num_cells - 1, 0)))
         self._row_offsets = np.zeros(len(counts) + 1, dtype=np.int64)
@@ -169,6 +176,18 @@ class PerturbationData:
         i = self.condition_index[condition]
         return self._row_order[self._row_offsets[i]:self._row_offsets[i + 1]].astype(np.int64)
 
+    def condition_span(self, condition: Condition) -> tuple[int, int]:
+        """(a, b): the rows of `condition` are `row_order[a:b]`."""
+        i = self.condition_index[condition]
+        return int(self._row_offsets[i]), int(self._row_offsets[i + 1])
+
+    @property
+    def row_order(self) -> np.ndarray:
+        """[N] every row, grouped by condition in `conditions` order and increasing within one (read-only)."""
+        view = self._row_order.view()
+        view.flags.writeable = False
+        return view
+
     def pert_idx(self, condition: Condition) -> list[int]:
         """Positions of the condition's genes in `pert_genes` ([] for the control)."""
         return [self.pert_index[g] for g in condition]
@@ -188,12 +207,13 @@ class PerturbationData:
         """
         h = hashlib.blake2b(digest_size=16)
         X = self.X
+        cell_condition = self.cell_condition.astype(np.int32)  # hashed as the int32 it was stored as: same keys
         if X.data.nbytes + X.indices.nbytes <= FULL_HASH_BYTES:
-            parts = [X.indptr, X.indices, X.data, self.cell_condition]
+            parts = [X.indptr, X.indices, X.data, cell_condition]
         else:
             h.update(f"sampled:{X.shape}:{X.nnz}".encode())
             starts = np.linspace(0, X.nnz - FINGERPRINT_WINDOW, FINGERPRINT_WINDOWS).astype(np.int64)
-            parts = [X.indptr, self.cell_condition, *(X.data[a:a + FINGERPRINT_WINDOW] for a in starts),
+            parts = [X.indptr, cell_condition, *(X.data[a:a + FINGERPRINT_WINDOW] for a in starts),
                      *(X.indices[a:a + FINGERPRINT_WINDOW] for a in starts)]
         for arr in parts:
             h.update(np.ascontiguousarray(arr).view(np.uint8))
@@ -201,6 +221,20 @@ class PerturbationData:
         h.update("\0".join(self.condition_strings).encode())
         h.update("\0".join(self.pert_genes).encode())
         return h.hexdigest()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a memory-mapped X (`read_x_rows`' cache) travels as its folder and is mapped again on unpickling: the
+        # pickle of a data set read in another process (`read_process`) carries no copy of X
+        state = dict(self.__dict__)
+        folder = mapped_folder(self.X)
+        if folder is not None:
+            state["X"] = _MappedX(str(folder), (int(self.X.shape[0]), int(self.X.shape[1])))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state.get("X"), _MappedX):
+            state = {**state, "X": _mapped_csr(Path(state["X"].folder), state["X"].shape)}
+        self.__dict__.update(state)
 
     def summary(self) -> dict[str, Any]:
         """JSON-able counts (cells, genes, conditions by kind, drops)."""
@@ -228,13 +262,32 @@ def _packed_row(positions: np.ndarray, num_genes: int) -> np.ndarray:
     return np.packbits(row)
 
 
-def shared_strings(column: Any) -> np.ndarray:
-    """[N] object array of a per-cell text column (as `astype(str)` writes it), one str object per distinct value.
+@dataclass(frozen=True)
+class _MappedX:
+    """A memory-mapped X in a pickle: its `read_x_rows` folder and shape."""
 
-    `astype(str)` makes a str object per cell (about 60 bytes each, for every rank, for the whole run); a handful
-    of cell types shared by pointer cost the pointer only."""
+    folder: str
+    shape: tuple[int, int]
+
+
+def mapped_folder(X: Any) -> Path | None:
+    """The `read_x_rows` cache folder a CSR's values and columns are memory-mapped from, else None."""
+    data, indices = getattr(X, "data", None), getattr(X, "indices", None)
+    if not (isinstance(data, np.memmap) and isinstance(indices, np.memmap) and data.filename and indices.filename):
+        return None
+    folder = Path(data.filename).parent
+    if Path(indices.filename).parent != folder or not (folder / "done").is_file():
+        return None
+    return folder
+
+
+def coded_strings(column: Any) -> pd.Categorical:
+    """[N] per-cell text (as `astype(str)` writes it) as codes in the smallest integer type plus its distinct values
+    in first-seen order: a per-cell str object (or even a pointer per cell to a shared one) costs every rank 8-60
+    bytes a cell for the whole run, a code one byte for up to 127 values."""
     codes, uniques = pd.factorize(pd.Series(column).astype(str), sort=False)
-    return np.asarray(uniques, dtype=object)[codes] if len(codes) else np.zeros(0, dtype=object)
+    return pd.Categorical.from_codes(codes.astype(index_dtype(max(len(uniques) - 1, 0)), copy=False),
+                                     categories=pd.Index(np.asarray(uniques, dtype=object), dtype=object))
 
 
 def index_dtype(largest: int) -> np.dtype:
@@ -1128,7 +1181,7 @@ def _read(adata: anndata.AnnData, where: str, backed: bool, gene2go: str | Path 
     pert_genes = sorted(g for g in universe if go is None or g in go)
     return PerturbationData(
         X=X, gene_names=gene_names, var_names=var_names, conditions=conditions, cell_condition=cell_condition,
-        cell_type=shared_strings(adata.obs["cell_type"]),
+        cell_type=coded_strings(adata.obs["cell_type"]),
         condition_names=[names[first_of[c]] for c in conditions], pert_genes=pert_genes,
         de_idx=per_condition["rank_genes_groups_cov_all"], top_non_dropout_de_20=per_condition["top_non_dropout_de_20"],
         top_non_zero_de_20=per_condition["top_non_zero_de_20"], non_zeros_gene_idx=per_condition["non_zeros_gene_idx"],

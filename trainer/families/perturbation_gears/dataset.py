@@ -85,13 +85,36 @@ class PerturbationPairs(Dataset):
         if unknown:
             raise KeyError(f"conditions not in the data: {unknown[:5]}")
         self.conditions = wanted
-        rows = np.concatenate([data.rows_of(c) for c in wanted]) if wanted else np.zeros(0, dtype=np.int64)
-        self.rows = rows.astype(index_dtype(max(data.num_cells - 1, 0)))  # per cell, in every rank: no wider than needed
+        # the items are the conditions' spans of the data's rows grouped by condition (`row_order`), one after the
+        # other: an item's row is found from its span, so no array of a row per training cell is held in every rank
+        spans = np.array([data.condition_span(c) for c in wanted], dtype=np.int64).reshape(-1, 2)
+        self._order = data.row_order
+        self._span_start = spans[:, 0]
+        self._first_item = np.zeros(len(spans) + 1, dtype=np.int64)
+        np.cumsum(spans[:, 1] - spans[:, 0], out=self._first_item[1:])
         self.tables = condition_tables(data, de_field)
         self.ctrl_code = data.condition_index[()]
 
+    @property
+    def rows(self) -> np.ndarray:
+        """[len] the data row of each item, in item order (a new array, in the smallest integer type holding a row)."""
+        order = self._order
+        parts = [order[a:a + n] for a, n in zip(self._span_start.tolist(), np.diff(self._first_item).tolist())]
+        rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return rows.astype(index_dtype(max(self.data.num_cells - 1, 0)))
+
+    def row_at(self, index: int) -> int:
+        """The data row of item `index` (negative counts from the end)."""
+        index = int(index)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"item {index} of {len(self)}")
+        k = int(np.searchsorted(self._first_item, index, side="right")) - 1
+        return int(self._order[int(self._span_start[k]) + index - int(self._first_item[k])])
+
     def __len__(self) -> int:
-        return len(self.rows)
+        return int(self._first_item[-1])
 
     def control_row(self, cell_row: int, epoch: int) -> int:
         """The control cell paired with `cell_row` in `epoch` (the cell itself for a control cell); with
@@ -103,7 +126,7 @@ class PerturbationPairs(Dataset):
         return int(self.data.ctrl_rows[rng.integers(len(self.data.ctrl_rows))])
 
     def get_item(self, index: int, epoch: int = 0) -> dict[str, Any]:
-        row = int(self.rows[index])
+        row = self.row_at(index)
         code = int(self.data.cell_condition[row])
         control = self.control_row(row, epoch)
         pair = dense_rows(self.data.X, [control, row])

@@ -246,7 +246,11 @@ def graph_cache_key(data: PerturbationData, split: SplitResult, go_threshold: fl
     return hashlib.blake2b(json.dumps(payload, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
-def _gene2go_digest(pert_genes: Sequence[str], gene2go: Mapping) -> str:
+def gene2go_digest(pert_genes: Sequence[str], gene2go: Mapping) -> str:
+    """A digest of `gene2go` over `pert_genes` (each gene's sorted GO ids): the GO graph's part of the cache key."""
+    known = getattr(gene2go, "digests", None)  # `PackedGeneToGo`: computed where it was packed
+    if known and tuple(pert_genes) in known:
+        return known[tuple(pert_genes)]
     h = hashlib.blake2b(digest_size=16)
     for g in pert_genes:
         h.update(g.encode() + b"\0" + "\1".join(sorted(gene2go.get(g, ()))).encode() + b"\n")
@@ -262,7 +266,7 @@ def cached_graphs(data: PerturbationData, split: SplitResult, gene2go: Mapping, 
     graph over all genes from the control and training-single cells of `split`.
     """
     key = graph_cache_key(data, split, go_threshold, go_top_k, coexpression_threshold, coexpression_top_k,
-                          _gene2go_digest(data.pert_genes, gene2go))
+                          gene2go_digest(data.pert_genes, gene2go))
     path = Path(cache_dir) / f"gears_graphs_{key}.npz" if cache_dir is not None else None
     if path is not None and path.is_file():
         try:

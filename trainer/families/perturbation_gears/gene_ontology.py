@@ -17,8 +17,10 @@ from __future__ import annotations
 import gzip
 import logging
 import pickle
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+
+import numpy as np
 
 from trainer.errors import DataError
 
@@ -137,3 +139,47 @@ def _read_gaf(path: Path) -> GeneToGo:
     if not sets:
         raise DataError(f"{path}: no GO annotations found")
     return {g: frozenset(t) for g, t in sets.items()}
+
+
+class PackedGeneToGo(Mapping):
+    """A read-only gene -> frozenset of GO ids kept as arrays: the genes, the distinct GO ids, and per gene its ids'
+    codes (int32, one array plus offsets).
+
+    A dict of frozensets is a set, a hash table and a pointer per (gene, term) in every rank for the whole run (the
+    GO graph reads it once); here it is 4 bytes per (gene, term) plus one str per distinct name. A lookup builds the
+    gene's frozenset. `digests` holds `gene_graphs`' digest of this mapping over a gene list, computed where the
+    mapping was built, so the rank that keys its graph cache makes no per-gene strings to hash.
+    """
+
+    def __init__(self, genes: list[str], terms: list[str], codes: np.ndarray, offsets: np.ndarray,
+                 digests: dict[tuple[str, ...], str] | None = None):
+        self.genes = genes
+        self._row = {g: i for i, g in enumerate(genes)}
+        self.terms = terms
+        self.codes = codes
+        self.offsets = offsets
+        self.digests = dict(digests or {})
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Iterable[str]], genes: Iterable[str] | None = None) -> PackedGeneToGo:
+        """Pack `mapping`, restricted to `genes` (those of them it has; None: every gene), terms sorted per gene."""
+        kept = [g for g in (mapping if genes is None else genes) if g in mapping]
+        term_code: dict[str, int] = {}
+        per_gene = [[term_code.setdefault(t, len(term_code)) for t in sorted(mapping[g])] for g in kept]
+        offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+        np.cumsum([len(c) for c in per_gene], out=offsets[1:])
+        codes = np.fromiter((c for row in per_gene for c in row), dtype=np.int32, count=int(offsets[-1]))
+        return cls(kept, list(term_code), codes, offsets)
+
+    def __getitem__(self, gene: str) -> frozenset[str]:
+        i = self._row[gene]
+        return frozenset(self.terms[c] for c in self.codes[self.offsets[i]:self.offsets[i + 1]].tolist())
+
+    def __contains__(self, gene: object) -> bool:
+        return gene in self._row
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.genes)
+
+    def __len__(self) -> int:
+        return len(self.genes)

@@ -42,6 +42,7 @@ from torch.utils.data import Dataset
 from trainer.atomic_io import atomic_write_json, atomic_write_text
 from trainer.errors import ConfigError, DataError
 from trainer.families.perturbation_gears.anndata_reader import (
+    DATA_FILE,
     ConditionGeneSets,
     PerturbationData,
     bundled_perturbation_path,
@@ -176,18 +177,29 @@ def find_gene2go(data_path: str | Path) -> Path:
                     f"{folder.parent}); set task.gene2go_path to GEARS' gene2go_all.pkl, a gene<TAB>GO TSV or a GAF file")
 
 
+READ_APART_BYTES = 64 * 2**20
+"""Data files larger than this are read in a short-lived child process (`read_process.read_apart`)."""
+
+
 def load_perturbation_data(cfg: PerturbationGearsConfig) -> tuple[PerturbationData, Mapping[str, frozenset[str]]]:
     """Read the configured data and GO mapping (the bundled set when data_path is empty).
 
     The file's X is read in row blocks and kept as memory-mapped CSR under the cache folder (the graphs'), which
-    the processes of a node share instead of each holding its own copy."""
+    the processes of a node share instead of each holding its own copy. A file above `READ_APART_BYTES` is read in
+    a child process that hands back only the result (the mapping packed over the perturbable genes): the read's
+    short-lived objects would otherwise stay as grown heap in every rank for the whole run."""
     data_path = Path(cfg.data_path) if cfg.data_path else bundled_perturbation_path()
     gene2go_path = Path(cfg.gene2go_path) if cfg.gene2go_path else find_gene2go(data_path)
-    gene2go = read_gene2go(gene2go_path)
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
-    data = read_perturbation_data(data_path, gene2go, on_invalid="error" if cfg.on_invalid == "error" else "drop",
-                                  pert_gene_set=cfg.pert_gene_set, recompute_de=cfg.recompute_de,
-                                  x_cache_dir=cache / "expression")
+    options = {"on_invalid": "error" if cfg.on_invalid == "error" else "drop", "pert_gene_set": cfg.pert_gene_set,
+               "recompute_de": cfg.recompute_de}
+    data_file = data_path / DATA_FILE if data_path.is_dir() else data_path
+    if data_file.is_file() and data_file.stat().st_size > READ_APART_BYTES:
+        from trainer.families.perturbation_gears.read_process import read_apart
+
+        return read_apart(data_path, gene2go_path, x_cache_dir=cache / "expression", **options)
+    gene2go = read_gene2go(gene2go_path)
+    data = read_perturbation_data(data_path, gene2go, x_cache_dir=cache / "expression", **options)
     return data, gene2go
 
 
