@@ -34,16 +34,19 @@ GEOM_EXTRA = {"smiles": V("string"), "molecule": V("int64"), "conformer": V("int
 WATER = [[8, 0.0, 0.0, 0.1173], [1, 0.0, 0.7572, -0.4692], [1, 0.0, -0.7572, -0.4692]]
 
 
-def _reference_bytes(path: Path, features: datasets.Features, rows_per_call: int, empty_call: bool) -> bytes:
+def _reference_bytes(path: Path, features: datasets.Features, rows_per_call: int | None, empty_call: bool) -> bytes:
     """The shard's rows written again as the build wrote them before: `datasets`' ArrowWriter given tables of
     `rows_per_call` rows in order (`empty_call`: one empty table when the shard has no rows, as the GEOM worker
-    did), then finalized."""
+    did), then finalized. `rows_per_call` None: the whole shard in one call and one record batch (`datasets`'
+    writer with a batch size of the shard's rows)."""
     with pa.memory_map(str(path)) as source:
         table = pa.ipc.open_stream(source).read_all()
     out = path.with_name(path.name + ".reference")
-    with ArrowWriter(features=features, path=str(out)) as writer:
+    batch = None if rows_per_call is not None else max(table.num_rows, 1)
+    rows_per_call = rows_per_call or max(table.num_rows, 1)
+    with ArrowWriter(features=features, path=str(out), writer_batch_size=batch) as writer:
         for a in range(0, max(table.num_rows, 1 if empty_call else 0), rows_per_call):
-            writer.write_table(table.slice(a, rows_per_call))
+            writer.write_table(table.slice(a, rows_per_call), writer_batch_size=batch)
         writer.finalize()
     data = out.read_bytes()
     out.unlink()
@@ -127,9 +130,9 @@ def test_xyz_and_in_memory_shards_byte_identical_to_datasets_writer(tmp_path, mo
     assert shard.read_bytes() == _reference_bytes(shard, mem_features, pieces.ARROW_BATCH, False)
 
 
-def test_geom_shards_byte_identical_to_datasets_writer(tmp_path, monkeypatch):
-    """GEOM shards (tables of `GEOM_ROWS_PER_BATCH` rows cut into record batches of 1,000; SMILES with nulls; an
-    empty shard) are byte for byte what `datasets`' ArrowWriter wrote, the same for 1 and 2 processes."""
+def test_geom_shards_byte_identical_to_datasets_writer(tmp_path):
+    """GEOM shards (one record batch a shard, however many rows; SMILES with nulls; an empty shard) are byte for
+    byte what `datasets`' ArrowWriter writes given the shard in one record batch, the same for 1 and 2 processes."""
     path = _geom_file(tmp_path / "g.msgpack", 90)
     features = datasets.Features({**CORE, "edm_smiles": V("string"), **GEOM_EXTRA})
     built = {}
@@ -140,27 +143,18 @@ def test_geom_shards_byte_identical_to_datasets_writer(tmp_path, monkeypatch):
         shards = _shards(ds)
         assert len(shards) == 2
         for shard in shards:
-            assert shard.read_bytes() == _reference_bytes(shard, features, geom.GEOM_ROWS_PER_BATCH, True), shard
+            assert shard.read_bytes() == _reference_bytes(shard, features, None, True), shard
         built[num_proc] = [s.read_bytes() for s in shards]
     assert built[1] == built[2]
     with pa.memory_map(str(shards[0])) as source:
-        assert [b.num_rows for b in pa.ipc.open_stream(source)][0] == 1000
-    # several tables a shard (one process: a spawned worker would not see the patch)
-    monkeypatch.setattr(geom, "GEOM_ROWS_PER_BATCH", 1100)
-    ds = build_geom_dataset(path, cache_dir=tmp_path / "small_tables", num_proc=1, molecules_per_shard=60,
-                            on_invalid="skip")
-    shards = _shards(ds)
-    with pa.memory_map(str(shards[0])) as source:
-        assert [b.num_rows for b in pa.ipc.open_stream(source)] == [1000, 100, 54]
-    for shard in shards:
-        assert shard.read_bytes() == _reference_bytes(shard, features, 1100, True), shard
+        assert [b.num_rows for b in pa.ipc.open_stream(source)] == [1154]  # v1 wrote [1000, 154]
     # one molecule a shard: molecule 3's conformers are all skipped, its shard holds one empty batch
     ds = build_geom_dataset(_geom_file(tmp_path / "he.msgpack", 5), cache_dir=tmp_path / "he", num_proc=1,
                             molecules_per_shard=1, on_invalid="skip")
     shards = sorted((tmp_path / "he" / "molecules_edm").glob("*.arrow"))  # `datasets` lists no empty file
     assert len(ds) > 0 and len(shards) == 5 and pa.ipc.open_stream(pa.memory_map(str(shards[3]))).read_all().num_rows == 0
     for shard in shards:
-        assert shard.read_bytes() == _reference_bytes(shard, features, geom.GEOM_ROWS_PER_BATCH, True), shard
+        assert shard.read_bytes() == _reference_bytes(shard, features, None, True), shard
 
 
 @pytest.mark.extended
@@ -176,3 +170,21 @@ def test_bundled_cache_byte_identical_to_datasets_writer_for_1_and_2_processes(t
             assert shard.read_bytes() == _reference_bytes(shard, features, pieces.ARROW_BATCH, False), shard.name
         built[num_proc] = {s.name: s.read_bytes() for s in _shards(ds)}
     assert built[1] == built[2] and len(built[1]) > 1
+
+
+def test_geom_cache_of_the_earlier_layout_is_rebuilt(tmp_path, monkeypatch):
+    """A cache written with the earlier layout (format v1: record batches of 1,000 rows) is not reused: the format
+    version is in the fingerprint, so the same file and settings build anew, in one record batch a shard, with
+    the same rows."""
+    path = _geom_file(tmp_path / "g.msgpack", 40)
+    monkeypatch.setattr(geom, "GEOM_FORMAT_VERSION", "geom-drugs-v1")
+    old = build_geom_dataset(path, cache_dir=tmp_path / "c", num_proc=1, molecules_per_shard=60, on_invalid="skip")
+    old_rows = old.with_format(None).data.to_pylist()
+    monkeypatch.undo()
+    new = build_geom_dataset(path, cache_dir=tmp_path / "c", num_proc=1, molecules_per_shard=60, on_invalid="skip")
+    assert not new.cache_hit and geom.GEOM_FORMAT_VERSION != "geom-drugs-v1"
+    assert {s.name for s in _shards(new)}.isdisjoint(s.name for s in _shards(old))
+    assert new.with_format(None).data.to_pylist() == old_rows
+    for shard in _shards(new):
+        with pa.memory_map(str(shard)) as source:
+            assert len(list(pa.ipc.open_stream(source))) == 1

@@ -19,7 +19,8 @@ import hashlib
 import json
 import os
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,6 @@ from trainer.data.arrow_cache import (
     load_arrow,
     read_meta,
     selected_column,
-    selected_rows,
     write_meta,
 )
 from trainer.data.splits import split_indices
@@ -302,7 +302,7 @@ class MoleculeRows(torch.utils.data.Dataset):
     @property
     def num_atoms(self) -> np.ndarray:
         """Atoms per row (int64), from the `num_atoms` column without decoding any molecule."""
-        return selected_column(self.dataset, "num_atoms").to_numpy().astype(np.int64)
+        return selected_int_column(self.dataset, "num_atoms")
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -435,36 +435,137 @@ def split_molecule_dataset(dataset: datasets.Dataset, fractions: dict[str, float
 def node_count_histogram(dataset: datasets.Dataset | MoleculeRows | Sequence[Molecule]) -> dict[int, int]:
     """{number of atoms: number of molecules}, ascending, for drawing N at sampling time."""
     if isinstance(dataset, MoleculeRows):
-        counts = dataset.num_atoms
-    elif isinstance(dataset, datasets.Dataset):
-        counts = selected_column(dataset, "num_atoms").to_numpy()
-    else:
-        counts = np.array([m.num_atoms for m in dataset], dtype=np.int64)
-    values, freq = np.unique(np.asarray(counts, dtype=np.int64), return_counts=True)
+        dataset = dataset.dataset
+    if isinstance(dataset, datasets.Dataset):
+        # counted chunk by chunk of the mapped column, each row as often as the selection names it: no copy of
+        # the column (a whole-column Arrow gather is memory Arrow's allocator keeps) and no int64 array per row
+        freq = np.zeros(0, dtype=np.int64)
+        for values, weights in _weighted_chunks(dataset, "num_atoms"):
+            part = _chunk_bincount(values, weights)
+            if len(part) > len(freq):
+                freq = np.pad(freq, (0, len(part) - len(freq)))
+            freq[:len(part)] += part
+        return {int(v): int(freq[v]) for v in np.flatnonzero(freq)}
+    counts = np.array([m.num_atoms for m in dataset], dtype=np.int64)
+    values, freq = np.unique(counts, return_counts=True)
     return {int(v): int(f) for v, f in zip(values, freq)}
 
 
-UNIQUE_BLOCK = 1 << 20
-"""Rows of a selection taken at a time by `_unique_strings` (bounds the temporary copy)."""
+def _row_weights(dataset: datasets.Dataset) -> np.ndarray | None:
+    """How often the dataset's selection names each row of its underlying table (None: no selection, every row
+    once): a bool mask, one byte a table row, unless a row is named twice (then int64 counts)."""
+    if dataset._indices is None:
+        return None
+    table_rows = dataset.with_format(None).data.num_rows
+    mask = np.zeros(table_rows, dtype=bool)
+    named = 0
+    for chunk in dataset._indices.column(0).chunks:
+        mask[chunk.to_numpy()] = True  # a view of the indices' buffer: nothing per row is built
+        named += len(chunk)
+    if int(np.count_nonzero(mask)) == named:
+        return mask
+    counts = np.zeros(table_rows, dtype=np.int64)
+    for chunk in dataset._indices.column(0).chunks:
+        counts += np.bincount(chunk.to_numpy(), minlength=table_rows)
+    return counts
 
 
-def _unique_strings(dataset: datasets.Dataset, name: str) -> set[str]:
-    """The distinct non-null values of a string column over the dataset's rows: deduplicated in Arrow, chunk by
-    chunk (a block of a selection at a time), so that only the distinct values become Python strings."""
+def _weighted_chunks(dataset: datasets.Dataset, name: str) -> Iterator[tuple[Any, np.ndarray | None]]:
+    """(Arrow chunk of column `name`, its rows' `_row_weights` slice or None for all once), chunk by chunk of the
+    underlying table; chunks without a selected row are left out."""
+    weights = _row_weights(dataset)
+    start = 0
+    for chunk in dataset.with_format(None).data.column(name).chunks:
+        end = start + len(chunk)
+        part = None if weights is None else weights[start:end]
+        start = end
+        if part is None or part.any():
+            yield chunk, part
+
+
+def _chunk_bincount(chunk: Any, weights: np.ndarray | None) -> np.ndarray:
+    """np.bincount of an integer chunk's values, each row counted `weights` times (bool: once or not)."""
+    values = chunk.to_numpy()  # a view of the mapped buffer (no nulls in a count column)
+    if weights is None:
+        return np.bincount(values)
+    if weights.dtype == bool:
+        return np.bincount(values[weights])
+    return np.bincount(np.repeat(values, weights))
+
+
+def selected_int_column(dataset: datasets.Dataset, name: str) -> np.ndarray:
+    """Integer column `name` in the dataset's row order as int64, gathered with numpy from views of the mapped
+    chunks (Arrow's `take` would first combine the whole column in its own allocator, which keeps the memory)."""
+    chunks = dataset.with_format(None).data.column(name).chunks
+    if dataset._indices is None:
+        return np.concatenate([c.to_numpy() for c in chunks]).astype(np.int64) if chunks else np.zeros(0, np.int64)
+    table = np.concatenate([c.to_numpy() for c in chunks]) if chunks else np.zeros(0, np.int32)
+    parts = [table[c.to_numpy()] for c in dataset._indices.column(0).chunks]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def _unique_strings(dataset: datasets.Dataset, name: str) -> pa.Array:
+    """The distinct non-null, non-empty values of a string column over the dataset's rows, sorted (by code point,
+    as Python sorts), as one Arrow array: deduplicated one chunk of the mapped column at a time (its selected rows
+    only), so that neither the column nor a gather of it is copied and no value becomes a Python object."""
     import pyarrow.compute as pc
 
-    column = dataset.with_format(None).data.column(name)
-    rows = selected_rows(dataset)
-    if rows is None:
-        parts = (pc.unique(chunk) for chunk in column.chunks)
-    else:
-        parts = (pc.unique(column.take(pa.array(rows[a:a + UNIQUE_BLOCK])))
-                 for a in range(0, len(rows), UNIQUE_BLOCK))
-    out: set[str] = set()
-    for part in parts:
-        out.update(part.to_pylist())
-    out.discard(None)
-    return out
+    parts = []
+    for chunk, weights in _weighted_chunks(dataset, name):
+        part = chunk if weights is None else chunk.filter(pa.array(weights if weights.dtype == bool else weights > 0))
+        part = pc.unique(part)
+        parts.append(part.filter(pc.and_kleene(pc.is_valid(part), pc.not_equal(pc.binary_length(part), 0))))
+    if not parts:
+        return pa.array([], dataset.with_format(None).data.schema.field(name).type)
+    # The chunks' distinct values are nearly disjoint (a molecule's conformers share a shard): merged by a sort and
+    # a comparison with the neighbour, which needs fewer and smaller buffers than a second hash `unique`. Each
+    # step's input is dropped before the next.
+    merged = pa.concat_arrays(parts)
+    parts.clear()
+    merged = merged.take(pc.sort_indices(merged))  # UTF-8 byte order is code-point order, as Python sorts
+    if len(merged) > 1:
+        first = pc.not_equal(merged.slice(1), merged.slice(0, len(merged) - 1))
+        merged = merged.filter(pa.concat_arrays([pa.array([True]), first]))
+    return merged
+
+
+class SortedStrings(AbstractSet):
+    """A set of strings held as one sorted Arrow string array: the strings' bytes plus a 4-byte offset each, where a
+    Python set holds an object header and a hash-table slot per string besides (the training SMILES, one per
+    molecule, are kept by every rank). `in` is a binary search; iteration is in sorted order; compares equal to a
+    set of the same strings."""
+
+    def __init__(self, values: pa.Array):
+        self._values = values
+
+    @classmethod
+    def of(cls, strings: Iterable[str]) -> SortedStrings:
+        """The distinct strings of `strings` (a few, or a Python set to compact)."""
+        return cls(pa.array(sorted(set(strings)), pa.string()))
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __iter__(self) -> Iterator[str]:
+        for start in range(0, len(self._values), 4096):  # a block of Python strings at a time
+            yield from self._values.slice(start, 4096).to_pylist()
+
+    def __contains__(self, item: object) -> bool:
+        if not isinstance(item, str):
+            return False
+        lo, hi = 0, len(self._values)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._values[mid].as_py() < item:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo < len(self._values) and self._values[lo].as_py() == item
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the Arrow buffers that hold the strings."""
+        return self._values.nbytes
 
 
 def training_smiles(dataset: datasets.Dataset | MoleculeRows | Sequence[Molecule]) -> list[str]:
@@ -476,13 +577,17 @@ def training_smiles(dataset: datasets.Dataset | MoleculeRows | Sequence[Molecule
     table perceives some rings and charges differently), and a
     generated copy of a training molecule would then count as novel.
     """
+    return list(training_smiles_set(dataset))
+
+
+def training_smiles_set(dataset: datasets.Dataset | MoleculeRows | Sequence[Molecule]) -> SortedStrings:
+    """`training_smiles` as a compact set (`SortedStrings`): what a rank keeps for novelty. Read from the stored
+    `edm_smiles` column without making a Python string of any SMILES."""
     if isinstance(dataset, MoleculeRows):
         dataset = dataset.dataset
     if isinstance(dataset, datasets.Dataset) and "edm_smiles" in dataset.column_names:
-        values = _unique_strings(dataset, "edm_smiles")
-    else:
-        from trainer.families.molecules_edm.metrics import molecule_smiles
+        return SortedStrings(_unique_strings(dataset, "edm_smiles"))
+    from trainer.families.molecules_edm.metrics import molecule_smiles
 
-        molecules = dataset_molecules(dataset) if isinstance(dataset, datasets.Dataset) else list(dataset)
-        values = [molecule_smiles(m.numbers, m.positions) for m in molecules]
-    return sorted({s for s in values if s})
+    molecules = dataset_molecules(dataset) if isinstance(dataset, datasets.Dataset) else list(dataset)
+    return SortedStrings.of(s for s in (molecule_smiles(m.numbers, m.positions) for m in molecules) if s)

@@ -51,8 +51,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-GEOM_FORMAT_VERSION = "geom-drugs-v1"
-"""Bump when the conversion or the columns change, so that old caches are not reused."""
+GEOM_FORMAT_VERSION = "geom-drugs-v2"
+"""Bump when the conversion, the columns or the shards' layout change, so that old caches are not reused (v2: one
+record batch a shard)."""
 GEOM_DRUGS_ELEMENTS = ("H", "B", "C", "N", "O", "F", "Al", "Si", "P", "S", "Cl", "As", "Br", "I", "Hg", "Bi")
 """EDM's GEOM-Drugs atom vocabulary (its `geom_with_h` dataset info), in its order."""
 GEOM_CONFORMATIONS = 30
@@ -67,9 +68,6 @@ SHARD_TARGET = 64
 fixed count per file, never per `num_proc`, so the cache is the same for any number of processes, and enough
 shards for each of a few dozen workers to get several, so the pool's tail (the last shard still running) stays
 short. A shard is the unit of parallel work: a file cut into fewer shards than workers leaves workers idle."""
-GEOM_ROWS_PER_BATCH = 1 << 14
-"""Rows per table a shard worker hands to the writer, which cuts it into record batches of
-`arrow_shards.DATASETS_BATCH_ROWS` rows as `datasets`' writer did (the cache's bytes unchanged)."""
 
 
 def _cores() -> int:
@@ -226,22 +224,24 @@ def _write_geom_shard(path: str, segments: list[tuple[int, int]], first: int, se
     features = _features(compute_smiles)
     rows = len(cols["id"])
     schema = arrow_schema(features)
+    arrays = {
+        "id": pa.array(cols["id"], pa.string()),
+        "numbers": list_array(cols["numbers"], np.int8, None),
+        "positions": list_array(cols["positions"], np.float32, 3),
+        "num_atoms": pa.array([len(x) for x in cols["numbers"]], pa.int32()),
+        "edm_smiles": pa.array(cols["edm_smiles"], pa.string()),
+        "smiles": pa.array(cols["smiles"], pa.string()),
+        "molecule": pa.array(cols["molecule"], pa.int64()),
+        "conformer": pa.array(cols["conformer"], pa.int32()),
+        "totalenergy": pa.array(cols["totalenergy"], pa.float64()),
+        "boltzmannweight": pa.array(cols["boltzmannweight"], pa.float64()),
+    }
     with shard_writer(schema, tmp) as writer:
-        for a in range(0, max(rows, 1), GEOM_ROWS_PER_BATCH):
-            b = min(rows, a + GEOM_ROWS_PER_BATCH)
-            arrays = {
-                "id": pa.array(cols["id"][a:b], pa.string()),
-                "numbers": list_array(cols["numbers"][a:b], np.int8, None),
-                "positions": list_array(cols["positions"][a:b], np.float32, 3),
-                "num_atoms": pa.array([len(x) for x in cols["numbers"][a:b]], pa.int32()),
-                "edm_smiles": pa.array(cols["edm_smiles"][a:b], pa.string()),
-                "smiles": pa.array(cols["smiles"][a:b], pa.string()),
-                "molecule": pa.array(cols["molecule"][a:b], pa.int64()),
-                "conformer": pa.array(cols["conformer"][a:b], pa.int32()),
-                "totalenergy": pa.array(cols["totalenergy"][a:b], pa.float64()),
-                "boltzmannweight": pa.array(cols["boltzmannweight"][a:b], pa.float64()),
-            }
-            write_table(writer, pa.Table.from_arrays([arrays[n] for n in features], schema=schema))
+        # One record batch a shard (an empty one for a shard without rows): every batch has its own headers and
+        # chunk objects, which each rank reads and holds for every shard it opens, so batches of a fixed row
+        # count would make a rank's memory grow with the data set.
+        write_table(writer, pa.Table.from_arrays([arrays[n] for n in features], schema=schema),
+                    batch_rows=max(rows, 1))
     return {"molecules": index - first, "conformers": rows, "skipped": dict(skipped)}
 
 

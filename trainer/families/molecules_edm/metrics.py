@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -295,7 +296,7 @@ def evaluate_molecules(molecules: Sequence[Molecule], training_smiles: Iterable[
         "valid_and_unique": _rate(len(unique), n),
     }
     if training_smiles is not None:
-        known = training_smiles if isinstance(training_smiles, (set, frozenset)) else set(training_smiles)
+        known = training_smiles if isinstance(training_smiles, AbstractSet) else set(training_smiles)
         novel = sum(1 for s in unique if s not in known)
         summary.update(num_novel=novel, novelty=_rate(novel, len(unique)))
     if forcefield is not None:

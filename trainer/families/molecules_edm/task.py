@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from trainer.families.molecules_edm.dataset import (
     build_molecule_dataset,
     collate_molecules,
     node_count_histogram,
-    training_smiles,
+    training_smiles_set,
 )
 from trainer.families.molecules_edm.diffusion import EDMDiffusion
 from trainer.families.molecules_edm.egnn import build_egnn_dynamics
@@ -91,7 +92,7 @@ class MoleculesEDMTask(Task):
     def __init__(self, cfg: MoleculesEDMConfig, seed: int = 0):
         super().__init__(cfg, seed)  # checks the options (MoleculesEDMConfig.validate)
         self.elements = tuple(str(e) for e in cfg.elements)
-        self.train_smiles: set[str] = set()
+        self.train_smiles: AbstractSet[str] = set()  # SortedStrings once the data is built
         self._forcefields: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ data
@@ -113,7 +114,7 @@ class MoleculesEDMTask(Task):
         train = select_rows(full, parts["train"])
         val = select_rows(full, parts["validation"]) if len(parts["validation"]) else None
         test = select_rows(full, parts["test"]) if len(parts["test"]) else None
-        self.train_smiles = set(training_smiles(train))
+        self.train_smiles = training_smiles_set(train)
         histogram = node_count_histogram(train)
         stats = {"elements": list(self.elements), "node_count_histogram": {str(n): int(c) for n, c in histogram.items()},
                  "num_train": len(train), "max_atoms": max(int(n) for n in histogram)}
