@@ -15,8 +15,17 @@ and for each W (`--worlds`), real launches of `trainer train CONFIG --nproc W` (
 Then the cost per doubling of N and a power-law extrapolation to GEOM-Drugs' ~9 M conformers (EDM's 30 per molecule;
 extrapolated, not measured). Prints markdown; `--out FILE` files it (`bench_report`).
 
+`--per-row N ...` (alone) measures instead what one training rank keeps per training row at start-up, with no GEOM
+build: per N, one process writes synthetic molecule shards of N rows (small molecules, one SMILES per 30 rows), a
+fresh one does `build_data`'s steps after the build (load the cache, EDM's split, the selections, the training SMILES, the
+node-count histogram, the rows) and the default (fixed) batch sampler's first batch: per step what stays (after
+gc: numpy and Python by tracemalloc, Arrow by its pool) and the traced peak, in total the kept MiB and the growth
+of the private memory (RssAnon), and the bytes a training row (the slope from the smallest to the largest N).
+`--code DIR` measures the `trainer` of another checkout (e.g. a `git worktree` of HEAD: the before figures).
+
     .venv/bin/python benchmarks/scale_molecules.py --sizes 100000 200000 400000 --worlds 1 2 --workdir /tmp/scale54/molecules
     .venv/bin/python benchmarks/scale_molecules.py --smoke
+    .venv/bin/python benchmarks/scale_molecules.py --per-row 100000 1020000 --out BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -236,6 +246,159 @@ def run(a: argparse.Namespace) -> None:
     publish_section("\n".join(parts) + "\n", a.out, a.smoke, topic=TOPIC)
 
 
+# A molecules rank's start-up steps after the build (task.py `build_data`, a GEOM source), on N rows of synthetic
+# shards: no GEOM file, no build. `_PER_ROW_WRITE` writes the shards in a process of its own, so that the measuring
+# process (`_PER_ROW`, fresh) starts with neither Python's nor Arrow's allocators holding freed memory of the
+# writing (their free arenas would be reused by the steps and hide their growth in RssAnon) and Arrow's high-water
+# mark near 0. Each step: kept = traced numpy/Python memory and Arrow's pool growth after gc; peak = the traced peak
+# within the step plus the growth of Arrow's high-water mark in it (a lower bound when an earlier step's Arrow peak
+# was higher); RssAnon after it, over that before the load.
+_PER_ROW_WRITE = r"""
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[4])
+from molecule_shards import write_molecule_shards
+write_molecule_shards(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), one_batch=True)
+"""
+
+_PER_ROW = r"""
+import gc, inspect, json, os, sys, time, tracemalloc
+from pathlib import Path
+import numpy as np, pyarrow as pa
+import trainer
+from trainer.core.samplers import EpochSampler, RankBatchSampler
+from trainer.data.arrow_cache import load_arrow, select_rows
+from trainer.families.molecules_edm.dataset import MoleculeRows, node_count_histogram
+from trainer.families.molecules_edm.geom import geom_split
+try:
+    from trainer.families.molecules_edm.dataset import training_smiles_set
+    smiles_call = "training_smiles_set"
+except ImportError:  # before it: the task kept a Python set of the sorted list
+    from trainer.families.molecules_edm.dataset import training_smiles
+    def training_smiles_set(ds):
+        return set(training_smiles(ds))
+    smiles_call = "set(training_smiles)"
+
+directory, batch, world = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+paths = sorted(directory.glob("s*.arrow"))
+
+def rss_anon():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) * 1024
+
+out = {"shards": len(paths), "smiles_call": smiles_call, "trainer": os.path.dirname(trainer.__file__)}
+pool = pa.default_memory_pool()
+gc.collect()
+keep, arrow0, anon0 = [], pa.total_allocated_bytes(), rss_anon()
+tracemalloc.start()
+
+def step(name, fn):
+    gc.collect()
+    tracemalloc.reset_peak()
+    t0, a0, hw0, s0 = tracemalloc.get_traced_memory()[0], pa.total_allocated_bytes(), pool.max_memory(), \
+        time.perf_counter()
+    keep.append(fn())
+    out[name + "_s"] = time.perf_counter() - s0
+    gc.collect()
+    t1, peak = tracemalloc.get_traced_memory()
+    out[name + "_kept"] = (t1 - t0 + pa.total_allocated_bytes() - a0) / 2**20
+    out[name + "_peak"] = (peak - t0 + pool.max_memory() - hw0) / 2**20
+    out[name + "_anon"] = (rss_anon() - anon0) / 2**20
+    return keep[-1]
+
+full = step("load", lambda: load_arrow(paths, "per-row"))
+out["N"] = len(full)
+parts = step("split", lambda: geom_split(len(full), 0, 0.1, 0.1))
+# as the task selects: 4-byte indices where select_rows has them
+narrow = {"narrow": True} if "narrow" in inspect.signature(select_rows).parameters else {}
+sel = step("select", lambda: {k: select_rows(full, v, **narrow) if len(v) else None for k, v in parts.items()})
+train = sel["train"]
+del parts
+keep[1] = None  # build_data returns: its split's row arrays go, the selections hold what they need
+step("smiles", lambda: training_smiles_set(train))
+step("histogram", lambda: node_count_histogram(train))
+rows = step("rows", lambda: {k: MoleculeRows(v) if v is not None else None for k, v in sel.items()})["train"]
+del sel, train
+keep[2] = None  # TaskData holds the MoleculeRows (each holds its selection)
+sampler = step("sampler", lambda: RankBatchSampler(EpochSampler(len(rows), 0, True, multiple_of=batch * world),
+                                                   batch, 0, world))
+it = iter(sampler)
+step("batch", lambda: [rows[int(i)] for i in next(it)])
+gc.collect()
+out["train_rows"] = len(rows)
+out["kept_MiB"] = (tracemalloc.get_traced_memory()[0] + pa.total_allocated_bytes() - arrow0) / 2**20
+out["arrow_MiB"] = (pa.total_allocated_bytes() - arrow0) / 2**20
+tracemalloc.stop()  # its own records are not the rank's
+gc.collect()
+out["anon_MiB"] = (rss_anon() - anon0) / 2**20
+pool.release_unused()  # what Arrow's allocator held of freed memory
+out["anon_released_MiB"] = (rss_anon() - anon0) / 2**20
+# task.unit_sizes: only batching=balanced/budget asks for it (the sampler then keeps a compact copy); the default
+# fixed batching never does, so it is measured last, outside the totals
+tracemalloc.start()
+step("sizes", lambda: np.asarray(rows.num_atoms, dtype=np.int64))
+print(json.dumps(out))
+"""
+
+PER_ROW_STEPS = [("load", "load the cache (`load_arrow`)"), ("split", "EDM's split (`geom_split`)"),
+                 ("select", "`select_rows` train / validation / test"), ("smiles", "training SMILES (novelty set)"),
+                 ("histogram", "`node_count_histogram(train)`"), ("rows", "`MoleculeRows` x 3"),
+                 ("sampler", "fixed batch sampler"), ("batch", "its 1st batch, rows read"),
+                 ("sizes", "then `num_atoms` int64 (balanced/budget only; not in the totals)")]
+PER_ROW_STEP_COLS = [("N", "N"), ("step", "step"), ("kept", "kept MiB"), ("peak", "peak MiB"),
+                     ("anon", "RssAnon growth so far MiB"), ("s", "s")]
+PER_ROW_COLS = [("N", "N"), ("train_rows", "training rows"), ("kept_MiB", "all kept MiB"),
+                ("arrow_MiB", "of it Arrow MiB"), ("anon_MiB", "RssAnon growth MiB"),
+                ("anon_released_MiB", "RssAnon growth after Arrow's release_unused MiB"),
+                ("kept_per_row", "kept bytes a training row (slope)"),
+                ("anon_per_row", "RssAnon bytes a training row (slope)"),
+                ("anon_released_per_row", "RssAnon after release bytes a training row (slope)"),
+                ("write_s", "write shards s"), ("measure_s", "measure s")]
+
+
+def per_row(a: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+    """What a molecules rank keeps per training row along its start-up at each N of `--per-row`, the shards written
+    by one process and measured by a fresh one, both running the `trainer` of `--code`: the markdown (steps, totals,
+    slopes) and the rows."""
+    import tempfile
+
+    code = a.code.resolve()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+
+    def child(script: str, *args: Any) -> tuple[str, float]:
+        t0 = time.perf_counter()
+        run = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=code, env=env,
+                             capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"the per-row measurement failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+        return run.stdout, time.perf_counter() - t0
+
+    found = []
+    for n in a.per_row:
+        with tempfile.TemporaryDirectory(prefix="per-row-mol-") as tmp:
+            _, write_s = child(_PER_ROW_WRITE, tmp, n, a.shards, ROOT / "benchmarks")
+            stdout, measure_s = child(_PER_ROW, tmp, a.batch, 1)
+        found.append({**json.loads(stdout.strip().splitlines()[-1]), "write_s": write_s, "measure_s": measure_s})
+        log(f"per-row N={n:,}: {found[-1]}")
+    lo, hi = found[0], found[-1]
+    if hi["train_rows"] > lo["train_rows"]:
+        for k in ("kept", "anon", "anon_released"):
+            hi[f"{k}_per_row"] = (hi[f"{k}_MiB"] - lo[f"{k}_MiB"]) * 2**20 / (hi["train_rows"] - lo["train_rows"])
+    steps = [{"N": r["N"], "step": label, **{c: r[f"{k}_{c}"] for c in ("kept", "peak", "anon", "s")}}
+             for r in found for k, label in PER_ROW_STEPS]
+    text = "\n".join([
+        f"Code: `{found[0]['trainer']}`; the training SMILES by `{found[0]['smiles_call']}`. {a.shards} shards of one "
+        "record batch, molecules of 3-8 atoms, a 60-character SMILES per 30 rows (every 7th row's null), written by "
+        f"a process of their own; EDM's split 80/10/10; batch {a.batch}, W = 1. Kept: numpy/Python (tracemalloc) and "
+        "Arrow's pool after gc; peak: the traced peak within the step plus the growth of Arrow's high-water mark in "
+        "it (a lower bound where an earlier step's Arrow peak was higher); RssAnon: the private memory over that "
+        "before the load (per step with tracemalloc's records; in the totals after it stopped, then after Arrow's "
+        "`release_unused`): it also holds what the allocators kept of freed transients.", "",
+        table(steps, PER_ROW_STEP_COLS), "", table(found, PER_ROW_COLS)])
+    return text, found
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[100_000, 200_000, 400_000], help="conformers")
@@ -254,7 +417,19 @@ def main() -> None:
     p.add_argument("--num-workers", type=int, default=0, help="data.num_workers of the runs")
     p.add_argument("--out", type=Path, help="file the section into this markdown file (BENCHMARKS.md)")
     p.add_argument("--smoke", action="store_true", help="600 conformers, W = 1, 2 steps: checks the script runs")
+    p.add_argument("--per-row", type=int, nargs="+", metavar="N",
+                   help="only measure what a rank keeps per training row at start-up (synthetic shards of N rows, "
+                        "no GEOM build)")
+    p.add_argument("--shards", type=int, default=64, help="--per-row: shards of the synthetic cache")
+    p.add_argument("--code", type=Path, default=ROOT,
+                   help="--per-row: the checkout whose `trainer` is measured (default: this one)")
     a = p.parse_args()
+    if a.per_row:
+        text, _ = per_row(a)
+        section = (f"### Molecules: what a rank keeps per training row (per-row mode), {utc_now()}\n\n"
+                   f"Machine: {cpu_model()}. Command: `{command_line()}`.\n\n{text}\n")
+        publish_section(section, a.out, a.smoke, topic="Field-size data: crystals, molecules, perturbations")
+        return
     if a.smoke:
         import tempfile
 

@@ -332,6 +332,49 @@ def selected_rows(ds: Any) -> np.ndarray | None:
     return None if ds._indices is None else ds._indices.column(0).to_numpy()
 
 
+GATHER_BLOCK = 1 << 16
+"""Rows gathered at a time when a column is read in a selection's order (`column_rows`)."""
+
+
+def _chunk_view(chunk: Any) -> np.ndarray:
+    """A primitive or fixed-size-list Arrow chunk as a numpy view [rows, ...] (zero-copy)."""
+    import pyarrow as pa
+
+    shape: list[int] = []
+    while pa.types.is_fixed_size_list(chunk.type):
+        shape.append(chunk.type.list_size)
+        chunk = chunk.flatten()
+    if chunk.null_count:
+        raise ValueError(f"a column of {chunk.type} has {chunk.null_count} null values")
+    return chunk.to_numpy(zero_copy_only=False).reshape(-1, *shape)
+
+
+def column_rows(ds: Any, column: str, dtype: Any = None) -> np.ndarray:
+    """A scalar or fixed-size-list column in the dataset's row order (a selection honoured), as `dtype` (default:
+    the column's), gathered from numpy views of its (memory-mapped) chunks `GATHER_BLOCK` rows at a time into the
+    one array returned: no Arrow copy of the whole column (its chunks concatenated, then a take, memory Arrow's
+    allocator keeps) and no intermediate array of every row comes before it. The values of `column_array`."""
+    chunks = [_chunk_view(c) for c in ds.data.column(column).chunks]
+    if not chunks:
+        return np.zeros(0, dtype=dtype or np.int32)
+    dtype = np.dtype(dtype or chunks[0].dtype)
+    rows = selected_rows(ds)
+    if rows is None:
+        out = np.empty((sum(len(c) for c in chunks), *chunks[0].shape[1:]), dtype=dtype)
+        np.concatenate(chunks, out=out, casting="unsafe")
+        return out
+    starts = np.cumsum([0] + [len(c) for c in chunks], dtype=np.int64)
+    out = np.empty((len(rows), *chunks[0].shape[1:]), dtype=dtype)
+    for lo in range(0, len(rows), GATHER_BLOCK):
+        block = rows[lo:lo + GATHER_BLOCK].astype(np.int64)
+        chunk_of = np.searchsorted(starts, block, side="right") - 1
+        target = out[lo:lo + GATHER_BLOCK]
+        for c in np.unique(chunk_of).tolist():
+            at = np.flatnonzero(chunk_of == c)
+            target[at] = chunks[c][block[at] - starts[c]]
+    return out
+
+
 def list_array(parts: list[np.ndarray], dtype: Any, width: int | None = None) -> Any:
     """A pyarrow list<item> (width None) or list<fixed_size_list<item, width>> column of per-record arrays,
     built through numpy in one pass (no Python loop over elements)."""

@@ -12,11 +12,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from trainer.data.arrow_cache import load_arrow, select_rows
-from trainer.data.arrow_shards import arrow_schema, shard_writer, write_table
 from trainer.families.molecules_edm.dataset import (
     MoleculeRows,
     SortedStrings,
@@ -27,42 +25,17 @@ from trainer.families.molecules_edm.dataset import (
 )
 from trainer.families.molecules_edm.metrics import evaluate_molecules
 from trainer.families.molecules_edm.molecule import Molecule
-from trainer.families.molecules_edm.pieces import core_features
 
 ROOT = Path(__file__).resolve().parents[3]
-ROWS, SHARDS = 24_000, 3  # record batches of 1,000 rows, as the builds write them
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from molecule_shards import write_molecule_shards  # noqa: E402
 
-
-def write_cache(directory: Path, rows: int = ROWS, shards: int = SHARDS) -> list[Path]:
-    """`shards` molecule shards of small molecules (3-8 atoms) with a 60-character SMILES per 30 rows (a molecule's
-    conformers) and some null SMILES (invalid molecules), in record batches of 1,000 rows."""
-    rng = np.random.default_rng(0)
-    schema = arrow_schema(core_features(True))
-    paths = []
-    for s, (a, b) in enumerate(zip(np.linspace(0, rows, shards + 1)[:-1].astype(int),
-                                   np.linspace(0, rows, shards + 1)[1:].astype(int))):
-        n = b - a
-        sizes = rng.integers(3, 9, size=n).astype(np.int32)
-        offsets = np.zeros(n + 1, np.int32)
-        np.cumsum(sizes, out=offsets[1:])
-        numbers = rng.choice(np.array([1, 6, 7, 8], np.int8), size=int(offsets[-1]))
-        positions = rng.normal(size=int(offsets[-1]) * 3).astype(np.float32)
-        smiles = [None if r % 7 == 3 else f"CC(=O)NC1=CC=C(O)C=C1{'C' * 30}{r // 30:09d}" for r in range(a, b)]
-        table = pa.Table.from_arrays([
-            pa.array([f"m{r}" for r in range(a, b)], pa.string()),
-            pa.ListArray.from_arrays(pa.array(offsets), pa.array(numbers)),
-            pa.ListArray.from_arrays(pa.array(offsets), pa.FixedSizeListArray.from_arrays(pa.array(positions), 3)),
-            pa.array(sizes), pa.array(smiles, pa.string())], schema=schema)
-        paths.append(directory / f"s{s}.arrow")
-        with shard_writer(schema, str(paths[-1])) as writer:
-            write_table(writer, table)
-    return paths
+ROWS, SHARDS = 24_000, 3  # in the writer's default record batches, as the xyz/SDF builds write them
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("rank_memory")
-    return write_cache(directory)
+    return write_molecule_shards(tmp_path_factory.mktemp("rank_memory"), ROWS, SHARDS)
 
 
 def _decoded(ds) -> tuple[dict[int, int], list[str], np.ndarray]:

@@ -29,6 +29,7 @@ import torch
 from trainer.data.arrow_cache import (
     build_shards,
     cache_root,
+    column_rows,
     digest,
     file_keys,
     load_arrow,
@@ -419,44 +420,6 @@ class CrystalRows(torch.utils.data.Dataset):
         return out
 
 
-SIZE_BLOCK = 1 << 16
-"""Rows gathered at a time when a column is read in a selection's order (`column_rows`)."""
-
-
-def _chunk_view(chunk: pa.Array) -> np.ndarray:
-    """A primitive or fixed-size-list Arrow chunk as a numpy view [rows, ...] (zero-copy)."""
-    shape: list[int] = []
-    while pa.types.is_fixed_size_list(chunk.type):
-        shape.append(chunk.type.list_size)
-        chunk = chunk.flatten()
-    if chunk.null_count:
-        raise ValueError(f"a column of {chunk.type} has {chunk.null_count} null values")
-    return chunk.to_numpy(zero_copy_only=False).reshape(-1, *shape)
-
-
-def column_rows(dataset: Any, column: str) -> np.ndarray:
-    """A scalar or fixed-size-list column in the dataset's row order (a selection honoured), gathered from numpy
-    views of its (memory-mapped) chunks `SIZE_BLOCK` rows at a time into the one array returned: no Arrow copy
-    of the whole column (its chunks concatenated, then a take) comes before it. The same values as
-    `arrow_cache.column_array`."""
-    if isinstance(dataset, CrystalRows):
-        dataset = dataset.dataset
-    chunks = [_chunk_view(c) for c in dataset.data.column(column).chunks]
-    rows = selected_rows(dataset)
-    if rows is None:
-        return np.concatenate(chunks) if chunks else np.zeros(0, np.int32)
-    starts = np.cumsum([0] + [len(c) for c in chunks], dtype=np.int64)
-    out = np.empty((len(rows), *chunks[0].shape[1:]) if chunks else 0, dtype=chunks[0].dtype if chunks else np.int32)
-    for lo in range(0, len(rows), SIZE_BLOCK):
-        block = rows[lo:lo + SIZE_BLOCK].astype(np.int64)
-        chunk_of = np.searchsorted(starts, block, side="right") - 1
-        target = out[lo:lo + SIZE_BLOCK]
-        for c in np.unique(chunk_of).tolist():
-            at = np.flatnonzero(chunk_of == c)
-            target[at] = chunks[c][block[at] - starts[c]]
-    return out
-
-
 def strings_at(dataset: Any, column: str, positions: Sequence[int] | np.ndarray) -> list[str]:
     """Column `column` (strings, e.g. `id`) of the dataset's rows at `positions`, read from each (memory-mapped)
     chunk holding some of them: no copy of the whole column (its chunks concatenated) for a few rows' values."""
@@ -478,6 +441,8 @@ def strings_at(dataset: Any, column: str, positions: Sequence[int] | np.ndarray)
 
 def _sizes(dataset: Any, column: str) -> np.ndarray:
     # a rank keeps this array for the run (the batch sampler's sizes): gathered straight into it
+    if isinstance(dataset, CrystalRows):
+        dataset = dataset.dataset
     return column_rows(dataset, column)
 
 

@@ -33,6 +33,7 @@ from trainer.data.arrow_cache import (
     ListColumn,
     build_shards,
     cache_root,
+    column_rows,
     digest,
     file_keys,
     load_arrow,
@@ -494,14 +495,10 @@ def _chunk_bincount(chunk: Any, weights: np.ndarray | None) -> np.ndarray:
 
 
 def selected_int_column(dataset: datasets.Dataset, name: str) -> np.ndarray:
-    """Integer column `name` in the dataset's row order as int64, gathered with numpy from views of the mapped
-    chunks (Arrow's `take` would first combine the whole column in its own allocator, which keeps the memory)."""
-    chunks = dataset.with_format(None).data.column(name).chunks
-    if dataset._indices is None:
-        return np.concatenate([c.to_numpy() for c in chunks]).astype(np.int64) if chunks else np.zeros(0, np.int64)
-    table = np.concatenate([c.to_numpy() for c in chunks]) if chunks else np.zeros(0, np.int32)
-    parts = [table[c.to_numpy()] for c in dataset._indices.column(0).chunks]
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    """Integer column `name` in the dataset's row order as int64, gathered block by block from views of the mapped
+    chunks (`arrow_cache.column_rows`: Arrow's `take` would first combine the whole column in its own allocator,
+    which keeps the memory)."""
+    return column_rows(dataset, name, np.int64)
 
 
 def _unique_strings(dataset: datasets.Dataset, name: str) -> pa.Array:
@@ -586,7 +583,10 @@ def training_smiles_set(dataset: datasets.Dataset | MoleculeRows | Sequence[Mole
     if isinstance(dataset, MoleculeRows):
         dataset = dataset.dataset
     if isinstance(dataset, datasets.Dataset) and "edm_smiles" in dataset.column_names:
-        return SortedStrings(_unique_strings(dataset, "edm_smiles"))
+        values = SortedStrings(_unique_strings(dataset, "edm_smiles"))
+        # the deduplication's transients are freed, but Arrow's allocator would keep their pages for the run
+        pa.default_memory_pool().release_unused()
+        return values
     from trainer.families.molecules_edm.metrics import molecule_smiles
 
     molecules = dataset_molecules(dataset) if isinstance(dataset, datasets.Dataset) else list(dataset)

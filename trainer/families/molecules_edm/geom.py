@@ -323,6 +323,7 @@ def geom_split(num_conformers: int, seed: int = 0, val_fraction: float = 0.1, te
     The rows are permuted (`numpy.random.default_rng(seed)`, or `permutation`: EDM's `geom_permutation.npy` or an
     array), then the first int(n * val_fraction) are validation, the next int(n * test_fraction) test and the rest
     training, as EDM's `load_split_data`. Conformers of one molecule can fall in different splits, as in EDM.
+    The rows are int32 below 2**31 conformers (else int64), views of one permutation.
     """
     n = int(num_conformers)
     if permutation is None:
@@ -332,5 +333,7 @@ def geom_split(num_conformers: int, seed: int = 0, val_fraction: float = 0.1, te
         perm = np.asarray(perm).astype(np.int64).reshape(-1)
         if len(perm) != n or not np.array_equal(np.sort(perm), np.arange(n)):
             raise ValueError(f"the permutation must hold each of 0..{n - 1} once ({len(perm)} values given)")
+    if n < 2**31:  # a rank keeps the permutation for the run (its selections' indices view it): 4 bytes a row
+        perm = perm.astype(np.int32)
     val, test = int(n * val_fraction), int(n * test_fraction)
     return {"train": perm[val + test:], "validation": perm[:val], "test": perm[val:val + test]}

@@ -111,9 +111,10 @@ class MoleculesEDMTask(Task):
                                         "validation": c.val_fraction, "test": c.test_fraction}, key=split_key)
         if len(parts["train"]) == 0:
             raise ConfigError(f"{source}: no training molecules left after the validation/test split")
-        train = select_rows(full, parts["train"])
-        val = select_rows(full, parts["validation"]) if len(parts["validation"]) else None
-        test = select_rows(full, parts["test"]) if len(parts["test"]) else None
+        # narrow (4-byte) indices: a rank keeps these selections for the run and never concatenates them
+        train = select_rows(full, parts["train"], narrow=True)
+        val = select_rows(full, parts["validation"], narrow=True) if len(parts["validation"]) else None
+        test = select_rows(full, parts["test"], narrow=True) if len(parts["test"]) else None
         self.train_smiles = training_smiles_set(train)
         histogram = node_count_histogram(train)
         stats = {"elements": list(self.elements), "node_count_histogram": {str(n): int(c) for n, c in histogram.items()},
