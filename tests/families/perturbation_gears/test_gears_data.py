@@ -412,7 +412,8 @@ def test_lazy_pairs_reproducible_per_epoch(bundled):
     pairs = PerturbationPairs(bundled, split.train, seed=7)
     assert len(pairs) == sum(len(bundled.rows_of(c)) for c in split.conditions("train"))
     ctrl_rows = set(bundled.ctrl_rows.tolist())
-    perturbed = [i for i in range(len(pairs)) if bundled.cell_condition[pairs.rows[i]] != 0][:40]
+    rows = pairs.rows  # a new array per access: taken once
+    perturbed = [i for i in range(len(pairs)) if bundled.cell_condition[rows[i]] != 0][:40]
     again = PerturbationPairs(bundled, split.train, seed=7)
     changed = 0
     for i in perturbed:
@@ -427,12 +428,12 @@ def test_lazy_pairs_reproducible_per_epoch(bundled):
         assert item["de_idx"].tolist() == bundled.de_idx[cond].tolist()
         changed += pairs.control_row(item["cell"], 3) != pairs.control_row(item["cell"], 2)
     assert changed >= 35  # a new control for (almost) every cell each epoch
-    control = next(i for i in range(len(pairs)) if bundled.cell_condition[pairs.rows[i]] == 0)
+    control = next(i for i in range(len(pairs)) if bundled.cell_condition[rows[i]] == 0)
     item = pairs.get_item(control, epoch=5)
     assert torch.equal(item["x"], item["y"]) and item["pert_idx"].tolist() == [-1, -1]
     fixed = PerturbationPairs(bundled, split.train, seed=7, fixed_controls=True)  # task.control_pairing=fixed
     for i in perturbed:
-        cell = int(pairs.rows[i])
+        cell = int(rows[i])
         assert {fixed.control_row(cell, epoch) for epoch in range(4)} == {pairs.control_row(cell, 0)}
     assert item["de_idx"].tolist() == [-1] * 20
     batch = collate_pairs([pairs.get_item(i, 0) for i in perturbed[:4]])
