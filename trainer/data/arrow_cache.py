@@ -363,15 +363,39 @@ def column_rows(ds: Any, column: str, dtype: Any = None) -> np.ndarray:
         out = np.empty((sum(len(c) for c in chunks), *chunks[0].shape[1:]), dtype=dtype)
         np.concatenate(chunks, out=out, casting="unsafe")
         return out
-    starts = np.cumsum([0] + [len(c) for c in chunks], dtype=np.int64)
     out = np.empty((len(rows), *chunks[0].shape[1:]), dtype=dtype)
     for lo in range(0, len(rows), GATHER_BLOCK):
-        block = rows[lo:lo + GATHER_BLOCK].astype(np.int64)
-        chunk_of = np.searchsorted(starts, block, side="right") - 1
         target = out[lo:lo + GATHER_BLOCK]
-        for c in np.unique(chunk_of).tolist():
-            at = np.flatnonzero(chunk_of == c)
-            target[at] = chunks[c][block[at] - starts[c]]
+        for c, at, offsets in rows_by_chunk([len(c) for c in chunks], rows[lo:lo + GATHER_BLOCK]):
+            target[at] = chunks[c][offsets]
+    return out
+
+
+def rows_by_chunk(chunk_lengths: Sequence[int], table_rows: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """For rows of a chunked table: (chunk, positions in `table_rows` that fall in it, their offsets in the chunk),
+    chunk by chunk, for the chunks that hold any."""
+    starts = np.cumsum([0, *chunk_lengths], dtype=np.int64)
+    table_rows = np.asarray(table_rows).astype(np.int64)
+    chunk_of = np.searchsorted(starts, table_rows, side="right") - 1
+    for c in np.unique(chunk_of).tolist():
+        at = np.flatnonzero(chunk_of == c)
+        yield c, at, table_rows[at] - starts[c]
+
+
+def string_rows(ds: Any, column: str, positions: Sequence[int] | np.ndarray) -> list[Any]:
+    """Column `column` (e.g. string ids) of the dataset's rows at `positions` (a selection honoured), read from each
+    (memory-mapped) chunk holding some of them: no copy of the whole column (its chunks concatenated) for a few
+    rows' values."""
+    import pyarrow as pa
+
+    chunks = ds.data.column(column).chunks
+    positions = np.asarray(positions, dtype=np.int64)
+    rows = selected_rows(ds)
+    table_rows = positions if rows is None else rows[positions]
+    out: list[Any] = [None] * len(table_rows)
+    for c, at, offsets in rows_by_chunk([len(c) for c in chunks], table_rows):
+        for i, value in zip(at.tolist(), chunks[c].take(pa.array(offsets)).to_pylist()):
+            out[i] = value
     return out
 
 

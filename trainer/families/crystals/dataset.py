@@ -37,6 +37,7 @@ from trainer.data.arrow_cache import (
     select_rows,
     selected_column,
     selected_rows,
+    string_rows,
     write_meta,
 )
 from trainer.data.graphs import collate_sparse_graphs
@@ -421,22 +422,10 @@ class CrystalRows(torch.utils.data.Dataset):
 
 
 def strings_at(dataset: Any, column: str, positions: Sequence[int] | np.ndarray) -> list[str]:
-    """Column `column` (strings, e.g. `id`) of the dataset's rows at `positions`, read from each (memory-mapped)
-    chunk holding some of them: no copy of the whole column (its chunks concatenated) for a few rows' values."""
+    """`arrow_cache.string_rows` of a dataset or `CrystalRows`: a few rows' values of a string column."""
     if isinstance(dataset, CrystalRows):
         dataset = dataset.dataset
-    chunks = dataset.data.column(column).chunks
-    positions = np.asarray(positions, dtype=np.int64)
-    rows = selected_rows(dataset)
-    table_rows = positions if rows is None else rows[positions].astype(np.int64)
-    starts = np.cumsum([0] + [len(c) for c in chunks], dtype=np.int64)
-    chunk_of = np.searchsorted(starts, table_rows, side="right") - 1
-    out: list[Any] = [None] * len(table_rows)
-    for c in np.unique(chunk_of).tolist():
-        at = np.flatnonzero(chunk_of == c)
-        for i, value in zip(at.tolist(), chunks[c].take(pa.array(table_rows[at] - starts[c])).to_pylist()):
-            out[i] = value
-    return out
+    return string_rows(dataset, column, positions)
 
 
 def _sizes(dataset: Any, column: str) -> np.ndarray:
