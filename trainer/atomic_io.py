@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +57,18 @@ def temp_paths_of(path: str | Path) -> list[Path]:
 
 def atomic_write_bytes(path: str | Path, data: bytes, durable: bool = True) -> None:
     """Replace `path` by `data` atomically; `durable` also fsyncs the file and its folder."""
+    atomic_write_pieces(path, [data], durable)
+
+
+def atomic_write_pieces(path: str | Path, pieces: Iterable[bytes], durable: bool = True) -> None:
+    """Replace `path` atomically by the concatenation of `pieces`, written as they come (a large report is never
+    one string in memory); `durable` also fsyncs the file and its folder."""
     path = Path(path)
     tmp = temp_path(path)
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for data in pieces:
+                f.write(data)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())

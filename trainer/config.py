@@ -72,6 +72,11 @@ class RunConfig:
 class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank (each seeded from run.seed, rank and worker id)."""
+    mapped_pages_mb: int = 512
+    """MiB of memory-mapped data-file pages (Arrow shards, raw columns) a data-loading process keeps resident
+    before it drops them from its page tables (`trainer.data.mapped_pages`). They stay in the OS page cache, so a
+    read of a dropped page costs a minor fault, not I/O; without the bound a pass over a large split grows each
+    rank's RSS to the size of the files it touched. 0: never dropped."""
     pin_memory: bool = True
     """Pin host memory for faster host-to-GPU copies (ignored on CPU)."""
     shuffle: bool = True

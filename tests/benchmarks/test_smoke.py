@@ -15,9 +15,11 @@ from conftest import ROOT, run_cmd
 # three elastic jobs of agents on this host (the faults' code paths are in tests/core/test_elastic.py); scale.py
 # launches `trainer data prepare` twice and `trainer train` twice plus a loader process; stream_engines.py starts a
 # reader process per engine, world size and resume (each importing torch and datasets); scale_data_rate.py
-# launches `trainer data prepare`, `trainer train` and a loader process.
+# launches `trainer data prepare`, `trainer train` and a loader process; crystal_db_folder.py writes databases in
+# child processes, then builds and trains.
 HEAVY = {"molecules.py", "gears.py", "fsdp_checkpoints.py", "mlff_guidance.py", "elastic.py", "scale.py",
-         "stream_engines.py", "scale_perturbation.py", "scale_molecules.py", "scale_data_rate.py"}
+         "stream_engines.py", "scale_perturbation.py", "scale_molecules.py", "scale_data_rate.py",
+         "crystal_db_folder.py"}
 LIBRARIES = {"bench_report.py", "molecule_shards.py"}  # modules the scripts import, not scripts
 SCRIPTS = [pytest.param(name, marks=pytest.mark.extended) if name in HEAVY else name
            for name in sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name not in LIBRARIES)]

@@ -52,3 +52,20 @@ def test_trimmer_trims_only_after_growth(monkeypatch):
     rss[0] = 200.0
     trimmer()
     assert calls == [0] and trimmer.trims == 1 and trimmer.base == 110.0
+
+
+def test_eval_outputs_keep_every_value_in_order_in_a_few_tensors():
+    import torch
+
+    from trainer.core.host_memory import EvalOutputs
+
+    outputs = EvalOutputs(join_every=3)
+    batches = [torch.arange(start, start + size, dtype=torch.float64) for start, size in
+               zip(range(0, 70, 10), (4, 1, 7, 2, 9, 3, 5))]
+    for b in batches:
+        outputs.add({"pred": b, "row": b.long()})
+    assert len(outputs.joined["pred"]) == 2 and len(outputs.pending["pred"]) == 1  # 7 batches: 3 + 3 joined, 1 left
+    columns = outputs.columns()
+    assert torch.equal(columns["pred"], torch.cat(batches).float())
+    assert columns["row"].dtype == torch.float32 and torch.equal(columns["row"], columns["pred"])
+    assert EvalOutputs().columns() == {}

@@ -1,4 +1,5 @@
-"""Host (CPU) memory of a training process: give freed heap pages back to the OS during long evaluations.
+"""Host (CPU) memory of a training process: give freed heap pages back to the OS during long evaluations, and
+keep an evaluation's per-sample outputs compact (`EvalOutputs`).
 
 glibc serves allocations below its mmap threshold from a heap that only shrinks from the top. An
 evaluation that keeps small per-batch outputs (gathered for metrics) while it allocates and frees large
@@ -15,6 +16,9 @@ import ctypes
 import ctypes.util
 import os
 import platform
+from collections import defaultdict
+
+import torch
 
 
 def _malloc_trim():
@@ -56,3 +60,28 @@ class HeapTrimmer:
             _TRIM(0)
             self.trims += 1
             self.base = rss_mb()
+
+
+class EvalOutputs:
+    """An evaluation's per-sample outputs by key, as float32 CPU tensors joined every `join_every` batches.
+
+    A list of one small tensor per batch costs a tensor object (about a kilobyte) per batch and key, which at a
+    test split of 50 k structures in batches of 16 is tens of MiB, and fragments the heap; joined, a value costs
+    its 4 bytes."""
+
+    def __init__(self, join_every: int = 256):
+        self.join_every = join_every
+        self.joined: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.pending: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+    def add(self, outputs: dict[str, torch.Tensor]) -> None:
+        for key, value in outputs.items():
+            pending = self.pending[key]
+            pending.append(value.detach().float().cpu())
+            if len(pending) >= self.join_every:
+                self.joined[key].append(torch.cat(pending))
+                pending.clear()
+
+    def columns(self) -> dict[str, torch.Tensor]:
+        """Each key's values over every batch added, in order."""
+        return {key: torch.cat([*self.joined[key], *self.pending[key]]) for key in self.pending}

@@ -43,6 +43,7 @@ from trainer.core.samplers import (
     RankBatchSampler,
     WorkerSeeder,
 )
+from trainer.data.mapped_pages import MappedPageBound
 from trainer.errors import DataError, TrainerError
 from trainer.sample_random import SampleRandom
 from trainer.seeding import derive_seed
@@ -62,6 +63,19 @@ class EpochEnd(NamedTuple):
     """The last item of a stream epoch's loader: the number of samples the whole epoch had."""
 
     samples: int
+
+
+class BoundedCollate:
+    """collate_fn: the task's collate, then, in the process that loaded the batch (a worker or the rank), a check
+    that drops its resident pages of mapped data files past data.mapped_pages_mb (`MappedPageBound`)."""
+
+    def __init__(self, collate: Any, mapped_pages_mb: float):
+        self.collate, self.bound = collate, MappedPageBound(mapped_pages_mb)
+
+    def __call__(self, samples: list[Any]) -> Any:
+        batch = self.collate(samples)
+        self.bound()
+        return batch
 
 
 class KeyedCollate:
@@ -141,7 +155,7 @@ def unit_fractions(task: Task, batches: list[Any], accelerator: Any) -> tuple[li
 
 def loader_options(cfg: Config, task: Task) -> dict[str, Any]:
     """DataLoader keywords shared by the training, eval and test loaders."""
-    return dict(collate_fn=task.collate, num_workers=cfg.data.num_workers,
+    return dict(collate_fn=BoundedCollate(task.collate, cfg.data.mapped_pages_mb), num_workers=cfg.data.num_workers,
                 pin_memory=cfg.data.pin_memory and torch.cuda.is_available(),
                 worker_init_fn=WorkerSeeder(), persistent_workers=cfg.data.num_workers > 0)
 
@@ -255,7 +269,7 @@ class TrainBatches:
             batch.grad_accum_steps  # for the error of an epoch without a batch
         self.epoch_samples: dict[int, int] = {}  # a stream's epoch -> its samples, once read to its end
         options = loader_options(cfg, task)
-        options["collate_fn"] = KeyedCollate(task.collate, self.seed)
+        options["collate_fn"] = KeyedCollate(options["collate_fn"], self.seed)
         self.streaming = isinstance(dataset, GlobalStream)
         if self.streaming:
             self.stream = StreamBatches(dataset, self.batch_size, rank, world_size, self.accum)

@@ -44,7 +44,7 @@ from trainer.core.elastic import MembershipWatch, restartable, resume_on_restart
 from trainer.core.ema import EMA
 from trainer.core.engine import build_engine, check_backend_supports
 from trainer.core.generation import generate_distributed
-from trainer.core.host_memory import HeapTrimmer
+from trainer.core.host_memory import EvalOutputs, HeapTrimmer
 from trainer.core.loaders import MicroBatch, TrainBatches, agreed_start, build_eval_loader, unit_fractions
 from trainer.core.optim import build_optimizer, build_scheduler
 from trainer.core.preemption import PreemptionWatcher, report_stop
@@ -292,7 +292,7 @@ class Trainer:
             return {}
         acc = self.accelerator
         self.model.eval()
-        values: dict[str, list[torch.Tensor]] = defaultdict(list)
+        values = EvalOutputs()
         use_ema = self.ema.applied_to(unwrap_model(acc, self.model)) if self.ema else contextlib.nullcontext()
         trim = HeapTrimmer()  # the kept outputs fragment the heap between large batches (host_memory.py)
         with use_ema:
@@ -300,9 +300,7 @@ class Trainer:
                 if self.watcher is not None and self.watcher.should_stop():  # every rank asks at every batch
                     getattr(loader, "end", lambda: None)()  # accelerate unregisters a loader only when it runs out
                     break
-                out = acc.gather_for_metrics(self.task.eval_step(self.model, batch))
-                for key, value in out.items():
-                    values[key].append(value.detach().float().cpu())
+                values.add(acc.gather_for_metrics(self.task.eval_step(self.model, batch)))
                 trim()
             else:  # the whole split was evaluated
                 with self.engine.sampling_context():
@@ -310,7 +308,7 @@ class Trainer:
         self.model.train()
         if self.watcher is not None and self.watcher.stopping:
             return None
-        joined = {k: torch.cat(v) for k, v in values.items()}
+        joined = values.columns()
         metrics = {**self.task.reduce_metrics(joined), **scores}
         if split == "eval":
             self.last_eval = metrics

@@ -119,6 +119,28 @@ def test_aselmdb_ranges_hold_their_rows_only(tmp_path):
     assert [(c.start, c.payload) for c in chunks] == [(0, ("lmdb", 1, 7, [1, 4, 5])), (3, ("lmdb", 7, 10, []))]
 
 
+def test_a_folder_of_ase_databases_reads_as_its_files(tmp_path):
+    """A folder holding `.aselmdb` files and no id_prop.csv (how fairchem ships an OMat24 split) is its database
+    files in name order: the records and the graph cache of the list of files; the LMDB lock files beside them
+    are not inputs. A folder with neither is one error naming both."""
+    folder = tmp_path / "omat"
+    folder.mkdir()
+    files = [_db(folder / "data.0001.aselmdb", 3), _db(folder / "data.0000.aselmdb", 4)]
+    assert sorted(p.name for p in folder.iterdir()) != [p.name for p in R.database_files(folder)]  # the -lock files
+    assert R.database_files(folder) == sorted(files)
+    by_folder = list(iter_crystals(folder, target="energy_t"))
+    by_files = list(iter_crystals(sorted(files), target="energy_t"))
+    assert [r["id"] for r in by_folder] == [f"omat/data.0000.aselmdb#{i}" for i in range(1, 5)] + \
+        [f"omat/data.0001.aselmdb#{i}" for i in range(1, 4)]
+    assert [r["id"] for r in by_files] == [r["id"] for r in by_folder]
+    ds = build_crystal_dataset(folder, graph=SPEC, target="energy_t", cache_dir=tmp_path / "c")
+    again = build_crystal_dataset(sorted(files), graph=SPEC, target="energy_t", cache_dir=tmp_path / "c")
+    assert again.crystal_report.cache_hit and again._fingerprint == ds._fingerprint
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CrystalDataError, match=r"no id_prop.csv in the folder, nor ASE database files"):
+        list(iter_crystals(tmp_path / "empty"))
+
+
 @pytest.mark.parametrize("suffix", [".aselmdb", ".db"])
 def test_corrupt_ase_row_is_skipped_or_named(tmp_path, suffix):
     """A row that cannot be decoded: an error naming the file, the row (position and id) and the field; under

@@ -167,7 +167,7 @@ def build_crystal_dataset(source: Any, *, graph: GraphSpec | None = None, target
     spec = TargetSpec.make(target, atom_target, per_atom, keep)
     settings = {"version": FORMAT_VERSION, "graph": graph.to_dict(), "target": asdict(spec), "on_invalid": on_invalid,
                 "id_key": id_key, "id_prop": id_prop}
-    paths, objects = as_sources(source)
+    paths, objects = as_sources(source, id_prop)
     records: list[dict[str, Any]] | None = None
     skipped: Counter = Counter()
     read_kwargs = dict(target=target, atom_target=atom_target, per_atom=per_atom, keep=keep, labels=labels, ids=ids,

@@ -717,7 +717,8 @@ def _id_prop_chunks(folder: Path, id_prop: str, size: int) -> Iterator[ReadChunk
     whoever reads the chunk."""
     csv_path = folder / id_prop
     if not csv_path.exists():
-        raise CrystalDataError(str(folder), None, None, "file", "missing_file", f"no {id_prop} in the folder")
+        raise CrystalDataError(str(folder), None, None, "file", "missing_file",
+                               f"no {id_prop} in the folder, nor ASE database files ({', '.join(DATABASE_SUFFIXES)})")
     with open(csv_path, newline="", encoding="utf-8") as f:
         rows = [row for row in csv.reader(f) if row and any(c.strip() for c in row)]
     # Tolerate one header row (its second field is not a number).
@@ -849,21 +850,38 @@ def _source_kind(path: Path) -> str:
                      f"extended XYZ .xyz/.extxyz[.gz] or an ASE database .aselmdb/.db)")
 
 
-def as_sources(source: Any) -> tuple[list[Path], list[Any] | None]:
-    """(paths, in-memory structures): exactly one of them is non-empty."""
+DATABASE_SUFFIXES = (".aselmdb", ".db")
+"""ASE database files, which a folder may hold instead of an id_prop file (fairchem ships each OMat24 / OMol25 split
+as a folder of `.aselmdb` files)."""
+
+
+def database_files(folder: Path, id_prop: str = "id_prop.csv") -> list[Path]:
+    """The ASE database files of `folder` in name order, when it holds some and no `id_prop` file; else []."""
+    if not folder.is_dir() or (folder / id_prop).exists():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.lower().endswith(DATABASE_SUFFIXES))
+
+
+def as_sources(source: Any, id_prop: str = "id_prop.csv") -> tuple[list[Path], list[Any] | None]:
+    """(paths, in-memory structures): exactly one of them is non-empty. A folder of ASE databases
+    (`database_files`) stands for its database files."""
     if isinstance(source, (str, os.PathLike)):
-        return [Path(source)], None
-    items = list(source)
-    if items and all(isinstance(s, (str, os.PathLike)) for s in items):
-        return [Path(s) for s in items], None
-    return [], items
+        items: list[Any] = [source]
+    else:
+        items = list(source)
+    if not items or not all(isinstance(s, (str, os.PathLike)) for s in items):
+        return [], items
+    paths: list[Path] = []
+    for item in map(Path, items):
+        paths.extend(database_files(item, id_prop) or [item])
+    return paths, None
 
 
 def _iter_items(source: Any, spec: TargetSpec, *, labels: Sequence[Any] | None = None,
                 ids: Sequence[str] | None = None, id_key: str | None = None, id_prop: str = "id_prop.csv",
                 check_overlap: bool = True) -> Iterator[Any]:
     """Records and `CrystalDataError`s of every input, in order."""
-    paths, objects = as_sources(source)
+    paths, objects = as_sources(source, id_prop)
     if objects is not None:
         yield from _iter_objects(objects, labels, ids, spec, check_overlap)
         return

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainer.atomic_io import atomic_write_json, atomic_write_text
+from trainer.atomic_io import atomic_write_json, atomic_write_pieces
 from trainer.data.arrow_cache import ListColumn, digest, selected_column, selected_rows
 from trainer.data.splits import hashed_split_rows, split_indices
 from trainer.families.crystals.comformer import build_comformer, comformer_config
@@ -150,6 +150,9 @@ def fit_element_baseline(numbers: list[np.ndarray] | ListColumn, targets: np.nda
         coef[used] = np.linalg.lstsq(xtx[np.ix_(used, used)], xty[used], rcond=None)[0]
     return coef
 
+
+REPORT_BLOCK_ROWS = 8192
+"""Test rows written to predictions.csv at a time (their ids read together): the report's memory is one block."""
 
 STATS_VERSION = "crystal-stats-v1"
 """Bump when `_statistics` changes what it computes, so that stored statistics are not reused."""
@@ -368,14 +371,20 @@ class CrystalPropertyTask(Task):
                           durable=False)
         pred_key = next(k for k in values if k.startswith("pred"))
         suffix = pred_key[len("pred"):]
-        rows = values["row"].round().long().tolist()
         # each prediction back to its structure id through the `row` column of the evaluated rows (their ids
-        # only, read from the shards holding them)
-        test_ids = strings_at(dataset, "id", rows)
-        buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(["id", "pred", "target", "baseline", "num_atoms"])
-        for rid, p, t, b, n in zip(test_ids, values[pred_key].tolist(), values[f"target{suffix}"].tolist(),
-                                   values[f"baseline{suffix}"].tolist(), values["num_atoms"].tolist()):
-            writer.writerow([rid, f"{p:.8g}", f"{t:.8g}", f"{b:.8g}", int(n)])
-        atomic_write_text(directory / "predictions.csv", buffer.getvalue(), durable=False)
+        # only, read from the shards holding them), a block of rows at a time
+        columns = [values[pred_key], values[f"target{suffix}"], values[f"baseline{suffix}"], values["num_atoms"]]
+        rows = values["row"].round().long()
+
+        def blocks() -> Iterator[bytes]:
+            yield b"id,pred,target,baseline,num_atoms\n"
+            for lo in range(0, len(rows), REPORT_BLOCK_ROWS):
+                hi = lo + REPORT_BLOCK_ROWS
+                buffer = io.StringIO()
+                writer = csv.writer(buffer, lineterminator="\n")
+                ids = strings_at(dataset, "id", rows[lo:hi].tolist())
+                for rid, p, t, b, n in zip(ids, *(c[lo:hi].tolist() for c in columns)):
+                    writer.writerow([rid, f"{p:.8g}", f"{t:.8g}", f"{b:.8g}", int(n)])
+                yield buffer.getvalue().encode("utf-8")
+
+        atomic_write_pieces(directory / "predictions.csv", blocks(), durable=False)
