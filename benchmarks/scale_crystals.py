@@ -19,6 +19,8 @@ below), as extended XYZ and as an ASE LMDB database (`.aselmdb`, fairchem's form
                 cache's mapped pages (Rss of the shards in /proc/self/smaps), the private memory and the CPU
                 seconds after each stage, twice (the first start stores the statistics, the second reads them):
                 what of a rank's RSS grows with N
+  launch only   (`--launch DIR ...`, alone) the launches on the folders of an earlier `--keep` run, as configured
+                and with each `--variant KEY=VALUE` override
   per row       (`--per-row N ...`, alone) a rank's per-row start-up steps on N rows of tiny data, no build: what
                 the split rows, selections, sizes and the iterating sampler keep and peak at, and the bytes a
                 training row (the slope from the smallest to the largest N)
@@ -386,19 +388,8 @@ def measure(a: argparse.Namespace, n: int) -> tuple[dict[str, Any], list[dict[st
             size.update({f"cpu_{fmt_name}_{k}": v for k, v in amdahl(one, par, p).items()})
             size[f"cpu_{fmt_name}_p1_s"], size[f"cpu_{fmt_name}_pP_parent_s"] = one["parent_cpu_s"], par["parent_cpu_s"]
             size[f"cpu_{fmt_name}_pP_workers_s"] = par["workers_cpu_s"]
-    worlds = []
     cache = work / f"cache_xyz_{a.build_procs}"
-    for world in a.worlds:
-        run_dir = work / f"run_w{world}"
-        shutil.rmtree(run_dir, ignore_errors=True)
-        log(f"N={n:,}: launch W={world}")
-        cmd = [*TRAINER, "train", str(a.config), *(["--nproc", str(world)] if world > 1 else []),
-               *_job(a, xyz, cache, a.build_procs), f"run.output_dir={run_dir}"]
-        w = check(watch(cmd, run_dir / "metrics.jsonl"), f"train W={world}")
-        worlds.append({"N": n, "W": world, "first_step_s": first_step_s(w),
-                       "rank_peak_MiB": max(w.rank_peak_mib.values()),
-                       "rank_private_MiB": max(w.rank_anon_mib.values()), "ranks_seen": len(w.rank_peak_mib)})
-        shutil.rmtree(run_dir, ignore_errors=True)
+    worlds = launches(a, n, xyz, cache, work)
     if a.stages:
         log(f"N={n:,}: stages")
         size["stages"] = [{"N": n, **r} for r in stages(a, xyz, cache)]
@@ -408,6 +399,39 @@ def measure(a: argparse.Namespace, n: int) -> tuple[dict[str, Any], list[dict[st
         for c in work.glob("cache_*"):
             shutil.rmtree(c, ignore_errors=True)
     return size, worlds
+
+
+def launches(a: argparse.Namespace, n: int, xyz: Path, cache: Path, work: Path,
+             extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """`trainer train` at each W of `--worlds` on the built cache (`extra`: more overrides): launch to the first
+    step, each rank's peak RSS and private memory."""
+    worlds = []
+    for world in a.worlds:
+        run_dir = work / f"run_w{world}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        log(f"N={n:,}: launch W={world} {' '.join(extra)}")
+        cmd = [*TRAINER, "train", str(a.config), *(["--nproc", str(world)] if world > 1 else []),
+               *_job(a, xyz, cache, a.build_procs), f"run.output_dir={run_dir}", *extra]
+        w = check(watch(cmd, run_dir / "metrics.jsonl"), f"train W={world}")
+        worlds.append({"N": n, "W": world, "overrides": " ".join(extra) or "-", "first_step_s": first_step_s(w),
+                       "rank_peak_MiB": max(w.rank_peak_mib.values()),
+                       "rank_private_MiB": max(w.rank_anon_mib.values()), "ranks_seen": len(w.rank_peak_mib)})
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return worlds
+
+
+def launch_only(a: argparse.Namespace) -> str:
+    """`--launch DIR ...`: launches on folders an earlier `--keep` run left (crystals.extxyz and its cache built with
+    `--build-procs`), the N read from the cache; once as configured and once per `--variant` override."""
+    rows = []
+    for work in a.launch:
+        cache = work / f"cache_xyz_{a.build_procs}"
+        meta = next(p for p in cache.rglob("*.json") if "." not in p.stem)  # <fingerprint>.json, not its sidecars
+        n = int(json.loads(meta.read_text())["records"])
+        for extra in [(), *([(v,) for v in a.variant])]:
+            rows += launches(a, n, work / "crystals.extxyz", cache, work, extra)
+    cols = [("N", "N"), ("W", "W"), ("overrides", "overrides"), *WORLD_COLS[2:]]
+    return f"{utc_now()} on {cpu_model()}, `{command_line()}`\n\n" + table(rows, cols)
 
 
 SIZE_COLS = [("N", "N"), ("xyz_MiB", "extxyz MiB"), ("db_MiB", "aselmdb MiB"), ("gen_xyz_s", "write extxyz s"),
@@ -490,7 +514,14 @@ def main() -> None:
                    help="only measure what a rank keeps per training row (no data, no build) at these N and --worlds")
     p.add_argument("--out", type=Path, help="file the report into this markdown file (bench_report)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that the script runs")
+    p.add_argument("--launch", type=Path, nargs="+", metavar="DIR",
+                   help="only launch on these work folders of an earlier --keep run (their extxyz and cache)")
+    p.add_argument("--variant", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="--launch: also launch with each of these overrides")
     a = p.parse_args()
+    if a.launch:
+        print(launch_only(a))
+        return
     if a.per_row:
         print(per_row(a))
         return
