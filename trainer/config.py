@@ -204,6 +204,11 @@ class EvalConfig:
     """When > 0, replaces every_steps by this many epochs' worth of optimizer steps."""
     batch_size: int = 0
     """Per-device eval batch size (0: train.per_device_batch_size)."""
+    balanced_batches: bool = False
+    """Evaluate the eval and test splits in batches of even size in units (atoms, tokens: the task's `unit_sizes`):
+    the split sorted by size and dealt over its batches, so the largest batch, and the activations it needs, stay
+    near the average batch however large the split. For graph tasks (no padding); the metrics are the same (each
+    sample counted once), only which samples share a batch changes."""
     max_samples: int = 0
     """Evaluate at most this many validation samples (0: the whole split): a fixed subset chosen by a hash of the
     sample index, the same at every evaluation, resume and world size, each sample still counted once. The test

@@ -22,7 +22,7 @@ from conftest import (
 )
 
 from trainer.config import ConfigError, load_config
-from trainer.core.loaders import build_eval_loader, eval_subset
+from trainer.core.loaders import balanced_eval_order, build_eval_loader, eval_subset
 from trainer.registry import get_task
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
@@ -55,13 +55,15 @@ def test_negative_is_a_config_error():
         eval_subset(10, -1)
 
 
-def evaluated_indices(max_samples: int, world_size: int, batch_size: int = 5, num_eval: int = 37) -> list[int]:
+def evaluated_indices(max_samples: int, world_size: int, batch_size: int = 5, num_eval: int = 37,
+                      balanced: bool = False) -> list[int]:
     """The regression eval set's sample indices in the order `gather_for_metrics` returns them, with the loader
     sharded over `world_size` ranks as `accelerator.prepare` shards it (padded to even batches); the padding is cut
     off as gather_for_metrics cuts it, at the split's length."""
     cfg = load_config(TINY, [f"task.num_eval={num_eval}", f"eval.max_samples={max_samples}",
-                             f"eval.batch_size={batch_size}", "data.num_workers=0"])
+                             f"eval.batch_size={batch_size}", "data.num_workers=0", f"eval.balanced_batches={balanced}"])
     task = get_task(cfg.task.name)(cfg.task, seed=cfg.run.seed)
+    task.unit_sizes = lambda dataset: (np.arange(len(dataset)) * 7919) % 13 + 1  # sizes for the balanced order
     loader = build_eval_loader(cfg, task, task.build_data().eval, cfg.train.per_device_batch_size, "eval")
     per_rank = [[batch["index"].tolist() for batch in prepare_data_loader(
         loader, num_processes=world_size, process_index=rank, put_on_device=False)] for rank in range(world_size)]
@@ -80,6 +82,27 @@ def test_subset_same_and_each_sample_once_at_any_world_size():
 def test_zero_evaluates_the_whole_split_at_any_world_size():
     for world_size in (1, 2, 3):
         assert sorted(evaluated_indices(0, world_size)) == list(range(37))
+
+
+def test_balanced_batches_evaluate_each_sample_once_at_any_world_size():
+    """eval.balanced_batches reorders the split (the whole one or the hash-chosen subset) and nothing else."""
+    for world_size in (1, 2, 3):
+        whole = evaluated_indices(0, world_size, balanced=True)
+        assert sorted(whole) == list(range(37)) and whole != list(range(37)), world_size
+        assert sorted(evaluated_indices(20, world_size, balanced=True)) == eval_subset(37, 20).tolist()
+
+
+def test_balanced_order_evens_the_batches():
+    sizes = np.clip(np.random.default_rng(0).lognormal(np.log(8), 0.7, 50_003).round(), 1, 64).astype(np.int64)
+    for batch in (1, 16, 50_003, 60_000):
+        order = balanced_eval_order(sizes, batch)
+        assert np.array_equal(np.sort(order), np.arange(len(sizes))), batch  # a permutation
+    order = balanced_eval_order(sizes, 16)
+    full = sizes[order][:len(sizes) // 16 * 16].reshape(-1, 16).sum(axis=1)
+    by_index = sizes[:len(full) * 16].reshape(-1, 16).sum(axis=1)
+    assert full.max() <= 1.25 * full.mean()  # the largest batch near the average one
+    assert by_index.max() > 1.5 * by_index.mean()  # where index order's largest batch is not
+    assert np.array_equal(order, balanced_eval_order(sizes, 16))
 
 
 def test_start_log_says_how_many_of_how_many(caplog):

@@ -191,7 +191,8 @@ def eval_subset(num_samples: int, max_samples: int) -> np.ndarray | None:
 
 def build_eval_loader(cfg: Config, task: Task, dataset: Any, per_device_batch_size: int, split: str) -> DataLoader:
     """An unshuffled loader over an eval/test set (to be `accelerator.prepare`d: it pads ranks evenly), in
-    batches of eval.batch_size, else the training run's `per_device_batch_size`. The eval split is cut to
+    batches of eval.batch_size, else the training run's `per_device_batch_size`, in index order or, with
+    eval.balanced_batches, in `balanced_eval_order`. The eval split is cut to
     eval.max_samples samples (`eval_subset`); the test split is always whole: a test number covers the test set."""
     limit = cfg.eval.max_samples if split == "eval" else 0
     if limit:
@@ -205,10 +206,41 @@ def build_eval_loader(cfg: Config, task: Task, dataset: Any, per_device_batch_si
             logger.info("eval: %d of the %d validation samples (eval.max_samples, chosen by a hash of the index: the "
                         "same at every evaluation and world size)", len(chosen), len(dataset))
             dataset = Subset(dataset, chosen.tolist())  # items keep their own index: per-sample seeds are unchanged
+    batch_size = cfg.eval.batch_size or per_device_batch_size
+    order = None
+    if cfg.eval.balanced_batches:
+        sizes = task.unit_sizes(dataset.dataset if isinstance(dataset, Subset) else dataset)
+        if sizes is None:
+            raise ConfigError(f"eval.balanced_batches needs unit sizes, which task '{cfg.task.name}' does not give "
+                              f"(Task.unit_sizes)")
+        sizes = np.asarray(sizes)
+        if isinstance(dataset, Subset):
+            sizes = sizes[np.asarray(dataset.indices)]
+        order = balanced_eval_order(sizes, batch_size).tolist()
     # Its own generator: a (re)created iterator would otherwise draw from the global RNG, which a
     # resumed run restores.
-    return DataLoader(dataset, batch_size=cfg.eval.batch_size or per_device_batch_size, shuffle=False,
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=order,
                       generator=torch.Generator().manual_seed(cfg.run.seed), **loader_options(cfg, task))
+
+
+def balanced_eval_order(sizes: np.ndarray, batch_size: int) -> np.ndarray:
+    """An order of the samples whose consecutive runs of `batch_size` have near-equal total size.
+
+    The samples are sorted by size and cut into `batch_size` strata, whose k-th members make up batch k; odd
+    strata are dealt in reverse (a snake), so a batch that drew a large sample from one stratum draws a small one
+    from the next. The `len(sizes) % batch_size` samples left over are taken evenly across the sorted order and
+    come last, as the short final batch. Vectorised; a pure function of the sizes (ties by index)."""
+    n = len(sizes)
+    ranked = np.argsort(np.asarray(sizes), kind="stable")
+    batches, rest = divmod(n, batch_size)
+    if batches == 0:
+        return ranked
+    tail_at = np.linspace(0, n - 1, rest).round().astype(np.int64) if rest else np.zeros(0, np.int64)
+    keep = np.ones(n, dtype=bool)
+    keep[tail_at] = False
+    grid = ranked[keep].reshape(batch_size, batches)  # row k: stratum k, ascending
+    grid[1::2] = grid[1::2, ::-1]
+    return np.concatenate([grid.T.reshape(-1), ranked[tail_at]])
 
 
 def build_batch_sampler(cfg: Config, batch: BatchPlan, task: Task, dataset: Any, rank: int, world_size: int,
