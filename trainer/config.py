@@ -530,7 +530,7 @@ def _validate(cfg: Config) -> None:
                     ("ckpt", "every_steps"), ("ckpt", "every_seconds"), ("run", "collective_timeout_s"),
                     ("ckpt", "keep_last"), ("optim", "warmup_steps"), ("data", "num_workers"),
                     ("data", "max_units_per_batch"), ("data", "bucket_size"), ("data", "shuffle_block"), ("eval", "batch_size"),
-                    ("eval", "max_samples"),
+                    ("eval", "max_samples"), ("data", "mapped_pages_mb"),
                     ("train", "grad_clip_norm"), ("train", "grad_clip_value"), ("train", "global_batch_size")]
     for section, key in non_negative:
         if getattr(getattr(cfg, section), key) < 0:

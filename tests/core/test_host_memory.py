@@ -67,5 +67,8 @@ def test_eval_outputs_keep_every_value_in_order_in_a_few_tensors():
     assert len(outputs.joined["pred"]) == 2 and len(outputs.pending["pred"]) == 1  # 7 batches: 3 + 3 joined, 1 left
     columns = outputs.columns()
     assert torch.equal(columns["pred"], torch.cat(batches).float())
-    assert columns["row"].dtype == torch.float32 and torch.equal(columns["row"], columns["pred"])
+    assert columns["row"].dtype == torch.float64 and torch.equal(columns["row"], columns["pred"].double())
+    big = EvalOutputs()
+    big.add({"row": torch.tensor([2**24 + 1, 2**40 + 3])})  # past float32's exact integers
+    assert big.columns()["row"].long().tolist() == [2**24 + 1, 2**40 + 3]
     assert EvalOutputs().columns() == {}

@@ -67,6 +67,31 @@ def test_writable_mappings_and_other_files_are_left_alone(tmp_path):
         ro.close()
 
 
+def test_a_written_private_mapping_made_read_only_is_left_alone(tmp_path):
+    """Copy-on-write pages of a private mapping, written and then mprotect'ed read-only, look like a read-only data
+    file in /proc/self/maps; smaps shows them as anonymous, and they are never dropped."""
+    import ctypes
+
+    path = tmp_path / "copied.arrow"
+    path.write_bytes(b"\0" * MIB)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    with open(path, "r+b") as f:
+        m = mmap.mmap(f.fileno(), MIB, access=mmap.ACCESS_COPY)
+        m[:5] = b"hello"
+        view = ctypes.c_char.from_buffer(m)
+        address = ctypes.addressof(view)
+        assert libc.mprotect(address, MIB, 1) == 0  # PROT_READ
+        try:
+            assert str(path) not in [p for _, _, p in data_mappings()]
+            release_mapped_pages()
+            assert m[:5] == b"hello"
+        finally:
+            libc.mprotect(address, MIB, 3)  # PROT_READ | PROT_WRITE, so the mapping closes as it opened
+            del view
+            m.close()
+
+
 def test_the_bound_keeps_the_resident_pages_under_it(tmp_path):
     path = tmp_path / "shard.arrow"
     expected = _arrow_file(path, 64)

@@ -63,7 +63,8 @@ class HeapTrimmer:
 
 
 class EvalOutputs:
-    """An evaluation's per-sample outputs by key, as float32 CPU tensors joined every `join_every` batches.
+    """An evaluation's per-sample outputs by key, as float32 CPU tensors (integer outputs as float64) joined every
+    `join_every` batches.
 
     A list of one small tensor per batch costs a tensor object (about a kilobyte) per batch and key, which at a
     test split of 50 k structures in batches of 16 is tens of MiB, and fragments the heap; joined, a value costs
@@ -77,7 +78,8 @@ class EvalOutputs:
     def add(self, outputs: dict[str, torch.Tensor]) -> None:
         for key, value in outputs.items():
             pending = self.pending[key]
-            pending.append(value.detach().float().cpu())
+            # integers (row indices) as float64: exact to 2^53, where float32 stops at 2^24
+            pending.append(value.detach().cpu().float() if value.is_floating_point() else value.detach().cpu().double())
             if len(pending) >= self.join_every:
                 self.joined[key].append(torch.cat(pending))
                 pending.clear()

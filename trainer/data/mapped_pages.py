@@ -8,15 +8,20 @@ Schedulers and job monitors that police RSS then see a rank that holds gigabytes
 
 `MappedPageBound` drops those pages from this process's page tables (madvise MADV_DONTNEED) once they have grown by
 a bound. The page cache keeps them, so the next read of such a page is a minor fault, not I/O. Only read-only
-mappings of files named like the package's data files (`DATA_FILE_SUFFIXES`) are touched: such a page is always
-the file's own content, so dropping it loses nothing. Linux only; elsewhere a no-op.
+mappings of files named like the package's data files (`DATA_FILE_SUFFIXES`) that hold no private page are touched:
+such a page is always the file's own content, so dropping it loses nothing. The package unmaps no data file from
+another thread while it loads, so a listed range is still that file when it is advised. Linux only; elsewhere a
+no-op.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import platform
+
+logger = logging.getLogger("trainer")
 
 DATA_FILE_SUFFIXES = (".arrow", ".npy", ".f32", ".i32")
 """Files whose read-only mappings may be dropped: Arrow shards and caches, numpy arrays, raw column files."""
@@ -37,49 +42,60 @@ def _madvise():
 
 
 _MADVISE = _madvise()
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def file_resident_mb() -> float:
-    """This process's resident file-backed (and shared) pages in MiB, from /proc/self/statm; 0 where missing."""
+    """This process's resident pages of mapped files in MiB (RssFile of /proc/self/status); 0 where missing."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[2]) * _PAGE / 2**20
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) / 1024
     except (OSError, ValueError, IndexError):
-        return 0.0
+        pass
+    return 0.0
 
 
 def data_mappings(suffixes: tuple[str, ...] = DATA_FILE_SUFFIXES) -> list[tuple[int, int, str]]:
-    """(start, end, path) of this process's read-only mappings of files ending in one of `suffixes`
-    (a file deleted while mapped included)."""
+    """(start, end, path) of this process's read-only mappings of files ending in one of `suffixes` (a file deleted
+    while mapped included) that hold no private page: /proc/self/smaps says `Anonymous: 0 kB`. A private mapping
+    once written and then made read-only keeps its written pages as anonymous ones, which dropping would lose."""
     found = []
     try:
-        with open("/proc/self/maps") as f:
+        with open("/proc/self/smaps") as f:
             lines = f.readlines()
     except OSError:
         return found
+    candidate = None
     for line in lines:
         parts = line.split(maxsplit=5)
-        if len(parts) < 6 or "w" in parts[1]:
-            continue
-        path = parts[5].rstrip("\n").removesuffix(" (deleted)")
-        if not path.endswith(suffixes):
-            continue
-        start, end = (int(x, 16) for x in parts[0].split("-"))
-        found.append((start, end, path))
+        if parts and "-" in parts[0] and len(parts) >= 5:  # a mapping's header line
+            candidate = None
+            if len(parts) < 6 or "w" in parts[1]:
+                continue
+            path = parts[5].rstrip("\n").removesuffix(" (deleted)")
+            if path.endswith(suffixes):
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                candidate = (start, end, path)
+        elif candidate is not None and parts and parts[0] == "Anonymous:":
+            if int(parts[1]) == 0:
+                found.append(candidate)
+            candidate = None
     return found
 
 
 def release_mapped_pages(suffixes: tuple[str, ...] = DATA_FILE_SUFFIXES) -> int:
     """Drop this process's resident pages of the read-only data-file mappings (`data_mappings`); they stay in the
-    page cache. Returns the bytes of the mappings advised (0 where madvise is unavailable)."""
+    page cache. Returns the bytes of the mappings advised (0 where madvise is unavailable). A mapping madvise
+    refuses (gone since it was listed, locked) is left as it is and logged."""
     if _MADVISE is None:
         return 0
     advised = 0
     for start, end, path in data_mappings(suffixes):
         if _MADVISE(start, end - start, _MADV_DONTNEED) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"madvise(MADV_DONTNEED) of the mapping of {path} failed: {os.strerror(err)}")
+            logger.warning("pages of the mapping of %s not dropped: madvise: %s", path, os.strerror(err))
+            continue
         advised += end - start
     return advised
 

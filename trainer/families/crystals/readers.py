@@ -859,7 +859,11 @@ def database_files(folder: Path, id_prop: str = "id_prop.csv") -> list[Path]:
     """The ASE database files of `folder` in name order, when it holds some and no `id_prop` file; else []."""
     if not folder.is_dir() or (folder / id_prop).exists():
         return []
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.lower().endswith(DATABASE_SUFFIXES))
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.lower().endswith(DATABASE_SUFFIXES))
+    if files:
+        logger.info("%s: read as its %d ASE database files (%s%s)", folder, len(files), files[0].name,
+                    f" ... {files[-1].name}" if len(files) > 1 else "")
+    return files
 
 
 def as_sources(source: Any, id_prop: str = "id_prop.csv") -> tuple[list[Path], list[Any] | None]:

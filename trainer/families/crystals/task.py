@@ -372,9 +372,10 @@ class CrystalPropertyTask(Task):
         pred_key = next(k for k in values if k.startswith("pred"))
         suffix = pred_key[len("pred"):]
         # each prediction back to its structure id through the `row` column of the evaluated rows (their ids
-        # only, read from the shards holding them), a block of rows at a time
-        columns = [values[pred_key], values[f"target{suffix}"], values[f"baseline{suffix}"], values["num_atoms"]]
-        rows = values["row"].round().long()
+        # only, read from the shards holding them), a block of rows at a time,
+        # in test-row order, whatever order the batches came in (eval.balanced_batches) and on any world size
+        rows, order = values["row"].round().long().sort()
+        columns = [values[k][order] for k in (pred_key, f"target{suffix}", f"baseline{suffix}", "num_atoms")]
 
         def blocks() -> Iterator[bytes]:
             yield b"id,pred,target,baseline,num_atoms\n"
