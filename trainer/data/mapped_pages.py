@@ -104,7 +104,8 @@ class MappedPageBound:
     """Call after each batch a process reads: once its resident file pages have grown by more than `bound_mb` since
     the last release, drops its pages of mapped data files (`release_mapped_pages`).
 
-    The first call in a process drops what its set-up touched. Checking costs one read of /proc/self/statm.
+    The first call in a process drops what its set-up touched. Checking costs one read of /proc/self/status;
+    a drop, one of /proc/self/smaps.
     Picklable, and per process: a DataLoader worker (forked or spawned) counts its own pages from its own first
     call. `bound_mb` = 0 turns it off."""
 
