@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_report import command_line, cpu_model, publish_section, utc_now  # noqa: E402
-from scale import TRAINER, check, first_step_s, log, table, watch  # noqa: E402
-from scale_crystals import _job, write_crystals  # noqa: E402
+from scale import TRAINER, check, log, table, watch  # noqa: E402
+from scale_crystals import WORLD_COLS, _job, launches, write_crystals  # noqa: E402
 
 
 def _write_one(args: tuple[int, str, int, int]) -> float:
@@ -70,18 +70,7 @@ def measure(a: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]
     size["again_s"] = again.wall_s
     size["rate"] = a.n / max(w.wall_s - again.wall_s, 1e-9)
     size["cache_MiB"] = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()) / 2**20
-    worlds = []
-    for world in a.worlds:
-        run_dir = a.workdir / f"run_w{world}"
-        shutil.rmtree(run_dir, ignore_errors=True)
-        log(f"N={a.n:,}: launch W={world}")
-        cmd = [*TRAINER, "train", str(a.config), *(["--nproc", str(world)] if world > 1 else []),
-               *_job(a, folder, cache, a.build_procs), f"run.output_dir={run_dir}"]
-        w = check(watch(cmd, run_dir / "metrics.jsonl"), f"train W={world}")
-        worlds.append({"N": a.n, "W": world, "first_step_s": first_step_s(w),
-                       "rank_peak_MiB": max(w.rank_peak_mib.values()),
-                       "rank_private_MiB": max(w.rank_anon_mib.values()), "ranks_seen": len(w.rank_peak_mib)})
-        shutil.rmtree(run_dir, ignore_errors=True)
+    worlds = launches(a, a.n, folder, cache, a.workdir)
     if not a.keep:
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
@@ -92,9 +81,7 @@ SIZE_COLS = [("N", "N"), ("files", "files"), ("db_MiB", "databases MiB"), ("writ
              ("build_s", "build s"), ("again_s", "cache hit s (start-up)"), ("rate", "structures/s"),
              ("build_parent_MiB", "build parent peak RSS MiB"), ("build_any_MiB", "any build process peak MiB"),
              ("cache_MiB", "graph cache MiB")]
-WORLD_COLS = [("N", "N"), ("W", "W"), ("first_step_s", "launch to 1st step s (cache built)"),
-              ("rank_peak_MiB", "rank peak RSS MiB"), ("rank_private_MiB", "rank peak private (anon) MiB"),
-              ("ranks_seen", "ranks seen")]
+
 
 
 def main() -> None:
